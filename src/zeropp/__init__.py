@@ -1,0 +1,18 @@
+"""zeropp: ZeRO stages 1-3 for unmodified PyTorch models, on CPU (gloo) and CUDA (NCCL)."""
+
+from zeropp.comm import Communicator, Ledger
+from zeropp.config import Config, ConfigError, ZeroConfig, load_config
+from zeropp.engine import ZeroEngine
+from zeropp.topology import Topology, init_topology
+
+__all__ = [
+    "Communicator",
+    "Config",
+    "ConfigError",
+    "Ledger",
+    "Topology",
+    "ZeroConfig",
+    "ZeroEngine",
+    "init_topology",
+    "load_config",
+]

@@ -1,0 +1,151 @@
+"""The one door to the network: every torch.distributed collective of zeropp goes through here.
+
+Each call records what this rank sends into the :class:`~zeropp.comm.ledger.Ledger` (byte model
+documented there), under the ledger's current phase. Calls larger than the configured bucket are
+split into constant-size pieces (ZeRO-R's CB), each piece a separate collective.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from zeropp.comm.ledger import Ledger, ring_bytes
+from zeropp.topology import Group, Topology
+
+__all__ = ["Communicator", "Ledger", "Pending"]
+
+# torch >= 2.10 names them *_single; older releases only have the *_tensor names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+ReduceKind = Literal["sum", "mean", "max"]
+
+
+class Pending:
+    """Handles of in-flight collectives plus what to do once they have all finished."""
+
+    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
+        self._works = [w for w in works if w is not None]
+        self._then = then
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+class Communicator:
+    def __init__(self, topology: Topology, ledger: Ledger | None = None) -> None:
+        self.topology = topology
+        self.ledger = ledger or Ledger()
+
+    # -- byte accounting -------------------------------------------------------------------------
+
+    def _successor_is_intra(self, group: Group) -> bool:
+        me = group.ranks.index(self.topology.rank)
+        successor = group.ranks[(me + 1) % group.size]
+        return self.topology.node_of(successor) == self.topology.node_of(self.topology.rank)
+
+    def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1) -> None:
+        sent = passes * ring_bytes(buffer_bytes, group.size)
+        intra = self._successor_is_intra(group)
+        self.ledger.record(op, sent if intra else 0, 0 if intra else sent)
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def all_gather(
+        self, out: torch.Tensor, shard: torch.Tensor, group: Group, *, bucket_numel: int, async_op: bool = False
+    ) -> Pending:
+        """Gather equal `shard`s of every group rank into `out` (rank-major, size group.size * shard)."""
+        n, s = group.size, shard.numel()
+        assert out.numel() == n * s, (out.numel(), n, s)
+        if n == 1:
+            out.view(-1).copy_(shard.view(-1))
+            return Pending([])
+        self._record_ring("all_gather", group, out.numel() * out.element_size())
+        if s <= bucket_numel:
+            return self._done(_all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=async_op), async_op)
+        works, pieces = [], []
+        rows = out.view(n, s)
+        for start in range(0, s, bucket_numel):
+            stop = min(start + bucket_numel, s)
+            piece = torch.empty(n * (stop - start), dtype=out.dtype, device=out.device)
+            works.append(_all_gather_single(piece, shard[start:stop], group=group.pg, async_op=async_op))
+            pieces.append((start, stop, piece))
+
+        def scatter_pieces() -> None:
+            for start, stop, piece in pieces:
+                rows[:, start:stop].copy_(piece.view(n, stop - start))
+
+        return self._done(Pending(works, scatter_pieces), async_op)
+
+    def reduce_scatter(
+        self,
+        shard: torch.Tensor,
+        full: torch.Tensor,
+        group: Group,
+        *,
+        reduce: ReduceKind = "mean",
+        bucket_numel: int,
+        async_op: bool = False,
+    ) -> Pending:
+        """Reduce `full` (rank-major, group.size equal shards) over the group; this rank's shard lands in `shard`."""
+        n, s = group.size, shard.numel()
+        assert full.numel() == n * s, (full.numel(), n, s)
+        if n == 1:
+            shard.view(-1).copy_(full.view(-1))
+            return Pending([])
+        self._record_ring("reduce_scatter", group, full.numel() * full.element_size())
+        rows = full.view(n, s)
+        works = []
+        for start in range(0, s, bucket_numel):
+            stop = min(start + bucket_numel, s)
+            piece = full.view(-1) if (start, stop) == (0, s) else rows[:, start:stop].reshape(-1)
+            works.append(
+                _reduce_scatter_single(shard[start:stop], piece, op=_op(reduce), group=group.pg, async_op=async_op)
+            )
+        return self._done(Pending(works, _mean_fixup(shard, reduce, n)), async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: Group, *, reduce: ReduceKind = "mean", async_op: bool = False
+    ) -> Pending:
+        if group.size == 1:
+            return Pending([])
+        self._record_ring("all_reduce", group, tensor.numel() * tensor.element_size(), passes=2)
+        work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=async_op)
+        return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size)), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, group: Group, *, src: int) -> None:
+        """Copy global rank `src`'s tensor to every rank of the group (pipelined ring: every rank but
+        the one whose successor is `src` forwards the whole buffer once)."""
+        if group.size == 1:
+            return
+        me = group.ranks.index(self.topology.rank)
+        if group.ranks[(me + 1) % group.size] != src:
+            sent = tensor.numel() * tensor.element_size()
+            intra = self._successor_is_intra(group)
+            self.ledger.record("broadcast", sent if intra else 0, 0 if intra else sent)
+        dist.broadcast(tensor, src=src, group=group.pg)
+
+    @staticmethod
+    def _done(pending, async_op: bool) -> Pending:
+        if not isinstance(pending, Pending):
+            pending = Pending([pending])
+        if not async_op:
+            pending.wait()
+        return pending
+
+
+def _op(reduce: ReduceKind) -> dist.ReduceOp:
+    # gloo has no AVG for every op, so a mean is a SUM followed by one division, on every backend
+    return dist.ReduceOp.MAX if reduce == "max" else dist.ReduceOp.SUM
+
+
+def _mean_fixup(tensor: torch.Tensor, reduce: ReduceKind, n: int) -> Callable[[], None] | None:
+    return (lambda: tensor.div_(n)) if reduce == "mean" else None

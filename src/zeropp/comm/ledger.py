@@ -1,0 +1,73 @@
+"""The communication ledger: bytes each rank sends, by op, by phase, intra- vs inter-node.
+
+Byte model (per calling rank; B = bytes of the full buffer, n = group size):
+
+- all-gather / reduce-scatter (ring): a rank sends n-1 chunks of B/n to its ring successor,
+  the next rank of the group. Sent = (n-1)/n * B. It counts as inter-node when that successor
+  is on another node. The average over ranks of the inter-node share is therefore
+  (#ring edges that cross nodes) / n: 1/2 for 2 nodes x 2 ranks.
+- all-reduce (ring): a reduce-scatter followed by an all-gather, 2 (n-1)/n * B, same successor.
+- all-to-all: the chunk addressed to each other rank, classified by that rank's node.
+
+These are what NCCL's and gloo's ring algorithms put on the wire per rank; the emulated cluster
+compares them to interface counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+PHASES = ("forward", "backward", "step", "other")
+
+
+@dataclass
+class Ledger:
+    """Accumulates bytes sent by this rank. Keys: (op, phase, 'intra' | 'inter')."""
+
+    bytes: dict[tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    phase: str = "other"
+    steps: int = 0
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        assert phase in PHASES, phase
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def record(self, op: str, intra: int, inter: int) -> None:
+        self.calls[(op, self.phase)] += 1
+        if intra:
+            self.bytes[(op, self.phase, "intra")] += intra
+        if inter:
+            self.bytes[(op, self.phase, "inter")] += inter
+
+    def total(self, *, op: str | None = None, phase: str | None = None, link: str | None = None) -> int:
+        return sum(
+            b
+            for (o, p, k), b in self.bytes.items()
+            if (op is None or o == op) and (phase is None or p == phase) and (link is None or k == link)
+        )
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.steps = 0
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{op: {phase: {'intra': bytes, 'inter': bytes}}} with every recorded combination."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (op, phase, link), b in sorted(self.bytes.items()):
+            out.setdefault(op, {}).setdefault(phase, {"intra": 0, "inter": 0})[link] += b
+        return out
+
+
+def ring_bytes(buffer_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter of a `buffer_bytes` buffer."""
+    return buffer_bytes * (group_size - 1) // group_size

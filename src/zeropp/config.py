@@ -1,0 +1,261 @@
+"""Typed configuration, loaded from TOML / JSON / dict and validated before any process group exists.
+
+Every error is a one-line :class:`ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed. The message is one line: key, value, what is allowed."""
+
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored for fp32 and bf16)."""
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+    def validate(self) -> None:
+        _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
+        _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
+        _require(0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        _require(self.growth_interval >= 1, "zero.loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
+        _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
+
+
+@dataclass
+class ZeroConfig:
+    """What the engine partitions and how it communicates."""
+
+    stage: int = 3
+    precision: Precision = "fp32"
+    # dtype gradients are reduced and accumulated in; None means the compute dtype (the ZeRO paper's 2 bytes)
+    grad_dtype: Precision | None = None
+    # largest number of elements per rank in one reduce-scatter / all-gather call (constant-size buffers)
+    reduce_bucket_numel: int = 2**24
+    allgather_bucket_numel: int = 2**24
+    # stage 3: how many units ahead (in recorded execution order) to all-gather asynchronously
+    prefetch: int = 1
+    # stage 3: units with at most this many elements stay gathered (not re-gathered every forward/backward)
+    persistence_threshold: int = 0
+    # every rank's shard is a multiple of this many elements (also the quantization block of ZeRO++)
+    shard_alignment: int = 32
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    # ZeRO++ switches (see README: not available in this release; validated so configs stay forward-compatible)
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+
+    def validate(self) -> None:
+        _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
+        for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
+            value = getattr(self, key)
+            _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        for key in ("prefetch", "persistence_threshold"):
+            value = getattr(self, key)
+            _require(value >= 0, f"zero.{key}", value, "an integer >= 0")
+        if self.max_grad_norm is not None:
+            _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
+        _require(self.hpz_partition_size >= 1, "zero.hpz_partition_size", self.hpz_partition_size, "an integer >= 1")
+        for key, allowed in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
+            value = getattr(self, key)
+            _require(
+                value == allowed, f"zero.{key}", value, f"{allowed!r} (ZeRO++ is not available in this release)"
+            )
+        self.loss_scale.validate()
+
+
+@dataclass
+class TopologyConfig:
+    """How ranks map to nodes. Real nodes come from torchrun; `nodes` simulates them on one machine."""
+
+    # simulate this many nodes on one machine (consecutive ranks share a node); None: use torchrun's nodes
+    nodes: int | None = None
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.nodes is not None:
+            _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
+        _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a world size the simulated node count cannot split evenly (before init_process_group)."""
+        if self.nodes is not None and world_size % self.nodes != 0:
+            raise ConfigError(
+                f"topology.nodes = {self.nodes} does not divide world size {world_size}; "
+                f"allowed: a divisor of {world_size}"
+            )
+
+
+@dataclass
+class ModelConfig:
+    """The embedded byte-level GPT (see zeropp.models.gpt)."""
+
+    preset: Literal["tiny", "small", "medium"] = "small"
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    block_size: int | None = None
+
+    def validate(self) -> None:
+        for key in ("n_layer", "n_head", "d_model", "block_size"):
+            value = getattr(self, key)
+            if value is not None:
+                _require(value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the preset's value")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+
+    def validate(self) -> None:
+        _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
+        _require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batch_size: int = 4  # sequences per rank per micro-batch
+    seed: int = 0
+    eval_interval: int = 50
+    eval_batches: int = 8
+
+    def validate(self) -> None:
+        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches"):
+            value = getattr(self, key)
+            _require(value >= 1, f"train.{key}", value, "an integer >= 1")
+
+
+@dataclass
+class Config:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> Config:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is not allowed; expected {allowed}")
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a (nested) mapping, checking every key and type; does not validate ranges."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} = {data!r} is not allowed; expected a table")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {prefix}{key!r}; allowed keys: {', '.join(names)}")
+        kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, prefix=f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] + (", or unset" if type(None) in options else ""))
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key} = {value!r} is not allowed; expected one of {', '.join(map(repr, allowed))}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, bool, str) and (type(value) is not hint):
+        raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}; expected {hint.__name__}")
+    return value
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load a Config from a TOML/JSON file or a dict, apply dotted-key overrides, validate, return it."""
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        data = _deep_copy(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; expected a .toml or .json file")
+        text = path.read_text()
+        try:
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+            raise ConfigError(f"config file {str(path)!r} does not parse: {error}") from None
+    for dotted, value in (overrides or {}).items():
+        *sections, leaf = dotted.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return from_dict(Config, data).validate()
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]]:
+    """Map each leaf field name to (dotted key, type hint): the CLI's flags mirror these names."""
+    out: dict[str, tuple[str, Any]] = {}
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(leaf_keys(hint, f"{prefix}{f.name}."))
+        else:
+            out[f.name] = (f"{prefix}{f.name}", hint)
+    return out

@@ -1,0 +1,251 @@
+"""Units: groups of parameters that are flattened, sharded, gathered and reduced together.
+
+Default grouping: every child of a repeated container (an ``nn.ModuleList`` / ``nn.Sequential``
+whose children include at least two modules of one class, e.g. the transformer layers) is a unit;
+one root unit holds everything else. A parameter reachable from two units (a tied weight between
+a layer and the root, say) goes to the root unit, which stays gathered for the whole forward.
+
+A :class:`FlatUnit` owns the buffers of its parameters. The module's ``nn.Parameter`` objects stay
+registered where the user put them, their ``.data`` pointed once at views of the unit's full
+buffer. Resharding frees that buffer's *storage* (resized to 0 bytes) and unsharding re-grows it
+and gathers into it, so the views never change: a weight (or a view of it, like ``w.t()``)
+that autograd saved in forward reads the re-gathered values in backward, and holds no memory
+in between.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from zeropp.comm import Communicator, Pending
+from zeropp.partition import FlatLayout
+from zeropp.stages import StagePolicy
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of containers holding >= 2 modules of the same class, outermost first, in order."""
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                kinds = [type(m) for m in child.children()]
+                if any(kinds.count(k) >= 2 for k in kinds):
+                    blocks.extend(m for m in child.children() if any(True for _ in m.parameters()))
+                    continue
+            visit(child)
+
+    visit(model)
+    return blocks
+
+
+def group_parameters(
+    model: nn.Module, unit_modules: Iterable[nn.Module]
+) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Assign each trainable parameter to exactly one unit; the root (`model`) unit comes last.
+
+    Frozen parameters (requires_grad=False) are left where they are: resident and replicated.
+    """
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    claims: dict[int, list[int]] = {}
+    unit_modules = [m for m in unit_modules if m is not model]
+    for index, module in enumerate(unit_modules):
+        for p in module.parameters():
+            if p.requires_grad:
+                claims.setdefault(id(p), []).append(index)
+    grouped: list[list[tuple[str, nn.Parameter]]] = [[] for _ in unit_modules] + [[]]
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if not p.requires_grad:
+            continue
+        owners = claims.get(id(p), [])
+        grouped[owners[0] if len(owners) == 1 else -1].append((names[id(p)], p))
+    modules = [*unit_modules, model]
+    return [(m, params) for m, params in zip(modules, grouped) if params]
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty tensors
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    UNSHARDED = "unsharded"  # parameters are views of the gathered full buffer
+
+
+class FlatUnit:
+    """One unit's flat buffers under a stage policy.
+
+    Buffers (P = padded numel, S = this rank's shard, W = ranks the optimizer state is split over):
+
+    - ``master``: fp32 ``nn.Parameter`` of S elements (P when W == 1), what the optimizer updates;
+    - ``full``: compute-dtype P elements, resident unless the unit is sharded (stage 3);
+    - ``compute_shard``: compute-dtype S elements, the all-gather source of a sharded unit;
+    - ``grad_flat``: P elements in the gradient dtype where parameter gradients land; kept across
+      micro-batches when gradients are not sharded (stages 0, 1), transient otherwise;
+    - ``grad_shard``: S elements, the reduced gradient accumulated over micro-batches (stages 2, 3).
+
+    Where the compute dtype is fp32 the full buffer (stage 0) or the compute shard (stage 3) is the
+    master's own storage, so nothing is stored twice.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        comm: Communicator,
+        policy: StagePolicy,
+        compute_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        alignment: int,
+        persistence_threshold: int,
+        bucket_numel: tuple[int, int],
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.comm = comm
+        self.policy = policy
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
+        self.allgather_bucket, self.reduce_bucket = bucket_numel
+        topo = comm.topology
+        self.shard_world = topo.world_size if policy.shard_optimizer else 1
+        self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, alignment)
+        self.resident = not policy.shard_parameters or self.layout.numel <= persistence_threshold
+        device = topo.device
+
+        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.param_range(i)
+            full32[start:stop].copy_(p.detach().reshape(-1))
+        start, stop = self.layout.shard_range(topo.rank if self.shard_world > 1 else 0)
+        if self.shard_world == 1:
+            self.master = nn.Parameter(full32)
+        else:
+            self.master = nn.Parameter(full32[start:stop].clone())
+        self.compute_shard: torch.Tensor | None = None
+        if self.resident:
+            alias = self.shard_world == 1 and compute_dtype == torch.float32
+            self.full = self.master.data if alias else full32.to(compute_dtype)
+        else:
+            alias = compute_dtype == torch.float32
+            self.compute_shard = self.master.data if alias else self.master.data.to(compute_dtype)
+            self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        del full32
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.param_range(i)
+            p.data = self.full[start:stop].view(p.shape)
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if not policy.shard_gradients:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
+        self.state = ParamState.UNSHARDED
+        self._gather: Pending | None = None
+        self.pending_grads = len(self.params)
+        self.reduced_this_backward = False
+        self.gathered_for_backward = False
+        self.reshard()
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or, unless async, also finish) gathering the full parameters of a sharded unit."""
+        if self.state is ParamState.SHARDED:
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+            self._gather = self.comm.all_gather(
+                self.full, self.compute_shard, self.comm.topology.world, bucket_numel=self.allgather_bucket, async_op=True
+            )
+            self.state = ParamState.GATHERING
+        if self.state is ParamState.GATHERING and not async_op:
+            self._gather.wait()
+            self._gather = None
+            self.state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the gathered parameters of a sharded unit (resident units keep theirs)."""
+        if self.resident or self.state is ParamState.SHARDED:
+            return
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+        self.full.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def accumulate_param_grad(self, param_index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into the flat gradient buffer (allocated on first use)."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
+        start, stop = self.layout.param_range(param_index)
+        self.grad_flat[start:stop].add_(grad.reshape(-1))
+
+    def reduce_gradients(self) -> Pending:
+        """Reduce this rank's gradients over the world (mean), asynchronously.
+
+        Stage 0 all-reduces ``grad_flat`` in place; stage 1 reduce-scatters it and writes the mean
+        shard back into its own slice of ``grad_flat``; stages 2 and 3 reduce-scatter into
+        ``grad_shard`` (adding to what earlier micro-batches left there) and drop ``grad_flat``.
+        """
+        world = self.comm.topology.world
+        if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.master.device)
+        if self.shard_world == 1:
+            return self.comm.all_reduce(self.grad_flat, world, async_op=True)
+        start, stop = self.layout.shard_range(self.comm.topology.rank)
+        out = self.grad_flat.new_empty(stop - start)
+        pending = self.comm.reduce_scatter(out, self.grad_flat, world, bucket_numel=self.reduce_bucket, async_op=True)
+
+        def land() -> None:
+            if not self.policy.shard_gradients:
+                self.grad_flat[start:stop].copy_(out)
+            elif self.grad_shard is None:
+                self.grad_shard = out
+            else:
+                self.grad_shard.add_(out)
+            if self.policy.shard_gradients:
+                self.grad_flat = None
+
+        return Pending([pending], land)
+
+    def reduced_gradient(self) -> torch.Tensor:
+        """This rank's reduced gradient, aligned with ``master`` (zeros if none arrived)."""
+        if self.policy.shard_gradients:
+            if self.grad_shard is None:
+                self.grad_shard = torch.zeros_like(self.master, dtype=self.grad_dtype)
+            return self.grad_shard
+        if self.shard_world == 1:
+            return self.grad_flat
+        start, stop = self.layout.shard_range(self.comm.topology.rank)
+        return self.grad_flat[start:stop]
+
+    def clear_gradients(self) -> None:
+        if self.policy.shard_gradients:
+            self.grad_shard = None
+            self.grad_flat = None
+        else:
+            self.grad_flat.zero_()
+
+    # -- after the optimizer step -----------------------------------------------------------------
+
+    def publish_master(self) -> None:
+        """Make the compute-dtype parameters follow the updated fp32 master."""
+        if not self.resident:
+            if self.compute_shard.data_ptr() != self.master.data_ptr():
+                self.compute_shard.copy_(self.master.data)
+        elif self.shard_world == 1:
+            if self.full.data_ptr() != self.master.data_ptr():
+                self.full.copy_(self.master.data)
+        else:
+            source = self.master.data.to(self.compute_dtype)
+            self.comm.all_gather(self.full, source, self.comm.topology.world, bucket_numel=self.allgather_bucket)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this unit keeps (for measured model-state bytes)."""
+        return [t for t in (self.master.data, self.full, self.compute_shard, self.grad_flat, self.grad_shard) if t is not None]
+

@@ -1,0 +1,61 @@
+"""Run a function on N real gloo ranks (forked processes) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world: int, nodes: int, port: int, queue: mp.Queue, kwargs: dict) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % (world // nodes)),
+        LOCAL_WORLD_SIZE=str(world // nodes),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(**kwargs)))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, **kwargs: Any) -> list[Any]:
+    """Fork `world` processes that look like torchrun's ranks on `nodes` nodes; return results by rank."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, nodes, port, queue, kwargs)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=TIMEOUT_S)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
