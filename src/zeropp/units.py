@@ -193,7 +193,7 @@ class FlatUnit:
         world = self.comm.topology.world
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.master.device)
-        if self.shard_world == 1:
+        if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, world, async_op=True)
         start, stop = self.layout.shard_range(self.comm.topology.rank)
         out = self.grad_flat.new_empty(stop - start)
@@ -217,7 +217,7 @@ class FlatUnit:
             if self.grad_shard is None:
                 self.grad_shard = torch.zeros_like(self.master, dtype=self.grad_dtype)
             return self.grad_shard
-        if self.shard_world == 1:
+        if not self.policy.shard_optimizer:
             return self.grad_flat
         start, stop = self.layout.shard_range(self.comm.topology.rank)
         return self.grad_flat[start:stop]

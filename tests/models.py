@@ -1,0 +1,75 @@
+"""Small models and deterministic data shared by the multi-rank tests, plus the single-process reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeropp.models.gpt import GPT, GPTConfig
+
+GPT_TEST = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32)
+
+
+class EdgeModel(nn.Module):
+    """The unmodified-model cases: frozen, unused, 1-element and twice-called parameters, an unused unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))  # layers[3] is never called
+        self.unused = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.scalar = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(x)
+        for layer in self.layers[:3]:
+            x = torch.tanh(layer(x))
+        x = self.layers[0](x)  # a unit called twice
+        x = self.shared(torch.tanh(self.shared(x)))  # a module called twice
+        return x * self.scalar
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.ReLU(), nn.Linear(13, 3))
+    if kind == "gpt":
+        return GPT(GPT_TEST)
+    if kind == "edge":
+        return EdgeModel()
+    raise ValueError(kind)
+
+
+def global_batch(kind: str, step: int, micro: int, world: int, per_rank: int = 2):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    n = world * per_rank
+    if kind == "gpt":
+        tokens = torch.randint(0, 256, (n, GPT_TEST.block_size + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    width = 7 if kind == "mlp" else 8
+    return torch.randn(n, width, generator=g), torch.randn(n, 3 if kind == "mlp" else 8, generator=g)
+
+
+def rows(batch, rank: int, per_rank: int = 2):
+    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
+
+
+def loss_of(kind: str, model, x, y) -> torch.Tensor:
+    return model(x, y) if kind == "gpt" else ((model(x) - y) ** 2).mean()
+
+
+def reference_state(kind: str, steps: int, world: int, accumulation: int, max_norm: float | None, optim_kwargs: dict):
+    """One process on the whole global batch (all micro-batches at once)."""
+    model = make_model(kind)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
+    for step in range(steps):
+        batches = [global_batch(kind, step, m, world) for m in range(accumulation)]
+        x, y = (torch.cat(parts) for parts in zip(*batches))
+        optimizer.zero_grad()
+        loss_of(kind, model, x, y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
