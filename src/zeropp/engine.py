@@ -135,7 +135,8 @@ class ZeroEngine:
     # -- forward ---------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.comm.ledger.in_phase("forward"):
+        phase = "forward" if self.module.training and torch.is_grad_enabled() else "eval"
+        with self.comm.ledger.in_phase(phase):
             return self.module(*args, **kwargs)
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterator
 
-PHASES = ("forward", "backward", "step", "other")
+PHASES = ("forward", "backward", "step", "eval", "other")
 
 
 @dataclass

@@ -1,0 +1,115 @@
+"""Command line: ``zeropp train``.
+
+``zeropp train`` run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
+multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
+environment. On one machine the ranks are split into 2 simulated nodes unless ``--nodes`` says
+otherwise. Every config key is a flag of its own name (``--stage 3 --precision bf16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from zeropp.config import ConfigError, leaf_keys, load_config
+
+LAUNCH_FLAGS = {  # torchrun flag -> default
+    "nproc_per_node": 4,
+    "nnodes": "1",
+    "node_rank": 0,
+    "master_addr": "127.0.0.1",
+    "master_port": 29511,
+    "max_restarts": 0,
+}
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("config keys (override --config)")
+    for name, (dotted, hint) in leaf_keys().items():
+        flag = "--" + name.replace("_", "-")
+        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        base = next(a for a in typing.get_args(hint) if a is not type(None)) if is_union else hint
+        help_text = f"{dotted}"
+        if typing.get_origin(base) is typing.Literal:
+            group.add_argument(flag, dest=dotted, choices=typing.get_args(base), help=help_text)
+        elif base is bool:
+            group.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(flag, dest=dotted, type=base, help=help_text, metavar=base.__name__.upper())
+    aliases = {"zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients"}
+    for alias, name in aliases.items():  # DeepSpeed's names for the ZeRO++ switches
+        group.add_argument("--" + alias.replace("_", "-"), dest=leaf_keys()[name][0], action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
+    group.add_argument("--zero-hpz-partition-size", dest="zero.hpz_partition_size", type=int, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train the embedded GPT on the embedded corpus")
+    train.add_argument("--config", type=Path, help="TOML or JSON file of config keys")
+    train.add_argument("--summary-json", type=Path, help="write the run summary as JSON here")
+    launch = train.add_argument_group("launcher (torchrun's flags)")
+    for name, default in LAUNCH_FLAGS.items():
+        launch.add_argument("--" + name.replace("_", "-"), dest=name, default=default, type=type(default))
+    _config_flags(train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    if "RANK" not in os.environ and args.nnodes == "1" and "topology.nodes" not in overrides:
+        simulated = 2 if args.nproc_per_node % 2 == 0 else 1
+        overrides["topology.nodes"] = simulated
+        argv += ["--nodes", str(simulated)]
+    try:
+        config = load_config(args.config, overrides)
+        if "RANK" in os.environ:
+            config.topology.check_world(int(os.environ["WORLD_SIZE"]))
+        else:
+            config.topology.check_world(args.nproc_per_node * int(args.nnodes.split(":")[-1]))
+    except ConfigError as error:
+        print(f"zeropp: error: {error}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:
+        return _launch(args, argv)
+    return _run_rank(config, args.summary_json)
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from torch.distributed.run import get_args_parser, run
+
+    launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS]
+    torchrun_args = get_args_parser().parse_args([*launcher_argv, "-m", "zeropp.cli", *argv])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    try:
+        run(torchrun_args)
+    except Exception as error:  # torchrun's ChildFailedError already printed the rank's traceback
+        print(f"zeropp: error: training failed: {type(error).__name__}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_rank(config: Any, summary_json: Path | None) -> int:
+    from zeropp.report import print_summary, progress_bar
+    from zeropp.train import Trainer, write_summary
+
+    trainer = Trainer(config)
+    leader = trainer.topology.rank == 0
+    with progress_bar(config.train.steps, enabled=leader) as update:
+        summary = trainer.run(update)
+    if leader:
+        print_summary(summary)
+        if summary_json is not None:
+            write_summary(summary, summary_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

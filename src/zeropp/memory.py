@@ -1,0 +1,45 @@
+"""Model-state memory per rank: the ZeRO paper's analytic formula (Table 1) and what a process uses.
+
+Analytic bytes per rank for Ψ parameters on N ranks (p = compute-dtype bytes, g = gradient bytes,
+K = fp32 master (4, unless the compute dtype is fp32 and the master is the parameter itself) +
+optimizer state (8 for Adam)):
+
+========  ==============================
+stage 0   pΨ + gΨ + KΨ
+stage 1   pΨ + gΨ + KΨ/N
+stage 2   pΨ + gΨ/N + KΨ/N
+stage 3   pΨ/N + gΨ/N + KΨ/N
+========  ==============================
+
+With bf16/fp16 and Adam this is the paper's 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N. With fp32,
+stages 1 and 2 keep a separate fp32 master shard beside the full fp32 parameters (K = 12).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def analytic_model_state_bytes(
+    psi: int, world: int, stage: int, precision: str = "bf16", grad_dtype: str | None = None, optimizer_bytes: int = 8
+) -> float:
+    p = BYTES[precision]
+    g = BYTES[grad_dtype or precision]
+    master_aliases_params = precision == "fp32" and stage in (0, 3)
+    k = optimizer_bytes + (0 if master_aliases_params else 4)
+    n = world
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = g * psi / (n if stage >= 2 else 1)
+    states = k * psi / (n if stage >= 1 else 1)
+    return params + grads + states
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a CUDA device; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

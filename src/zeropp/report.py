@@ -1,0 +1,69 @@
+"""What the main job shows: a progress bar while training and a summary table at the end."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console()
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int, float, float, float], None] | None]:
+    """Yield update(step, train_loss, val_loss, tokens_per_s), or None where disabled (ranks > 0)."""
+    if not enabled:
+        yield None
+        return
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=total, loss=float("nan"), val=float("nan"), tps=0.0)
+
+        def update(step: int, loss: float, val: float, tokens_per_s: float) -> None:
+            progress.update(task, completed=step, loss=loss, val=val, tps=tokens_per_s)
+
+        yield update
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+        n /= 1024
+    raise AssertionError
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    head = Table(title="zeropp train: summary", show_header=False)
+    head.add_row("stage / precision", f"{summary['stage']} / {summary['precision']}")
+    head.add_row("world / nodes", f"{summary['world_size']} ranks on {summary['nodes']} node(s)")
+    head.add_row("parameters", f"{summary['param_count']:,}")
+    head.add_row("final train / val loss", f"{summary['final_train_loss']:.4f} / {summary['final_val_loss']:.4f}")
+    head.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    analytic = summary["analytic_model_state_bytes_per_rank"]
+    measured = ", ".join(_bytes(b) for b in summary["model_state_bytes_per_rank"])
+    head.add_row("model states per rank", f"measured {measured}; analytic {_bytes(analytic)}")
+    head.add_row("peak memory per rank", ", ".join(_bytes(b) for b in summary["peak_memory_bytes_per_rank"]))
+    head.add_row(
+        "sent per rank per step",
+        f"intra-node {_bytes(summary['intra_node_bytes_per_step'])}, "
+        f"inter-node {_bytes(summary['inter_node_bytes_per_step'])}",
+    )
+    console.print(head)
+
+    ledger = Table(title="ledger: bytes sent per rank per step (mean over ranks)")
+    for column in ("collective", "phase", "intra-node", "inter-node"):
+        ledger.add_column(column, justify="right" if "node" in column else "left")
+    for op, phases in summary["ledger"].items():
+        for phase, links in phases.items():
+            ledger.add_row(op, phase, _bytes(links["intra"]), _bytes(links["inter"]))
+    console.print(ledger)

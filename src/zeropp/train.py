@@ -1,0 +1,162 @@
+"""The main job: train the embedded GPT on the embedded corpus under any stage, report a summary.
+
+Runs inside each rank (``zeropp train`` starts the ranks through torch.distributed.run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropp.config import Config, ModelConfig
+from zeropp.data import Batches
+from zeropp.engine import ZeroEngine
+from zeropp.memory import analytic_model_state_bytes, peak_memory_bytes
+from zeropp.models.gpt import GPT, PRESETS, GPTConfig
+from zeropp.topology import init_topology
+
+STEP_PHASES = ("forward", "backward", "step")
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
+    return dataclasses.replace(PRESETS[model.preset], **overrides)
+
+
+def learning_rate(config: Config, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    peak, warmup, total = config.optim.lr, config.optim.warmup_steps, config.train.steps
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Trainer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.topology = init_topology(config.topology)
+        torch.manual_seed(config.train.seed)
+        self.gpt = gpt_config(config.model)
+        optim = config.optim
+        self.engine = ZeroEngine(
+            GPT(self.gpt),
+            torch.optim.AdamW,
+            dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay),
+            config.zero,
+            self.topology,
+        )
+        self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast is not
+        world, rank = self.topology.world_size, self.topology.rank
+        args = (self.gpt.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
+        self.train_batches = Batches("train", *args)
+        self.val_batches = Batches("val", *args)
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.train
+        return t.micro_batch_size * self.gpt.block_size * self.config.zero.gradient_accumulation_steps * self.topology.world_size
+
+    def train_step(self, step: int) -> float:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = learning_rate(self.config, step)
+        losses = []
+        for micro in range(self.config.zero.gradient_accumulation_steps):
+            x, y = (t.to(self.topology.device) for t in self.train_batches.local_batch(step, micro))
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            losses.append(loss.detach().float())
+        self.engine.step()
+        return self.mean_over_ranks(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        losses = []
+        for i in range(self.config.train.eval_batches):
+            x, y = (t.to(self.topology.device) for t in self.val_batches.local_batch(i))
+            losses.append(self.engine(x, y).float())
+        self.engine.train()
+        return self.mean_over_ranks(torch.stack(losses).mean())
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        with self.engine.comm.ledger.in_phase("other"):
+            self.engine.comm.all_reduce(value, self.topology.world)
+        return float(value.item())
+
+    def per_rank(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, gathered to every rank (rows by rank)."""
+        local = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        out = torch.empty(self.topology.world_size * len(values), dtype=torch.float64, device=self.topology.device)
+        with self.engine.comm.ledger.in_phase("other"):
+            self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
+        return out.view(self.topology.world_size, len(values)).tolist()
+
+    def run(self, progress: Any = None) -> dict[str, Any]:
+        steps = self.config.train.steps
+        train_loss = float("nan")
+        val_loss = float("nan")
+        start = time.perf_counter()
+        for step in range(steps):
+            train_loss = self.train_step(step)
+            if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
+                val_loss = self.evaluate()
+            if progress is not None:
+                elapsed = time.perf_counter() - start
+                progress(step + 1, train_loss, val_loss, self.tokens_per_step * (step + 1) / elapsed)
+        elapsed = time.perf_counter() - start
+        val_loss = self.evaluate()
+        return self.summary(train_loss, val_loss, self.tokens_per_step * steps / elapsed)
+
+    def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> dict[str, Any]:
+        engine, topo = self.engine, self.topology
+        ledger = engine.comm.ledger
+        steps = max(1, ledger.steps)
+        step_bytes = {
+            link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / steps for link in ("intra", "inter")
+        }
+        ops = sorted({op for op, _, _ in ledger.bytes})
+        flat_ledger = [ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")]
+        rows = self.per_rank(
+            [engine.measured_model_state_bytes, peak_memory_bytes(topo.device), step_bytes["intra"], step_bytes["inter"], *flat_ledger]
+        )
+        n = len(rows)
+        mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
+        for i, (o, p, k) in enumerate((o, p, k) for o in ops for p in STEP_PHASES for k in ("intra", "inter")):
+            value = sum(r[4 + i] for r in rows) / n
+            if value:
+                mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
+        zero = self.config.zero
+        return {
+            "final_train_loss": train_loss,
+            "final_val_loss": val_loss,
+            "tokens_per_s": tokens_per_s,
+            "world_size": topo.world_size,
+            "nodes": topo.nodes,
+            "stage": zero.stage,
+            "precision": zero.precision,
+            "steps": self.config.train.steps,
+            "param_count": engine.param_count,
+            "model_state_bytes_per_rank": [int(r[0]) for r in rows],
+            "analytic_model_state_bytes_per_rank": analytic_model_state_bytes(
+                engine.param_count, topo.world_size, zero.stage, zero.precision, zero.grad_dtype
+            ),
+            "peak_memory_bytes_per_rank": [int(r[1]) for r in rows],
+            "intra_node_bytes_per_step": sum(r[2] for r in rows) / n,
+            "inter_node_bytes_per_step": sum(r[3] for r in rows) / n,
+            "intra_node_bytes_per_step_by_rank": [r[2] for r in rows],
+            "inter_node_bytes_per_step_by_rank": [r[3] for r in rows],
+            "ledger": mean_ledger,
+            "config": self.config.to_dict(),
+        }
+
+
+def write_summary(summary: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,97 @@
+"""Index math without processes: FlatLayout padding / shard / parameter ranges, and topology.Layout."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from zeropp.config import ConfigError
+from zeropp.partition import FlatLayout
+from zeropp.topology import Layout
+
+SHAPE_SETS = [
+    ((1,),),  # a single 1-element parameter
+    ((1,), (1,), (1,)),
+    ((7,),),
+    ((13, 7), (13,), (3, 13), (3,)),  # the test MLP: primes everywhere
+    ((5, 3, 2), (1,), (97,)),
+    ((32,),),  # exactly one alignment quantum at world 1
+    ((64, 2),),  # exactly world * alignment for world 4, alignment 32
+    ((129,),),  # one past a quantum
+    ((256, 32), (16, 32), (32,), (32,)),
+    ((1001,), (999, 3)),
+    ((0,), (3,)),  # an empty parameter among others
+]
+WORLDS = [1, 2, 3, 4, 8]
+ALIGNMENTS = [1, 2, 32, 7]
+
+
+@pytest.mark.parametrize("shapes", SHAPE_SETS, ids=[str(s) for s in SHAPE_SETS])
+def test_padding_and_ranges(shapes):
+    for world, alignment in itertools.product(WORLDS, ALIGNMENTS):
+        layout = FlatLayout(shapes, world, alignment)
+        what = f"shapes={shapes} world={world} alignment={alignment}"
+        numel, padded, quantum = layout.numel, layout.padded_numel, world * alignment
+        assert numel == sum(math.prod(s) for s in shapes), what
+        assert padded % quantum == 0, what
+        assert padded >= numel, what
+        assert padded > 0, what
+        assert padded - numel < quantum or numel == 0, what
+        assert layout.shard_numel * world == padded, what
+        assert layout.shard_numel % alignment == 0, what
+
+        # shards tile [0, padded) exactly, in rank order
+        cursor = 0
+        for rank in range(world):
+            start, stop = layout.shard_range(rank)
+            assert start == cursor and stop - start == layout.shard_numel, what
+            cursor = stop
+        assert cursor == padded, what
+
+        # parameters are contiguous, in order, and end at numel
+        cursor = 0
+        for index, shape in enumerate(shapes):
+            start, stop = layout.param_range(index)
+            assert start == cursor and stop - start == math.prod(shape), what
+            cursor = stop
+        assert cursor == numel, what
+
+
+def test_padding_exact_values():
+    assert FlatLayout(((1,),), 4, 32).padded_numel == 128
+    assert FlatLayout(((128,),), 4, 32).padded_numel == 128
+    assert FlatLayout(((129,),), 4, 32).padded_numel == 256
+    assert FlatLayout(((7,),), 3, 1).padded_numel == 9
+    assert FlatLayout(((7,),), 1, 1).padded_numel == 7
+    assert FlatLayout(((13, 7), (13,)), 2, 32).shard_numel == 64  # 104 -> 128
+
+
+@pytest.mark.parametrize(
+    "world,nodes,node_of,intra,inter",
+    [
+        (4, 2, [0, 0, 1, 1], [(0, 1), (2, 3)], [(0, 2), (1, 3)]),
+        (6, 3, [0, 0, 1, 1, 2, 2], [(0, 1), (2, 3), (4, 5)], [(0, 2, 4), (1, 3, 5)]),
+        (4, 1, [0, 0, 0, 0], [(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)]),
+    ],
+    ids=["2x2", "3x2", "1x4"],
+)
+def test_layout(world, nodes, node_of, intra, inter):
+    layout = Layout(world, nodes)
+    assert layout.ranks_per_node == world // nodes
+    assert [layout.node_of(r) for r in range(world)] == node_of
+    assert [layout.intra_node_ranks(n) for n in range(nodes)] == intra
+    assert [layout.inter_node_ranks(i) for i in range(world // nodes)] == inter
+    # every rank is in exactly one intra-node group and one inter-node group
+    assert sorted(r for group in intra for r in group) == list(range(world))
+    assert sorted(r for group in inter for r in group) == list(range(world))
+
+
+@pytest.mark.parametrize("world,nodes", [(4, 3), (3, 2), (0, 1), (4, 0)])
+def test_layout_refuses_uneven_split(world, nodes):
+    with pytest.raises(ConfigError) as info:
+        Layout(world, nodes)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "topology.nodes" in message and str(nodes) in message and str(world) in message
