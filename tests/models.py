@@ -66,7 +66,7 @@ def reference_state(kind: str, steps: int, world: int, accumulation: int, max_no
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
     for step in range(steps):
         batches = [global_batch(kind, step, m, world) for m in range(accumulation)]
-        x, y = (torch.cat(parts) for parts in zip(*batches))
+        x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))
         optimizer.zero_grad()
         loss_of(kind, model, x, y).backward()
         if max_norm is not None:

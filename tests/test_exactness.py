@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from launcher import run_ranks
 from models import global_batch, loss_of, make_model, reference_state, rows
 
@@ -19,7 +18,14 @@ ADAM_EPS = 1e-4
 SCENARIOS = [
     *[(f"{kind}-stage{stage}", kind, stage, 1, None, {}) for kind in ("mlp", "gpt") for stage in (0, 1, 2, 3)],
     *[(f"gpt-stage{stage}-accum2-clip", "gpt", stage, 2, 0.05, {}) for stage in (0, 1, 2, 3)],
-    ("gpt-stage3-small-buckets-prefetch2", "gpt", 3, 1, None, dict(reduce_bucket_numel=64, allgather_bucket_numel=64, prefetch=2)),
+    (
+        "gpt-stage3-small-buckets-prefetch2",
+        "gpt",
+        3,
+        1,
+        None,
+        dict(reduce_bucket_numel=64, allgather_bucket_numel=64, prefetch=2),
+    ),
     ("gpt-stage3-persistent-small-units", "gpt", 3, 1, None, dict(persistence_threshold=2000)),
     *[(f"edge-stage{stage}", "edge", stage, 1, None, {}) for stage in (0, 1, 2, 3)],
 ]

@@ -13,8 +13,9 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from zeropp.config import ConfigError, leaf_keys, load_config
 
@@ -43,12 +44,19 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=dotted, type=base, help=help_text, metavar=base.__name__.upper())
     aliases = {"zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients"}
     for alias, name in aliases.items():  # DeepSpeed's names for the ZeRO++ switches
-        group.add_argument("--" + alias.replace("_", "-"), dest=leaf_keys()[name][0], action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
+        group.add_argument(
+            "--" + alias.replace("_", "-"),
+            dest=leaf_keys()[name][0],
+            action=argparse.BooleanOptionalAction,
+            help=argparse.SUPPRESS,
+        )
     group.add_argument("--zero-hpz-partition-size", dest="zero.hpz_partition_size", type=int, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the embedded GPT on the embedded corpus")
     train.add_argument("--config", type=Path, help="TOML or JSON file of config keys")
@@ -98,16 +106,20 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_rank(config: Any, summary_json: Path | None) -> int:
     from zeropp.report import print_summary, progress_bar
+    from zeropp.topology import shutdown
     from zeropp.train import Trainer, write_summary
 
     trainer = Trainer(config)
     leader = trainer.topology.rank == 0
-    with progress_bar(config.train.steps, enabled=leader) as update:
-        summary = trainer.run(update)
-    if leader:
-        print_summary(summary)
-        if summary_json is not None:
-            write_summary(summary, summary_json)
+    try:
+        with progress_bar(config.train.steps, enabled=leader) as update:
+            summary = trainer.run(update)
+        if leader:
+            print_summary(summary)
+            if summary_json is not None:
+                write_summary(summary, summary_json)
+    finally:
+        shutdown()
     return 0
 
 

@@ -9,9 +9,10 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 try:
     import tomllib
@@ -39,7 +40,9 @@ class LossScaleConfig:
     def validate(self) -> None:
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
         _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
-        _require(0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        _require(
+            0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)"
+        )
         _require(self.growth_interval >= 1, "zero.loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
         _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
 
@@ -82,9 +85,7 @@ class ZeroConfig:
         _require(self.hpz_partition_size >= 1, "zero.hpz_partition_size", self.hpz_partition_size, "an integer >= 1")
         for key, allowed in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
             value = getattr(self, key)
-            _require(
-                value == allowed, f"zero.{key}", value, f"{allowed!r} (ZeRO++ is not available in this release)"
-            )
+            _require(value == allowed, f"zero.{key}", value, f"{allowed!r} (ZeRO++ is not available in this release)")
         self.loss_scale.validate()
 
 
@@ -221,7 +222,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
     """Load a Config from a TOML/JSON file or a dict, apply dotted-key overrides, validate, return it."""
     if source is None:
         data: dict[str, Any] = {}

@@ -26,7 +26,8 @@ Units that are resident (stages 0-2, or small units under the persistence thresh
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -225,8 +226,10 @@ class ZeroEngine:
         self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.ledger.in_phase("step"):
             grads = [unit.reduced_gradient() for unit in self.units]
-            for unit, grad in zip(self.units, grads):
-                unit.master.grad = grad.to(torch.float32).div_(self.scaler.scale) if self.scaler.enabled else grad.float()
+            for unit, grad in zip(self.units, grads, strict=True):
+                unit.master.grad = (
+                    grad.to(torch.float32).div_(self.scaler.scale) if self.scaler.enabled else grad.float()
+                )
             overflow = self._any_overflow() if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:

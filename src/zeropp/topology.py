@@ -149,6 +149,13 @@ def build_topology(layout: Layout, rank: int, device: torch.device) -> Topology:
     return topo
 
 
+def shutdown() -> None:
+    """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     import socket
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,12 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         t = self.config.train
-        return t.micro_batch_size * self.gpt.block_size * self.config.zero.gradient_accumulation_steps * self.topology.world_size
+        return (
+            t.micro_batch_size
+            * self.gpt.block_size
+            * self.config.zero.gradient_accumulation_steps
+            * self.topology.world_size
+        )
 
     def train_step(self, step: int) -> float:
         for group in self.engine.optimizer.param_groups:
@@ -103,8 +109,11 @@ class Trainer:
         train_loss = float("nan")
         val_loss = float("nan")
         start = time.perf_counter()
+        self.step_times = []
         for step in range(steps):
+            tick = time.perf_counter()
             train_loss = self.train_step(step)
+            self.step_times.append(time.perf_counter() - tick)
             if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
                 val_loss = self.evaluate()
             if progress is not None:
@@ -122,9 +131,17 @@ class Trainer:
             link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / steps for link in ("intra", "inter")
         }
         ops = sorted({op for op, _, _ in ledger.bytes})
-        flat_ledger = [ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")]
+        flat_ledger = [
+            ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")
+        ]
         rows = self.per_rank(
-            [engine.measured_model_state_bytes, peak_memory_bytes(topo.device), step_bytes["intra"], step_bytes["inter"], *flat_ledger]
+            [
+                engine.measured_model_state_bytes,
+                peak_memory_bytes(topo.device),
+                step_bytes["intra"],
+                step_bytes["inter"],
+                *flat_ledger,
+            ]
         )
         n = len(rows)
         mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
@@ -137,6 +154,7 @@ class Trainer:
             "final_train_loss": train_loss,
             "final_val_loss": val_loss,
             "tokens_per_s": tokens_per_s,
+            "median_step_time_s": statistics.median(self.step_times[1:] or self.step_times),
             "world_size": topo.world_size,
             "nodes": topo.nodes,
             "stage": zero.stage,

@@ -16,7 +16,7 @@ in between.
 from __future__ import annotations
 
 import enum
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -50,7 +50,6 @@ def group_parameters(
 
     Frozen parameters (requires_grad=False) are left where they are: resident and replicated.
     """
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
     claims: dict[int, list[int]] = {}
     unit_modules = [m for m in unit_modules if m is not model]
     for index, module in enumerate(unit_modules):
@@ -62,9 +61,9 @@ def group_parameters(
         if not p.requires_grad:
             continue
         owners = claims.get(id(p), [])
-        grouped[owners[0] if len(owners) == 1 else -1].append((names[id(p)], p))
+        grouped[owners[0] if len(owners) == 1 else -1].append((name, p))
     modules = [*unit_modules, model]
-    return [(m, params) for m, params in zip(modules, grouped) if params]
+    return [(m, params) for m, params in zip(modules, grouped, strict=True) if params]
 
 
 class ParamState(enum.Enum):
@@ -156,7 +155,11 @@ class FlatUnit:
         if self.state is ParamState.SHARDED:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
             self._gather = self.comm.all_gather(
-                self.full, self.compute_shard, self.comm.topology.world, bucket_numel=self.allgather_bucket, async_op=True
+                self.full,
+                self.compute_shard,
+                self.comm.topology.world,
+                bucket_numel=self.allgather_bucket,
+                async_op=True,
             )
             self.state = ParamState.GATHERING
         if self.state is ParamState.GATHERING and not async_op:
@@ -247,5 +250,8 @@ class FlatUnit:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor this unit keeps (for measured model-state bytes)."""
-        return [t for t in (self.master.data, self.full, self.compute_shard, self.grad_flat, self.grad_shard) if t is not None]
-
+        return [
+            t
+            for t in (self.master.data, self.full, self.compute_shard, self.grad_flat, self.grad_shard)
+            if t is not None
+        ]

@@ -7,7 +7,8 @@ split into constant-size pieces (ZeRO-R's CB), each piece a separate collective.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,9 @@ class Communicator:
             return Pending([])
         self._record_ring("all_gather", group, out.numel() * out.element_size())
         if s <= bucket_numel:
-            return self._done(_all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=async_op), async_op)
+            return self._done(
+                _all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=async_op), async_op
+            )
         works, pieces = [], []
         rows = out.view(n, s)
         for start in range(0, s, bucket_numel):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 PHASES = ("forward", "backward", "step", "eval", "other")
 

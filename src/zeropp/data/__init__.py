@@ -41,7 +41,9 @@ class Batches:
 
     def global_batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(hash((self.seed, self.split_salt, step, micro)) & 0x7FFF_FFFF)
-        starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.world * self.micro_batch,), generator=generator)
+        starts = torch.randint(
+            len(self.tokens) - self.block_size - 1, (self.world * self.micro_batch,), generator=generator
+        )
         rows = torch.stack([self.tokens[s : s + self.block_size + 1] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
 

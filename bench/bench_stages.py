@@ -1,0 +1,147 @@
+"""Benchmark: step time and tokens/s of ZeRO stages 0-3 on the embedded GPT at world 4 (2 simulated
+nodes x 2, gloo), and the overhead of stage 3 at world 1 over plain PyTorch on the same model.
+
+    python bench/bench_stages.py [--steps 30] [--preset small] [--out results/bench_stages.json]
+
+Prints a markdown table and writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def world4_stage(stage: int, steps: int, preset: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "summary.json"
+        cmd = [
+            "zeropp",
+            "train",
+            "--stage",
+            str(stage),
+            "--steps",
+            str(steps),
+            "--preset",
+            preset,
+            "--eval-interval",
+            str(steps + 1),
+            "--eval-batches",
+            "1",
+            "--summary-json",
+            str(out),
+        ]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def world1_overhead(steps: int, preset: str) -> dict:
+    """Median step time of plain PyTorch vs zeropp stage 3 on one process, same model and batches."""
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config import TopologyConfig
+    from zeropp.data import Batches
+    from zeropp.models.gpt import GPT, PRESETS
+    from zeropp.topology import init_topology
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = PRESETS[preset]
+    batches = Batches("train", config.block_size, 8, 1, 0, seed=0)
+
+    def timed(forward_backward_step) -> float:
+        times = []
+        for step in range(steps):
+            x, y = batches.local_batch(step)
+            tick = time.perf_counter()
+            forward_backward_step(x, y)
+            times.append(time.perf_counter() - tick)
+        return statistics.median(times[2:])
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def plain(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        optimizer.step()
+
+    plain_s = timed(plain)
+    torch.manual_seed(0)
+    engine = ZeroEngine(
+        GPT(config), torch.optim.AdamW, dict(lr=1e-3), ZeroConfig(stage=3), init_topology(TopologyConfig())
+    )
+
+    def zero3(x, y):
+        engine.backward(engine(x, y))
+        engine.step()
+
+    zero_s = timed(zero3)
+    return {"plain_pytorch_step_s": plain_s, "zeropp_stage3_step_s": zero_s, "ratio": zero_s / plain_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_stages.json"))
+    args = parser.parse_args()
+
+    rows = []
+    for stage in range(4):
+        s = world4_stage(stage, args.steps, args.preset)
+        rows.append(
+            {
+                k: s[k]
+                for k in (
+                    "stage",
+                    "median_step_time_s",
+                    "tokens_per_s",
+                    "param_count",
+                    "intra_node_bytes_per_step",
+                    "inter_node_bytes_per_step",
+                )
+            }
+            | {"model_state_bytes_per_rank": s["model_state_bytes_per_rank"][0]}
+        )
+    overhead = world1_overhead(args.steps, args.preset)
+    results = {
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo",
+        "preset": args.preset,
+        "steps": args.steps,
+        "world4_2nodes": rows,
+        "world1_stage3_vs_plain": overhead,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+    print(
+        f"## zeropp stages on the embedded GPT ({args.preset}, {rows[0]['param_count']:,} params), "
+        f"world 4 = 2 simulated nodes x 2, {results['machine']}\n"
+    )
+    print("| stage | median step (s) | tokens/s | sent/rank/step intra | inter | model states/rank |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['stage']} | {r['median_step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['intra_node_bytes_per_step'] / 2**20:.2f} MiB | {r['inter_node_bytes_per_step'] / 2**20:.2f} MiB | "
+            f"{r['model_state_bytes_per_rank'] / 2**20:.2f} MiB |"
+        )
+    o = overhead
+    print(
+        f"\nworld 1: plain PyTorch {o['plain_pytorch_step_s'] * 1e3:.1f} ms/step, zeropp stage 3 "
+        f"{o['zeropp_stage3_step_s'] * 1e3:.1f} ms/step, ratio {o['ratio']:.3f} (goal <= 1.15)"
+    )
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
