@@ -14,7 +14,7 @@ import torch
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -43,7 +43,7 @@ def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, **kwargs: Any)
     """Fork `world` processes that look like torchrun's ranks on `nodes` nodes; return results by rank."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, nodes, port, queue, kwargs)) for r in range(world)]
     for p in procs:
         p.start()

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from launcher import free_port
+
 SUMMARY_KEYS = {
     "final_train_loss",
     "final_val_loss",
@@ -30,7 +32,7 @@ def test_train_runs_four_ranks_as_two_nodes_and_writes_summary(tmp_path):
     out = tmp_path / "summary.json"
     result = zeropp(
         "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1", "--stage", "3",
-        "--master-port", "29637", "--summary-json", str(out),
+        "--master-port", str(free_port()), "--summary-json", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -28,36 +28,76 @@ def assert_mentions(message: str, *needles: str) -> None:
 BAD = [
     pytest.param({"zeroo": {}}, None, ("zeroo", "zero", "topology"), id="unknown-top-level-key"),
     pytest.param({"zero": {"stge": 3}}, None, ("zero", "stge", "stage"), id="unknown-nested-key"),
-    pytest.param({"zero": {"loss_scale": {"grow": 2}}}, None, ("loss_scale", "grow", "growth_factor"), id="unknown-deep-key"),
+    pytest.param(
+        {"zero": {"loss_scale": {"grow": 2}}}, None, ("loss_scale", "grow", "growth_factor"), id="unknown-deep-key"
+    ),
     pytest.param({"zero": {"stage": "three"}}, None, ("zero.stage", "'three'", "str", "int"), id="wrong-type-str"),
     pytest.param({"zero": {"stage": 3.0}}, None, ("zero.stage", "3.0", "float", "int"), id="wrong-type-float"),
     pytest.param({"zero": {"stage": True}}, None, ("zero.stage", "True", "bool", "int"), id="wrong-type-bool"),
     pytest.param({"zero": 3}, None, ("zero", "3", "table"), id="section-not-a-table"),
     pytest.param({"zero": {"stage": 5}}, None, ("zero.stage", "5", "0, 1, 2, 3"), id="stage-5"),
     pytest.param({"zero": {"stage": -1}}, None, ("zero.stage", "-1", "0, 1, 2, 3"), id="stage-negative"),
-    pytest.param({"zero": {"reduce_bucket_numel": -1}}, None, ("zero.reduce_bucket_numel", "-1", ">= 1"), id="negative-bucket"),
-    pytest.param({"zero": {"allgather_bucket_numel": 0}}, None, ("zero.allgather_bucket_numel", "0", ">= 1"), id="zero-bucket"),
+    pytest.param(
+        {"zero": {"reduce_bucket_numel": -1}}, None, ("zero.reduce_bucket_numel", "-1", ">= 1"), id="negative-bucket"
+    ),
+    pytest.param(
+        {"zero": {"allgather_bucket_numel": 0}}, None, ("zero.allgather_bucket_numel", "0", ">= 1"), id="zero-bucket"
+    ),
     pytest.param({"zero": {"shard_alignment": 0}}, None, ("zero.shard_alignment", "0", ">= 1"), id="zero-alignment"),
     pytest.param({"zero": {"prefetch": -2}}, None, ("zero.prefetch", "-2", ">= 0"), id="negative-prefetch"),
-    pytest.param({"zero": {"gradient_accumulation_steps": 0}}, None, ("zero.gradient_accumulation_steps", "0", ">= 1"), id="zero-accumulation"),
+    pytest.param(
+        {"zero": {"gradient_accumulation_steps": 0}},
+        None,
+        ("zero.gradient_accumulation_steps", "0", ">= 1"),
+        id="zero-accumulation",
+    ),
     pytest.param({"zero": {"max_grad_norm": -1.0}}, None, ("zero.max_grad_norm", "-1.0", "> 0"), id="negative-clip"),
-    pytest.param({"zero": {"max_grad_norm": "x"}}, None, ("zero.max_grad_norm", "'x'", "float", "unset"), id="clip-wrong-type"),
-    pytest.param({"zero": {"precision": "fp8"}}, None, ("zero.precision", "'fp8'", "'fp32'", "'bf16'", "'fp16'"), id="precision-fp8"),
-    pytest.param({"zero": {"grad_dtype": "fp8"}}, None, ("zero.grad_dtype", "'fp8'", "'fp32'", "unset"), id="grad-dtype-fp8"),
-    pytest.param({"zero": {"quantized_weights": True}}, None, ("zero.quantized_weights", "True", "ZeRO++"), id="zeropp-qwz"),
-    pytest.param({"zero": {"quantized_gradients": True}}, None, ("zero.quantized_gradients", "True", "ZeRO++"), id="zeropp-qgz"),
-    pytest.param({"zero": {"hpz_partition_size": 2}}, None, ("zero.hpz_partition_size", "2", "ZeRO++"), id="zeropp-hpz"),
-    pytest.param({"zero": {"loss_scale": {"backoff_factor": 1.0}}}, None, ("zero.loss_scale.backoff_factor", "1.0", "(0, 1)"), id="loss-scale-backoff"),
-    pytest.param({"zero": {"loss_scale": {"min_scale": 0.0}}}, None, ("zero.loss_scale.min_scale", "0.0", "> 0"), id="loss-scale-min"),
+    pytest.param(
+        {"zero": {"max_grad_norm": "x"}}, None, ("zero.max_grad_norm", "'x'", "float", "unset"), id="clip-wrong-type"
+    ),
+    pytest.param(
+        {"zero": {"precision": "fp8"}},
+        None,
+        ("zero.precision", "'fp8'", "'fp32'", "'bf16'", "'fp16'"),
+        id="precision-fp8",
+    ),
+    pytest.param(
+        {"zero": {"grad_dtype": "fp8"}}, None, ("zero.grad_dtype", "'fp8'", "'fp32'", "unset"), id="grad-dtype-fp8"
+    ),
+    pytest.param(
+        {"zero": {"quantized_weights": True}}, None, ("zero.quantized_weights", "True", "ZeRO++"), id="zeropp-qwz"
+    ),
+    pytest.param(
+        {"zero": {"quantized_gradients": True}}, None, ("zero.quantized_gradients", "True", "ZeRO++"), id="zeropp-qgz"
+    ),
+    pytest.param(
+        {"zero": {"hpz_partition_size": 2}}, None, ("zero.hpz_partition_size", "2", "ZeRO++"), id="zeropp-hpz"
+    ),
+    pytest.param(
+        {"zero": {"loss_scale": {"backoff_factor": 1.0}}},
+        None,
+        ("zero.loss_scale.backoff_factor", "1.0", "(0, 1)"),
+        id="loss-scale-backoff",
+    ),
+    pytest.param(
+        {"zero": {"loss_scale": {"min_scale": 0.0}}},
+        None,
+        ("zero.loss_scale.min_scale", "0.0", "> 0"),
+        id="loss-scale-min",
+    ),
     pytest.param({"topology": {"nodes": 0}}, None, ("topology.nodes", "0", ">= 1"), id="nodes-0"),
-    pytest.param({"topology": {"backend": "mpi"}}, None, ("topology.backend", "'mpi'", "'gloo'", "'nccl'"), id="backend-mpi"),
+    pytest.param(
+        {"topology": {"backend": "mpi"}}, None, ("topology.backend", "'mpi'", "'gloo'", "'nccl'"), id="backend-mpi"
+    ),
     pytest.param({"model": {"preset": "huge"}}, None, ("model.preset", "'huge'", "'tiny'"), id="preset-huge"),
     pytest.param({"optim": {"beta2": 1.0}}, None, ("optim.beta2", "1.0", "[0, 1)"), id="beta2-1"),
     pytest.param({"optim": {"lr": float("nan")}}, None, ("optim.lr", "nan", "> 0"), id="lr-nan"),
     pytest.param({"train": {"steps": 0}}, None, ("train.steps", "0", ">= 1"), id="steps-0"),
     pytest.param(None, {"zero.stage": 5}, ("zero.stage", "5"), id="override-stage-5"),
     pytest.param(None, {"zero.stge": 2}, ("stge",), id="override-unknown-key"),
-    pytest.param({"zero": {"stage": 2}}, {"zero.precision": "fp8"}, ("zero.precision", "'fp8'"), id="override-precision"),
+    pytest.param(
+        {"zero": {"stage": 2}}, {"zero.precision": "fp8"}, ("zero.precision", "'fp8'"), id="override-precision"
+    ),
 ]
 
 
@@ -149,3 +189,18 @@ def test_zero_config_validate_directly():
     assert_mentions(config_error(ZeroConfig(stage=4).validate), "zero.stage", "4")
     assert_mentions(config_error(ZeroConfig(quantized_weights=True).validate), "zero.quantized_weights", "True")
     assert_mentions(config_error(TopologyConfig(timeout_s=0).validate), "topology.timeout_s", "0")
+
+
+@pytest.mark.parametrize(
+    "source,overrides",
+    [({"zero": {"stage": 3}}, {"zero.stage.x": 1}), ({"zero": 3}, {"zero.stage": 2})],
+    ids=["through-a-value", "through-a-non-table-section"],
+)
+def test_override_through_a_non_table_is_a_config_error(source, overrides):
+    assert_mentions(config_error(load_config, source, overrides), "not a table", next(iter(overrides)))
+
+
+def test_configs_built_in_code_are_checked_too():
+    assert_mentions(config_error(ZeroConfig(precision="fp8").validate), "zero.precision", "'fp8'", "'bf16'")
+    assert_mentions(config_error(ZeroConfig(grad_dtype="int8").validate), "zero.grad_dtype", "'int8'")
+    assert_mentions(config_error(TopologyConfig(backend="mpi").validate), "topology.backend", "'mpi'", "'gloo'")

@@ -7,7 +7,6 @@ padded_numel), B = bytes of one full copy of the (padded) parameters in the redu
 from __future__ import annotations
 
 import torch
-
 from launcher import run_ranks
 
 WORLD, NODES = 4, 2
@@ -25,7 +24,9 @@ def _gpt(block_size: int = 32, d_model: int = 64):
 
 def _batch(step: int, rank: int, block_size: int = 32):
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 256, (WORLD * PER_RANK, block_size + 1), generator=g)[rank * PER_RANK : (rank + 1) * PER_RANK]
+    tokens = torch.randint(0, 256, (WORLD * PER_RANK, block_size + 1), generator=g)[
+        rank * PER_RANK : (rank + 1) * PER_RANK
+    ]
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -69,7 +70,12 @@ def test_model_state_memory_matches_zero_table_1():
     per_rank = run_ranks(memory_worker, WORLD, nodes=NODES)
     n = WORLD
     # bf16 parameters and gradients (2 + 2 bytes), fp32 master + Adam m + v (K = 12 bytes)
-    analytic = {0: lambda p: 16 * p, 1: lambda p: 4 * p + 12 * p / n, 2: lambda p: 2 * p + 14 * p / n, 3: lambda p: 16 * p / n}
+    analytic = {
+        0: lambda p: 16 * p,
+        1: lambda p: 4 * p + 12 * p / n,
+        2: lambda p: 2 * p + 14 * p / n,
+        3: lambda p: 16 * p / n,
+    }
     for rank, stages in enumerate(per_rank):
         for stage, got in stages.items():
             psi, measured = got["psi"], got["measured"]
@@ -116,7 +122,9 @@ def ledger_worker() -> dict:
 
 def _total(bytes_: dict, op=None, phase=None, link=None) -> int:
     return sum(
-        b for (o, p, k), b in bytes_.items() if (op is None or o == op) and (phase is None or p == phase) and (link is None or k == link)
+        b
+        for (o, p, k), b in bytes_.items()
+        if (op is None or o == op) and (phase is None or p == phase) and (link is None or k == link)
     )
 
 
@@ -137,20 +145,20 @@ def test_ledger_volume_matches_zero_section_7():
             B = 4 * padded  # fp32 parameters and gradients
             one_pass = B * (n - 1) // n
 
-            def per_step(op, phase):
-                total = _total(bytes_, op=op, phase=phase)
-                assert total % steps == 0, what
-                return total // steps
-
             big_ops = {}
             if stage == 3:
-                big_ops = {("all_gather", "forward"): one_pass, ("all_gather", "backward"): one_pass, ("reduce_scatter", "backward"): one_pass}
+                big_ops = {
+                    ("all_gather", "forward"): one_pass,
+                    ("all_gather", "backward"): one_pass,
+                    ("reduce_scatter", "backward"): one_pass,
+                }
             elif stage in (1, 2):
                 big_ops = {("reduce_scatter", "backward"): one_pass, ("all_gather", "step"): one_pass}
             else:
                 big_ops = {("all_reduce", "backward"): 2 * one_pass}
             for (op, phase), expected in big_ops.items():
-                assert per_step(op, phase) == expected, f"{op}/{phase}: {what}"
+                total = _total(bytes_, op=op, phase=phase)
+                assert total % steps == 0 and total // steps == expected, f"{op}/{phase}: {what}"
             big = sum(big_ops.values())
 
             # nothing else but a few scalar all-reduces (grad norm) in the step phase
@@ -169,8 +177,8 @@ def test_ledger_volume_matches_zero_section_7():
             # every byte goes to the ring successor: all on one link kind for this rank
             assert _total(bytes_, link=other) == 0, what
             assert _total(bytes_, link=link) == _total(bytes_), what
-            for op, phases in got["as_dict"].items():
-                for phase, split in phases.items():
+            for phases in got["as_dict"].values():
+                for split in phases.values():
                     assert split[other] == 0, what
     # the same volume on every rank
     for stage in STAGES:

@@ -73,6 +73,7 @@ class ZeroConfig:
     quantized_gradients: bool = False
 
     def validate(self) -> None:
+        _check_choices(self, "zero")
         _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
@@ -99,6 +100,7 @@ class TopologyConfig:
     timeout_s: float = 300.0
 
     def validate(self) -> None:
+        _check_choices(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
@@ -123,6 +125,7 @@ class ModelConfig:
     block_size: int | None = None
 
     def validate(self) -> None:
+        _check_choices(self, "model")
         for key in ("n_layer", "n_head", "d_model", "block_size"):
             value = getattr(self, key)
             if value is not None:
@@ -176,6 +179,19 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _check_choices(section: Any, prefix: str) -> None:
+    """Refuse a value outside its Literal type, also for configs built in code rather than loaded."""
+    for name, hint in typing.get_type_hints(type(section)).items():
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        for option in options:
+            if typing.get_origin(option) is Literal:
+                value = getattr(section, name)
+                allowed = typing.get_args(option)
+                if value not in allowed and not (value is None and type(None) in options):
+                    expected = f"one of {', '.join(map(repr, allowed))}"
+                    _require(False, f"{prefix}.{name}", value, expected)
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key} = {value!r} is not allowed; expected {allowed}")
@@ -190,7 +206,7 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"unknown key {prefix}{key!r}; allowed keys: {', '.join(names)}")
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join(names)}")
         kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)
 
@@ -242,8 +258,11 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         *sections, leaf = dotted.split(".")
         node = data
-        for section in sections:
+        for depth, section in enumerate(sections):
             node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                where = ".".join(sections[: depth + 1])
+                raise ConfigError(f"override {dotted!r} goes through {where} = {node!r}, which is not a table")
         node[leaf] = value
     return from_dict(Config, data).validate()
 

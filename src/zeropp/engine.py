@@ -289,10 +289,10 @@ class ZeroEngine:
                 self.comm.all_gather(flat, unit.master.data, self.topology.world, bucket_numel=unit.allgather_bucket)
             for index, p in enumerate(unit.params):
                 start, stop = unit.layout.param_range(index)
-                full[id(p)] = flat[start:stop].view(p.shape).cpu()
+                full[id(p)] = flat[start:stop].view(p.shape).to("cpu", copy=True)
         state = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            state[name] = full[id(tensor)] if id(tensor) in full else tensor.detach().float().cpu()
+            state[name] = full[id(tensor)] if id(tensor) in full else tensor.detach().to("cpu", torch.float32, copy=True)
         return state
 
     def model_state_bytes(self) -> int:
