@@ -68,8 +68,7 @@ def _topology():
 
 
 def _snapshot(engine) -> dict:
-    # clone: at stage 0 on CPU full_state_dict() returns views of the live fp32 master
-    return engine.full_state_dict()
+    return engine.full_state_dict()  # a copy at every stage
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -292,7 +292,9 @@ class ZeroEngine:
                 full[id(p)] = flat[start:stop].view(p.shape).to("cpu", copy=True)
         state = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            state[name] = full[id(tensor)] if id(tensor) in full else tensor.detach().to("cpu", torch.float32, copy=True)
+            state[name] = (
+                full[id(tensor)] if id(tensor) in full else tensor.detach().to("cpu", torch.float32, copy=True)
+            )
         return state
 
     def model_state_bytes(self) -> int:
