@@ -65,3 +65,30 @@ def test_every_stage_matches_single_process(world, nodes):
         bad = {name: err for name, err in rank_errors.items() if not err <= TOLERANCE}
         assert not bad, f"max |w - w_ref| above {TOLERANCE}: {bad}"
     assert len(per_rank[0]) == len(SCENARIOS)
+
+
+def factory_and_misuse() -> tuple[float, str]:
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
+    try:
+        ZeroEngine(make_model("mlp"), lambda params: torch.optim.SGD(params, lr=0.1), {"lr": 0.1}, None, topology)
+        message = "no error"
+    except ConfigError as error:
+        message = str(error)
+    engine = ZeroEngine(
+        make_model("mlp"), lambda params: torch.optim.AdamW(params, **optim_kwargs), None, ZeroConfig(stage=3), topology
+    )
+    for step in range(STEPS):
+        engine.backward(loss_of("mlp", engine, *global_batch("mlp", step, 0, 1)))
+        engine.step()
+    ours, ref = engine.full_state_dict(), reference_state("mlp", STEPS, 1, 1, None, optim_kwargs)
+    return max((ours[k] - ref[k]).abs().max().item() for k in ref), message
+
+
+def test_optimizer_factory_trains_exactly_and_factory_with_kwargs_is_refused():
+    error, message = run_ranks(factory_and_misuse, 1)[0]
+    assert error <= TOLERANCE
+    assert message == "optimizer_kwargs given with an optimizer factory; pass them to one or the other"

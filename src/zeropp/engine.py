@@ -59,6 +59,9 @@ class ZeroEngine:
 
         self.config = config or ZeroConfig()
         self.config.validate()
+        is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+        if optimizer_kwargs and not is_class:
+            raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
         self.topology = topology or init_topology()
         self.comm = Communicator(self.topology, ledger)
         self.policy = StagePolicy.for_stage(self.config.stage)
@@ -84,7 +87,8 @@ class ZeroEngine:
             )
             for i, (module, params) in enumerate(groups)
         ]
-        self.optimizer = self._build_optimizer(optimizer, optimizer_kwargs or {})
+        masters = [unit.master for unit in self.units]
+        self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._register_hooks()
 
@@ -116,14 +120,6 @@ class ZeroEngine:
         """Every rank starts from rank 0's weights, as with DistributedDataParallel."""
         for tensor in [*model.parameters(), *model.buffers()]:
             self.comm.broadcast(tensor.data, self.topology.world, src=0)
-
-    def _build_optimizer(self, optimizer, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-        params = [u.master for u in self.units]
-        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-            return optimizer(params, **kwargs)
-        if kwargs:
-            raise ConfigError("optimizer_kwargs given with an optimizer factory; pass kwargs to one or the other")
-        return optimizer(params)
 
     def _register_hooks(self) -> None:
         for unit in self.units:
