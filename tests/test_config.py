@@ -204,3 +204,10 @@ def test_configs_built_in_code_are_checked_too():
     assert_mentions(config_error(ZeroConfig(precision="fp8").validate), "zero.precision", "'fp8'", "'bf16'")
     assert_mentions(config_error(ZeroConfig(grad_dtype="int8").validate), "zero.grad_dtype", "'int8'")
     assert_mentions(config_error(TopologyConfig(backend="mpi").validate), "topology.backend", "'mpi'", "'gloo'")
+
+
+def test_fp16_gradients_need_fp16_precision():
+    message = config_error(ZeroConfig(precision="bf16", grad_dtype="fp16").validate)
+    assert_mentions(message, "zero.grad_dtype", "'fp16'", "'bf16'")
+    ZeroConfig(precision="fp16", grad_dtype="fp16").validate()
+    ZeroConfig(precision="bf16", grad_dtype="fp32").validate()

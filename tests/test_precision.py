@@ -171,3 +171,38 @@ def test_bf16_trains_close_to_fp32_reference():
             losses = got["losses"]
             assert losses[-1] < losses[0] - 0.1, what
             assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), what
+
+
+def float_inputs_misuse_and_int_buffers() -> dict:
+    from torch import nn
+
+    from zeropp import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    engine = ZeroEngine(model, torch.optim.AdamW, {"lr": 1e-3}, ZeroConfig(stage=3, precision="bf16"), _topology())
+    x = torch.randn(4, 6)  # fp32 features meet bf16 weights
+    loss = engine(x).float().pow(2).mean()
+    engine.backward(loss)
+    stepped = engine.step()
+    try:
+        engine(x).float().pow(2).mean().backward()
+        misuse = "no error"
+    except RuntimeError as error:
+        misuse = str(error)
+    state = engine.full_state_dict()
+    return {
+        "loss_finite": bool(torch.isfinite(loss)),
+        "stepped": stepped,
+        "misuse": misuse,
+        "tracked_dtype": state["1.num_batches_tracked"].dtype,
+        "weight_dtype": state["0.weight"].dtype,
+    }
+
+
+def test_float_inputs_are_cast_misuse_is_refused_and_int_buffers_keep_their_dtype():
+    result = run_ranks(float_inputs_misuse_and_int_buffers, 1)[0]
+    assert result["loss_finite"] and result["stepped"]
+    assert "call engine.backward(loss), not loss.backward()" in result["misuse"]
+    assert result["tracked_dtype"] == torch.int64
+    assert result["weight_dtype"] == torch.float32

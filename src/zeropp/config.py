@@ -83,6 +83,8 @@ class ZeroConfig:
             _require(value >= 0, f"zero.{key}", value, "an integer >= 0")
         if self.max_grad_norm is not None:
             _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
+        if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
+            _require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
         _require(self.hpz_partition_size >= 1, "zero.hpz_partition_size", self.hpz_partition_size, "an integer >= 1")
         for key, allowed in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
             value = getattr(self, key)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from zeropp.comm import Communicator, Ledger, Pending
 from zeropp.config import ConfigError, ZeroConfig
@@ -39,6 +39,9 @@ from zeropp.precision import DTYPES, LossScaler
 from zeropp.stages import StagePolicy
 from zeropp.topology import Topology
 from zeropp.units import FlatUnit, group_parameters, repeated_blocks
+
+# reductions overlapping backward at once; each holds one unit's full gradient until it completes
+MAX_REDUCTIONS_IN_FLIGHT = 2
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -74,7 +77,6 @@ class ZeroEngine:
         groups = group_parameters(model, repeated_blocks(model) if units is None else units)
         self.units = [
             FlatUnit(
-                i,
                 module,
                 params,
                 self.comm,
@@ -85,7 +87,7 @@ class ZeroEngine:
                 self.config.persistence_threshold,
                 (self.config.allgather_bucket_numel, self.config.reduce_bucket_numel),
             )
-            for i, (module, params) in enumerate(groups)
+            for module, params in groups
         ]
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
@@ -99,6 +101,7 @@ class ZeroEngine:
         self.last_step_skipped = False
         self.measured_model_state_bytes = 0
         self._in_backward = False
+        self._reduce_now = False
         self._reductions: list[Pending] = []
         self._forward_order: list[FlatUnit] = []
         self._backward_order: list[FlatUnit] = []
@@ -133,6 +136,10 @@ class ZeroEngine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         phase = "forward" if self.module.training and torch.is_grad_enabled() else "eval"
+        if self.compute_dtype != torch.float32:  # floating inputs meet the parameters in their dtype
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
+            )
         with self.comm.ledger.in_phase(phase):
             return self.module(*args, **kwargs)
 
@@ -161,7 +168,8 @@ class ZeroEngine:
             return
         position = order.index(unit)
         for upcoming in order[position + 1 : position + 1 + self.config.prefetch]:
-            upcoming.unshard(async_op=True)
+            if not (self._in_backward and upcoming.reduced_this_backward):
+                upcoming.unshard(async_op=True)
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -190,7 +198,12 @@ class ZeroEngine:
         self._at_boundary = boundary
         self._recording = False
 
+    def _require_engine_backward(self) -> None:
+        if not self._in_backward:
+            raise RuntimeError("zeropp: call engine.backward(loss), not loss.backward(): the engine reduces gradients")
+
     def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        self._require_engine_backward()
         if unit.gathered_for_backward:
             return
         unit.gathered_for_backward = True
@@ -199,6 +212,12 @@ class ZeroEngine:
         self._prefetch(self._backward_order, unit)
 
     def _on_param_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
+        self._require_engine_backward()
+        if unit.reduced_this_backward:
+            raise RuntimeError(
+                f"zeropp: parameter {unit.names[index]} received a second gradient after its unit was reduced "
+                "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
+            )
         unit.accumulate_param_grad(index, param.grad)
         param.grad = None
         unit.pending_grads -= 1
@@ -211,6 +230,8 @@ class ZeroEngine:
             unit.reshard()
         if self._reduce_now:
             self._reductions.append(unit.reduce_gradients())
+            while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:  # bounds gradient memory in backward
+                self._reductions.pop(0).wait()
 
     # -- optimizer step --------------------------------------------------------------------------
 
@@ -219,6 +240,8 @@ class ZeroEngine:
         if not self._at_boundary:
             return False
         self._at_boundary = False
+        for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
+            unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.ledger.in_phase("step"):
             grads = [unit.reduced_gradient() for unit in self.units]
@@ -241,8 +264,8 @@ class ZeroEngine:
         self.comm.ledger.steps += 1
         return not overflow
 
-    def _sum_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Combine a per-rank statistic of the gradient shards (sharded optimizer only)."""
+    def _reduce_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
+        """Combine a per-rank statistic of the gradient shards over ranks (sharded optimizer only)."""
         if self.policy.shard_optimizer:
             self.comm.all_reduce(local, self.topology.world, reduce=reduce)
         return local
@@ -252,14 +275,14 @@ class ZeroEngine:
         for unit in self.units:
             if not torch.isfinite(unit.master.grad).all():
                 local.fill_(1.0)
-        return bool(self._sum_over_shards(local, "max").item())
+        return bool(self._reduce_over_shards(local, "max").item())
 
     def _clip_gradients(self) -> float:
         """Global gradient norm over all shards; clip to max_grad_norm like clip_grad_norm_."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         for unit in self.units:
             squares += unit.master.grad.pow(2).sum()
-        norm = self._sum_over_shards(squares, "sum").sqrt()
+        norm = self._reduce_over_shards(squares, "sum").sqrt()
         if self.config.max_grad_norm is not None:
             coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
             for unit in self.units:
@@ -288,9 +311,11 @@ class ZeroEngine:
                 full[id(p)] = flat[start:stop].view(p.shape).to("cpu", copy=True)
         state = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            state[name] = (
-                full[id(tensor)] if id(tensor) in full else tensor.detach().to("cpu", torch.float32, copy=True)
-            )
+            if id(tensor) in full:
+                state[name] = full[id(tensor)]
+            else:  # frozen parameters and buffers: floating ones back to fp32, others unchanged
+                dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+                state[name] = tensor.detach().to("cpu", dtype, copy=True)
         return state
 
     def model_state_bytes(self) -> int:

@@ -23,6 +23,7 @@ from zeropp.models.gpt import GPT, PRESETS, GPTConfig
 from zeropp.topology import init_topology
 
 STEP_PHASES = ("forward", "backward", "step")
+LEDGER_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 def gpt_config(model: ModelConfig) -> GPTConfig:
@@ -108,7 +109,6 @@ class Trainer:
         steps = self.config.train.steps
         train_loss = float("nan")
         val_loss = float("nan")
-        start = time.perf_counter()
         self.step_times = []
         for step in range(steps):
             tick = time.perf_counter()
@@ -117,11 +117,9 @@ class Trainer:
             if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
                 val_loss = self.evaluate()
             if progress is not None:
-                elapsed = time.perf_counter() - start
-                progress(step + 1, train_loss, val_loss, self.tokens_per_step * (step + 1) / elapsed)
-        elapsed = time.perf_counter() - start
+                progress(step + 1, train_loss, val_loss, self.tokens_per_step * (step + 1) / sum(self.step_times))
         val_loss = self.evaluate()
-        return self.summary(train_loss, val_loss, self.tokens_per_step * steps / elapsed)
+        return self.summary(train_loss, val_loss, self.tokens_per_step * steps / sum(self.step_times))
 
     def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> dict[str, Any]:
         engine, topo = self.engine, self.topology
@@ -130,7 +128,7 @@ class Trainer:
         step_bytes = {
             link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / steps for link in ("intra", "inter")
         }
-        ops = sorted({op for op, _, _ in ledger.bytes})
+        ops = LEDGER_OPS  # the same list on every rank: the all-gather below must match in size
         flat_ledger = [
             ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")
         ]

@@ -90,7 +90,6 @@ class FlatUnit:
 
     def __init__(
         self,
-        index: int,
         module: nn.Module,
         named_params: list[tuple[str, nn.Parameter]],
         comm: Communicator,
@@ -101,7 +100,6 @@ class FlatUnit:
         persistence_threshold: int,
         bucket_numel: tuple[int, int],
     ) -> None:
-        self.index = index
         self.module = module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -199,18 +197,19 @@ class FlatUnit:
         if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, world, async_op=True)
         start, stop = self.layout.shard_range(self.comm.topology.rank)
-        out = self.grad_flat.new_empty(stop - start)
-        pending = self.comm.reduce_scatter(out, self.grad_flat, world, bucket_numel=self.reduce_bucket, async_op=True)
+        flat = self.grad_flat
+        if self.policy.shard_gradients:  # the full gradient lives only until its reduce-scatter is done
+            self.grad_flat = None
+        out = flat.new_empty(stop - start)
+        pending = self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
 
         def land() -> None:
             if not self.policy.shard_gradients:
-                self.grad_flat[start:stop].copy_(out)
+                flat[start:stop].copy_(out)
             elif self.grad_shard is None:
                 self.grad_shard = out
             else:
                 self.grad_shard.add_(out)
-            if self.policy.shard_gradients:
-                self.grad_flat = None
 
         return Pending([pending], land)
 

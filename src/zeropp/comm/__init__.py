@@ -1,8 +1,9 @@
 """The one door to the network: every torch.distributed collective of zeropp goes through here.
 
 Each call records what this rank sends into the :class:`~zeropp.comm.ledger.Ledger` (byte model
-documented there), under the ledger's current phase. Calls larger than the configured bucket are
-split into constant-size pieces (ZeRO-R's CB), each piece a separate collective.
+documented there), under the ledger's current phase. All-gathers and reduce-scatters larger than
+the configured bucket are split into constant-size pieces (ZeRO-R's CB), each a separate
+collective; the ledger counts one call per logical operation.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Communicator:
         return self.topology.node_of(successor) == self.topology.node_of(self.topology.rank)
 
     def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1) -> None:
-        sent = passes * ring_bytes(buffer_bytes, group.size)
+        sent = ring_bytes(buffer_bytes, group.size, passes)
         intra = self._successor_is_intra(group)
         self.ledger.record(op, sent if intra else 0, 0 if intra else sent)
 

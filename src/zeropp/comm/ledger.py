@@ -7,7 +7,8 @@ Byte model (per calling rank; B = bytes of the full buffer, n = group size):
   is on another node. The average over ranks of the inter-node share is therefore
   (#ring edges that cross nodes) / n: 1/2 for 2 nodes x 2 ranks.
 - all-reduce (ring): a reduce-scatter followed by an all-gather, 2 (n-1)/n * B, same successor.
-- all-to-all: the chunk addressed to each other rank, classified by that rank's node.
+- broadcast (pipelined ring): every rank forwards the whole buffer B to its successor, except
+  the rank whose successor is the source.
 
 These are what NCCL's and gloo's ring algorithms put on the wire per rank; the emulated cluster
 compares them to interface counters.
@@ -68,6 +69,6 @@ class Ledger:
         return out
 
 
-def ring_bytes(buffer_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends in a ring all-gather or reduce-scatter of a `buffer_bytes` buffer."""
-    return buffer_bytes * (group_size - 1) // group_size
+def ring_bytes(buffer_bytes: int, group_size: int, passes: int = 1) -> int:
+    """Bytes one rank sends in `passes` ring passes (all-gather / reduce-scatter: 1, all-reduce: 2)."""
+    return passes * buffer_bytes * (group_size - 1) // group_size
