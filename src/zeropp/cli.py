@@ -120,7 +120,11 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
                 write_summary(summary, summary_json)
     finally:
         shutdown()
-    return 0
+    # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
+    # after the interpreter and abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
