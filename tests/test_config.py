@@ -65,13 +65,32 @@ BAD = [
         {"zero": {"grad_dtype": "fp8"}}, None, ("zero.grad_dtype", "'fp8'", "'fp32'", "unset"), id="grad-dtype-fp8"
     ),
     pytest.param(
-        {"zero": {"quantized_weights": True}}, None, ("zero.quantized_weights", "True", "ZeRO++"), id="zeropp-qwz"
+        {"zero": {"stage": 2, "quantized_weights": True}},
+        None,
+        ("zero.quantized_weights", "True", "stage = 3"),
+        id="zeropp-qwz-stage2",
     ),
     pytest.param(
-        {"zero": {"quantized_gradients": True}}, None, ("zero.quantized_gradients", "True", "ZeRO++"), id="zeropp-qgz"
+        {"zero": {"stage": 1, "quantized_gradients": True}},
+        None,
+        ("zero.quantized_gradients", "True", "stage = 3"),
+        id="zeropp-qgz-stage1",
     ),
     pytest.param(
-        {"zero": {"hpz_partition_size": 2}}, None, ("zero.hpz_partition_size", "2", "ZeRO++"), id="zeropp-hpz"
+        {"zero": {"stage": 0, "hpz_partition_size": 2}},
+        None,
+        ("zero.hpz_partition_size", "2", "stage = 3"),
+        id="zeropp-hpz-stage0",
+    ),
+    pytest.param(
+        {"zero": {"hpz_partition_size": -1}}, None, ("zero.hpz_partition_size", "-1", ">= 0"), id="hpz-negative"
+    ),
+    pytest.param({"zero": {"weight_bits": 3}}, None, ("zero.weight_bits", "3", "8", "4"), id="weight-bits-3"),
+    pytest.param(
+        {"zero": {"gradient_block_size": 0}}, None, ("zero.gradient_block_size", "0", ">= 1"), id="grad-block-0"
+    ),
+    pytest.param(
+        {"zero": {"weight_quantization": "row"}}, None, ("zero.weight_quantization", "'row'", "'block'"), id="wq-mode"
     ),
     pytest.param(
         {"zero": {"loss_scale": {"backoff_factor": 1.0}}},
@@ -187,7 +206,10 @@ def test_init_topology_refuses_before_process_group(monkeypatch):
 def test_zero_config_validate_directly():
     ZeroConfig(stage=0).validate()
     assert_mentions(config_error(ZeroConfig(stage=4).validate), "zero.stage", "4")
-    assert_mentions(config_error(ZeroConfig(quantized_weights=True).validate), "zero.quantized_weights", "True")
+    ZeroConfig(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True).validate()
+    assert_mentions(
+        config_error(ZeroConfig(stage=2, quantized_weights=True).validate), "zero.quantized_weights", "True"
+    )
     assert_mentions(config_error(TopologyConfig(timeout_s=0).validate), "topology.timeout_s", "0")
 
 

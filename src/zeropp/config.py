@@ -67,10 +67,21 @@ class ZeroConfig:
     gradient_accumulation_steps: int = 1
     max_grad_norm: float | None = None
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    # ZeRO++ switches (see README: not available in this release; validated so configs stay forward-compatible)
+    # ZeRO++ (stage 3 only). qwZ: all-gather weights over the world block-quantized
     quantized_weights: bool = False
+    weight_bits: Literal[8, 4] = 8
+    weight_block_size: int = 256
+    # "block": one scale per weight_block_size elements; "tensor": one scale per shard (comparison baseline)
+    weight_quantization: Literal["block", "tensor"] = "block"
+    # hpZ: secondary weight partition over groups of this many consecutive ranks (1: off, 0: the ranks of one node)
     hpz_partition_size: int = 1
+    # qgZ: reduce gradients by quantized two-hop all-to-all, pipelined in this many chunks per bucket
     quantized_gradients: bool = False
+    gradient_bits: Literal[4, 8] = 4
+    gradient_block_size: int = 256
+    qgz_pipeline_stages: int = 2
+    # quantization kernels: "auto" (Triton on CUDA when available, else torch), or force one
+    quant_backend: Literal["auto", "torch", "triton"] = "auto"
 
     def validate(self) -> None:
         _check_choices(self, "zero")
@@ -85,11 +96,27 @@ class ZeroConfig:
             _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             _require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
-        _require(self.hpz_partition_size >= 1, "zero.hpz_partition_size", self.hpz_partition_size, "an integer >= 1")
-        for key, allowed in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
+        for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_stages"):
             value = getattr(self, key)
-            _require(value == allowed, f"zero.{key}", value, f"{allowed!r} (ZeRO++ is not available in this release)")
+            _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        _require(
+            self.hpz_partition_size >= 0,
+            "zero.hpz_partition_size",
+            self.hpz_partition_size,
+            "an integer >= 0 (1: off, 0: the ranks of one node, N: groups of N ranks)",
+        )
+        if self.stage != 3:
+            for key, off in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
+                value = getattr(self, key)
+                _require(
+                    value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
+                )
         self.loss_scale.validate()
+
+    @property
+    def zeropp(self) -> bool:
+        """Whether any ZeRO++ switch is on."""
+        return self.quantized_weights or self.quantized_gradients or self.hpz_partition_size != 1
 
 
 @dataclass

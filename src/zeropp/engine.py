@@ -36,9 +36,10 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from zeropp.comm import Communicator, Ledger, Pending
 from zeropp.config import ConfigError, ZeroConfig
 from zeropp.precision import DTYPES, LossScaler
+from zeropp.quant import QuantSpec, kernels_for
 from zeropp.stages import StagePolicy
 from zeropp.topology import Topology
-from zeropp.units import FlatUnit, group_parameters, repeated_blocks
+from zeropp.units import FlatUnit, UnitOptions, group_parameters, repeated_blocks
 
 # reductions overlapping backward at once; each holds one unit's full gradient until it completes
 MAX_REDUCTIONS_IN_FLIGHT = 2
@@ -70,25 +71,14 @@ class ZeroEngine:
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
+        secondary_size = self._hpz_group_size()  # refused before the first collective
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
         self._sync_initial_weights(model)
 
         groups = group_parameters(model, repeated_blocks(model) if units is None else units)
-        self.units = [
-            FlatUnit(
-                module,
-                params,
-                self.comm,
-                self.policy,
-                self.compute_dtype,
-                self.grad_dtype,
-                self.config.shard_alignment,
-                self.config.persistence_threshold,
-                (self.config.allgather_bucket_numel, self.config.reduce_bucket_numel),
-            )
-            for module, params in groups
-        ]
+        options = self._unit_options(secondary_size)
+        self.units = [FlatUnit(module, params, self.comm, self.policy, options) for module, params in groups]
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
@@ -108,6 +98,41 @@ class ZeroEngine:
         self._recording = True
 
     # -- construction ----------------------------------------------------------------------------
+
+    def _hpz_group_size(self) -> int:
+        """hpZ's secondary group size for this topology (1: no secondary partition)."""
+        size = self.config.hpz_partition_size or self.topology.ranks_per_node
+        world = self.topology.world_size
+        if world % size:
+            raise ConfigError(
+                f"zero.hpz_partition_size = {self.config.hpz_partition_size} is not allowed; expected a divisor "
+                f"of the world size {world} (1: off, 0: the {self.topology.ranks_per_node} ranks of one node)"
+            )
+        return size
+
+    def _unit_options(self, secondary_size: int) -> UnitOptions:
+        config = self.config
+        secondary = None
+        if secondary_size > 1:
+            layout = self.topology.layout
+            groups = [tuple(range(g, g + secondary_size)) for g in range(0, layout.world_size, secondary_size)]
+            secondary = self.topology.subgroups(f"hpz{secondary_size}", groups)
+        weight_block = config.weight_block_size if config.weight_quantization == "block" else None
+        return UnitOptions(
+            compute_dtype=self.compute_dtype,
+            grad_dtype=self.grad_dtype,
+            alignment=config.shard_alignment,
+            persistence_threshold=config.persistence_threshold,
+            allgather_bucket=config.allgather_bucket_numel,
+            reduce_bucket=config.reduce_bucket_numel,
+            weight_quant=QuantSpec(config.weight_bits, weight_block) if config.quantized_weights else None,
+            grad_quant=QuantSpec(config.gradient_bits, config.gradient_block_size)
+            if config.quantized_gradients
+            else None,
+            qgz_stages=config.qgz_pipeline_stages,
+            secondary=secondary,
+            kernels=kernels_for(self.topology.device, config.quant_backend),
+        )
 
     def _cast_unmanaged(self, model: nn.Module) -> None:
         """Frozen parameters and floating buffers run in the compute dtype, like the managed ones."""

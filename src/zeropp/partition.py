@@ -54,3 +54,41 @@ class FlatLayout:
         """[start, stop) of parameter `index` in the flat buffer."""
         start = self.offsets[index]
         return start, start + self.numels[index]
+
+
+def secondary_range(padded_numel: int, group_size: int, group_rank: int) -> tuple[int, int]:
+    """[start, stop) of the flat buffer that hpZ's secondary shard holds: the buffer cut into
+    `group_size` equal pieces (padded_numel = world * shard and group_size divides world)."""
+    assert padded_numel % group_size == 0, (padded_numel, group_size)
+    size = padded_numel // group_size
+    return group_rank * size, (group_rank + 1) * size
+
+
+def qgz_send_order(ranks_per_node: int, nodes: int) -> list[int]:
+    """qgZ's tensor-slice reordering (ZeRO++ eq. 2): the slice at each position of the send buffer.
+
+    The flat gradient is W = X * Y slices (X ranks per node, Y nodes); slice z belongs to rank z,
+    which is local rank z % X of node z // X. The intra-node all-to-all sends the j-th of X equal
+    chunks of the buffer to local rank j, so chunk j must hold the slices of every node's local
+    rank j: [j, X + j, 2X + j, ..., (Y-1)X + j]. After summing over the node, local rank j holds
+    those Y slices in node order, and the inter-node all-to-all sends the m-th to node m: every
+    slice reaches its owner. For X = Y = 2 this is [0, 2, 1, 3] (the paper's Fig. 9 swap).
+    """
+    return [node * ranks_per_node + local for local in range(ranks_per_node) for node in range(nodes)]
+
+
+def qgz_slice_order(ranks_per_node: int, nodes: int, stages: int) -> list[tuple[int, int]]:
+    """The generalized reordering with pipelining (ZeRO++ Algorithm 2): (stage, slice) at each position.
+
+    Every slice is cut into `stages` column chunks; the buffer is stage-major, and within a stage
+    it follows :func:`qgz_send_order`, so each pipeline stage is one contiguous region that goes
+    through both hops on its own. Position of (stage k, slice z) is k*W + (z % X)*Y + z // X.
+    """
+    order = qgz_send_order(ranks_per_node, nodes)
+    return [(stage, z) for stage in range(stages) for z in order]
+
+
+def column_chunks(numel: int, pieces: int) -> list[tuple[int, int]]:
+    """[start, stop) of `pieces` near-equal consecutive chunks of `numel` columns (empty ones dropped)."""
+    bounds = [numel * i // pieces for i in range(pieces + 1)]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]

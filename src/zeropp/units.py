@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from zeropp.comm import Communicator, Pending
-from zeropp.partition import FlatLayout
+from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
+from zeropp.partition import FlatLayout, secondary_range
+from zeropp.quant import Quantized, QuantSpec
 from zeropp.stages import StagePolicy
+from zeropp.topology import Group
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -72,6 +77,23 @@ class ParamState(enum.Enum):
     UNSHARDED = "unsharded"  # parameters are views of the gathered full buffer
 
 
+@dataclass(frozen=True)
+class UnitOptions:
+    """How every unit stores and communicates (the engine builds one from ZeroConfig)."""
+
+    compute_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    alignment: int
+    persistence_threshold: int
+    allgather_bucket: int
+    reduce_bucket: int
+    weight_quant: QuantSpec | None = None  # qwZ: gather weights over the world quantized
+    grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
+    qgz_stages: int = 1
+    secondary: Group | None = None  # hpZ: this rank's secondary group
+    kernels: ModuleType | None = None  # quantization kernels (zeropp.quant.kernels_for)
+
+
 class FlatUnit:
     """One unit's flat buffers under a stage policy.
 
@@ -86,6 +108,16 @@ class FlatUnit:
 
     Where the compute dtype is fp32 the full buffer (stage 0) or the compute shard (stage 3) is the
     master's own storage, so nothing is stored twice.
+
+    ZeRO++ on a sharded unit:
+
+    - hpZ keeps ``secondary_shard``, this rank's 1/H of the full compute-dtype buffer (H = its
+      secondary group's size). It is cut from the gathered weights when the unit reshards and is
+      valid while the weights have not changed (``version``, bumped by every optimizer step):
+      while valid every gather (backward, later micro-batches, eval) runs inside the secondary
+      group. A step invalidates it, so a stale copy is never read; the copy is written only after
+      the gather into ``full`` has completed, so it never races a prefetch.
+    - qwZ gathers over the world from the compute shard quantized once per version.
     """
 
     def __init__(
@@ -94,24 +126,21 @@ class FlatUnit:
         named_params: list[tuple[str, nn.Parameter]],
         comm: Communicator,
         policy: StagePolicy,
-        compute_dtype: torch.dtype,
-        grad_dtype: torch.dtype,
-        alignment: int,
-        persistence_threshold: int,
-        bucket_numel: tuple[int, int],
+        options: UnitOptions,
     ) -> None:
         self.module = module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.comm = comm
         self.policy = policy
-        self.compute_dtype = compute_dtype
-        self.grad_dtype = grad_dtype
-        self.allgather_bucket, self.reduce_bucket = bucket_numel
+        self.options = options
+        compute_dtype = self.compute_dtype = options.compute_dtype
+        grad_dtype = self.grad_dtype = options.grad_dtype
+        self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
         topo = comm.topology
         self.shard_world = topo.world_size if policy.shard_optimizer else 1
-        self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, alignment)
-        self.resident = not policy.shard_parameters or self.layout.numel <= persistence_threshold
+        self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, options.alignment)
+        self.resident = not policy.shard_parameters or self.layout.numel <= options.persistence_threshold
         device = topo.device
 
         full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
@@ -139,12 +168,21 @@ class FlatUnit:
         self.grad_shard: torch.Tensor | None = None
         if not policy.shard_gradients:
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
+        self.version = 0  # bumped whenever the weights change
+        self._quantized_shard: tuple[int, Quantized] | None = None
+        self.secondary_shard: torch.Tensor | None = None
+        self._secondary_version = -1
         self.state = ParamState.UNSHARDED
         self._gather: Pending | None = None
         self.pending_grads = len(self.params)
         self.reduced_this_backward = False
         self.gathered_for_backward = False
         self.reshard()
+        if options.secondary is not None and not self.resident:  # filled by the first gather's reshard
+            group = options.secondary
+            self._secondary_range = secondary_range(self.layout.padded_numel, group.size, group.ranks.index(topo.rank))
+            size = self._secondary_range[1] - self._secondary_range[0]
+            self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -152,26 +190,49 @@ class FlatUnit:
         """Start (or, unless async, also finish) gathering the full parameters of a sharded unit."""
         if self.state is ParamState.SHARDED:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-            self._gather = self.comm.all_gather(
-                self.full,
-                self.compute_shard,
-                self.comm.topology.world,
-                bucket_numel=self.allgather_bucket,
-                async_op=True,
-            )
+            self._gather = self._start_gather()
             self.state = ParamState.GATHERING
         if self.state is ParamState.GATHERING and not async_op:
             self._gather.wait()
             self._gather = None
             self.state = ParamState.UNSHARDED
 
+    def _start_gather(self) -> Pending:
+        options, world = self.options, self.comm.topology.world
+        bucket = self.allgather_bucket
+        if self.secondary_valid:  # hpZ: inside the secondary group, in the compute dtype
+            return self.comm.all_gather(
+                self.full, self.secondary_shard, options.secondary, bucket_numel=bucket, async_op=True
+            )
+        if options.weight_quant is not None:  # qwZ
+            shard = self._quantized_compute_shard()
+            return all_gather_quantized(
+                self.comm, self.full, shard, world, options.kernels, bucket_numel=bucket, async_op=True
+            )
+        return self.comm.all_gather(self.full, self.compute_shard, world, bucket_numel=bucket, async_op=True)
+
+    def _quantized_compute_shard(self) -> Quantized:
+        if self._quantized_shard is None or self._quantized_shard[0] != self.version:
+            quantized = self.options.kernels.quantize(self.compute_shard.view(1, -1), self.options.weight_quant)
+            self._quantized_shard = (self.version, quantized)
+        return self._quantized_shard[1]
+
+    @property
+    def secondary_valid(self) -> bool:
+        return self.secondary_shard is not None and self._secondary_version == self.version
+
     def reshard(self) -> None:
-        """Free the gathered parameters of a sharded unit (resident units keep theirs)."""
+        """Free the gathered parameters of a sharded unit (resident units keep theirs); with hpZ keep
+        this rank's secondary shard of them first."""
         if self.resident or self.state is ParamState.SHARDED:
             return
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
+        if self.secondary_shard is not None and not self.secondary_valid:
+            start, stop = self._secondary_range
+            self.secondary_shard.copy_(self.full[start:stop])
+            self._secondary_version = self.version
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
@@ -201,7 +262,19 @@ class FlatUnit:
         if self.policy.shard_gradients:  # the full gradient lives only until its reduce-scatter is done
             self.grad_flat = None
         out = flat.new_empty(stop - start)
-        pending = self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
+        options = self.options
+        if options.grad_quant is not None:
+            pending = reduce_scatter_quantized(
+                self.comm,
+                out,
+                flat,
+                options.grad_quant,
+                options.kernels,
+                stages=options.qgz_stages,
+                bucket_numel=self.reduce_bucket,
+            )
+        else:
+            pending = self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
 
         def land() -> None:
             if not self.policy.shard_gradients:
@@ -235,6 +308,7 @@ class FlatUnit:
 
     def publish_master(self) -> None:
         """Make the compute-dtype parameters follow the updated fp32 master."""
+        self.version += 1
         if not self.resident:
             if self.compute_shard.data_ptr() != self.master.data_ptr():
                 self.compute_shard.copy_(self.master.data)
@@ -251,6 +325,13 @@ class FlatUnit:
         """Every tensor this unit keeps (for measured model-state bytes)."""
         return [
             t
-            for t in (self.master.data, self.full, self.compute_shard, self.grad_flat, self.grad_shard)
+            for t in (
+                self.master.data,
+                self.full,
+                self.compute_shard,
+                self.secondary_shard,
+                self.grad_flat,
+                self.grad_shard,
+            )
             if t is not None
         ]

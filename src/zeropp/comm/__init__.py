@@ -125,6 +125,22 @@ class Communicator:
         work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=async_op)
         return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size)), async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+        """Send the j-th of group.size equal chunks of `inp` (split on dim 0) to group rank j; chunk i
+        of `out` comes from group rank i."""
+        n = group.size
+        assert inp.shape[0] % n == 0 and out.shape == inp.shape, (tuple(inp.shape), tuple(out.shape), n)
+        if n == 1:
+            out.copy_(inp)
+            return Pending([])
+        chunk = inp.numel() * inp.element_size() // n
+        here = self.topology.node_of(self.topology.rank)
+        peers = [r for r in group.ranks if r != self.topology.rank]
+        inter = sum(chunk for r in peers if self.topology.node_of(r) != here)
+        self.ledger.record("all_to_all", chunk * len(peers) - inter, inter)
+        work = dist.all_to_all_single(out, inp, group=group.pg, async_op=async_op)
+        return self._done(Pending([work]), async_op)
+
     def broadcast(self, tensor: torch.Tensor, group: Group, *, src: int) -> None:
         """Copy global rank `src`'s tensor to every rank of the group (pipelined ring: every rank but
         the one whose successor is `src` forwards the whole buffer once)."""

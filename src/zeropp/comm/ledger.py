@@ -9,6 +9,11 @@ Byte model (per calling rank; B = bytes of the full buffer, n = group size):
 - all-reduce (ring): a reduce-scatter followed by an all-gather, 2 (n-1)/n * B, same successor.
 - broadcast (pipelined ring): every rank forwards the whole buffer B to its successor, except
   the rank whose successor is the source.
+- all-to-all (pairwise): a rank sends the j-th of n equal chunks, B/n, straight to group rank j;
+  sent = (n-1)/n * B, each chunk intra- or inter-node by where its peer lives.
+
+Quantized collectives (qwZ, qgZ) are these same operations on int8/int4 data plus fp32 scales;
+the ledger counts both.
 
 These are what NCCL's and gloo's ring algorithms put on the wire per rank; the emulated cluster
 compares them to interface counters.
