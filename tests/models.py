@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from zeropp.models.gpt import GPT, GPTConfig
 
@@ -31,12 +33,26 @@ class EdgeModel(nn.Module):
         return x * self.scalar
 
 
+class CheckpointedGPT(GPT):
+    """The GPT with every block recomputed in backward (non-reentrant activation checkpointing)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.ReLU(), nn.Linear(13, 3))
     if kind == "gpt":
         return GPT(GPT_TEST)
+    if kind == "gpt-checkpointed":
+        return CheckpointedGPT(GPT_TEST)
     if kind == "edge":
         return EdgeModel()
     raise ValueError(kind)
@@ -45,7 +61,7 @@ def make_model(kind: str) -> nn.Module:
 def global_batch(kind: str, step: int, micro: int, world: int, per_rank: int = 2):
     g = torch.Generator().manual_seed(1000 * step + micro)
     n = world * per_rank
-    if kind == "gpt":
+    if kind.startswith("gpt"):
         tokens = torch.randint(0, 256, (n, GPT_TEST.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     width = 7 if kind == "mlp" else 8
@@ -57,7 +73,7 @@ def rows(batch, rank: int, per_rank: int = 2):
 
 
 def loss_of(kind: str, model, x, y) -> torch.Tensor:
-    return model(x, y) if kind == "gpt" else ((model(x) - y) ** 2).mean()
+    return model(x, y) if kind.startswith("gpt") else ((model(x) - y) ** 2).mean()
 
 
 def reference_state(kind: str, steps: int, world: int, accumulation: int, max_norm: float | None, optim_kwargs: dict):

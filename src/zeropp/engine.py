@@ -71,13 +71,13 @@ class ZeroEngine:
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
-        secondary_size = self._hpz_group_size()  # refused before the first collective
+        self.hpz_group_size = self._hpz_group_size()  # refused before the first collective
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
         self._sync_initial_weights(model)
 
         groups = group_parameters(model, repeated_blocks(model) if units is None else units)
-        options = self._unit_options(secondary_size)
+        options = self._unit_options(self.hpz_group_size)
         self.units = [FlatUnit(module, params, self.comm, self.policy, options) for module, params in groups]
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)

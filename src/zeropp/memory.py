@@ -13,6 +13,8 @@ stage 3   pΨ/N + gΨ/N + KΨ/N
 
 With bf16/fp16 and Adam this is the paper's 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N. With fp32,
 stages 1 and 2 keep a separate fp32 master shard beside the full fp32 parameters (K = 12).
+hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary groups of H ranks
+(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def analytic_model_state_bytes(
-    psi: int, world: int, stage: int, precision: str = "bf16", grad_dtype: str | None = None, optimizer_bytes: int = 8
+    psi: int,
+    world: int,
+    stage: int,
+    precision: str = "bf16",
+    grad_dtype: str | None = None,
+    optimizer_bytes: int = 8,
+    hpz_group_size: int = 1,
 ) -> float:
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
@@ -35,7 +43,8 @@ def analytic_model_state_bytes(
     params = p * psi / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
-    return params + grads + states
+    secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
+    return params + grads + states + secondary
 
 
 def peak_memory_bytes(device: torch.device) -> int:

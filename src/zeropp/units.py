@@ -26,7 +26,7 @@ from torch import nn
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from zeropp.partition import FlatLayout, secondary_range
-from zeropp.quant import Quantized, QuantSpec
+from zeropp.quant import QuantSpec
 from zeropp.stages import StagePolicy
 from zeropp.topology import Group
 
@@ -117,7 +117,7 @@ class FlatUnit:
       while valid every gather (backward, later micro-batches, eval) runs inside the secondary
       group. A step invalidates it, so a stale copy is never read; the copy is written only after
       the gather into ``full`` has completed, so it never races a prefetch.
-    - qwZ gathers over the world from the compute shard quantized once per version.
+    - qwZ quantizes the compute shard at every gather over the world and dequantizes what arrives.
     """
 
     def __init__(
@@ -169,7 +169,6 @@ class FlatUnit:
         if not policy.shard_gradients:
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
         self.version = 0  # bumped whenever the weights change
-        self._quantized_shard: tuple[int, Quantized] | None = None
         self.secondary_shard: torch.Tensor | None = None
         self._secondary_version = -1
         self.state = ParamState.UNSHARDED
@@ -205,17 +204,11 @@ class FlatUnit:
                 self.full, self.secondary_shard, options.secondary, bucket_numel=bucket, async_op=True
             )
         if options.weight_quant is not None:  # qwZ
-            shard = self._quantized_compute_shard()
+            shard = options.kernels.quantize(self.compute_shard.view(1, -1), options.weight_quant)
             return all_gather_quantized(
                 self.comm, self.full, shard, world, options.kernels, bucket_numel=bucket, async_op=True
             )
         return self.comm.all_gather(self.full, self.compute_shard, world, bucket_numel=bucket, async_op=True)
-
-    def _quantized_compute_shard(self) -> Quantized:
-        if self._quantized_shard is None or self._quantized_shard[0] != self.version:
-            quantized = self.options.kernels.quantize(self.compute_shard.view(1, -1), self.options.weight_quant)
-            self._quantized_shard = (self.version, quantized)
-        return self._quantized_shard[1]
 
     @property
     def secondary_valid(self) -> bool:
