@@ -184,6 +184,7 @@ SCALE_OVERHEAD = 4 / (2 * BLOCK)  # one fp32 scale per block of bf16 values
 
 def table1_worker() -> dict:
     from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.comm.volume import zero3_step_bytes
     from zeropp.config import TopologyConfig
     from zeropp.models.gpt import GPT, GPTConfig
     from zeropp.topology import init_topology
@@ -209,6 +210,9 @@ def table1_worker() -> dict:
             measured_memory=engine.measured_model_state_bytes,
             padded_psi=sum(u.layout.padded_numel for u in engine.units),
             hpz_group=engine.hpz_group_size,
+            zero3_predicted=zero3_step_bytes(
+                [(u.layout.padded_numel, u.resident) for u in engine.units], topo.layout, compute_bytes=2, grad_bytes=2
+            ),
         )
     return out
 
@@ -224,6 +228,9 @@ def test_ledger_shows_zeropp_table_1_and_hpz_memory():
         for name in ("zero3", "zeropp")
     }
     z3, zpp = mean["zero3"], mean["zeropp"]
+    predicted = per_rank[0]["zero3"]["zero3_predicted"]  # what zeropp train prints as "ZeRO-3 would send"
+    assert 3 * predicted["forward"]["inter"] == z3["forward"], (predicted, z3)
+    assert 3 * predicted["backward"]["inter"] == z3["backward_gather"] + z3["gradients"], (predicted, z3)
     # forward all-gather: int8 instead of bf16 -> M/2, plus the scales
     assert 0.5 <= zpp["forward"] / z3["forward"] <= 0.5 + SCALE_OVERHEAD + 1e-3, mean
     # backward all-gather: inside the node only

@@ -4,6 +4,8 @@
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
 environment. On one machine the ranks are split into 2 simulated nodes unless ``--nodes`` says
 otherwise. Every config key is a flag of its own name (``--stage 3 --precision bf16``).
+At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); turn each off with
+``--no-quantized-weights``, ``--hpz-partition-size 1``, ``--no-quantized-gradients``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.config import ConfigError, leaf_keys, load_config
+
+# zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
+ZEROPP_TRAIN_DEFAULTS = {"zero.quantized_weights": True, "zero.hpz_partition_size": 0, "zero.quantized_gradients": True}
 
 LAUNCH_FLAGS = {  # torchrun flag -> default
     "nproc_per_node": 4,
@@ -37,7 +42,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         base = next(a for a in typing.get_args(hint) if a is not type(None)) if is_union else hint
         help_text = f"{dotted}"
         if typing.get_origin(base) is typing.Literal:
-            group.add_argument(flag, dest=dotted, choices=typing.get_args(base), help=help_text)
+            choices = typing.get_args(base)
+            group.add_argument(flag, dest=dotted, choices=choices, type=type(choices[0]), help=help_text)
         elif base is bool:
             group.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=help_text)
         else:
@@ -78,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv += ["--nodes", str(simulated)]
     try:
         config = load_config(args.config, overrides)
+        if config.zero.stage == 3:
+            config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
         if "RANK" in os.environ:
             config.topology.check_world(int(os.environ["WORLD_SIZE"]))
         else:

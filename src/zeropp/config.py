@@ -268,9 +268,15 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 
 def load_config(
-    source: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Load a Config from a TOML/JSON file or a dict, apply dotted-key overrides, validate, return it."""
+    """Load a Config from a TOML/JSON file or a dict, apply dotted-key overrides, validate, return it.
+
+    `defaults` (dotted keys) replace the dataclass defaults where neither the source nor the
+    overrides set the key.
+    """
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, Mapping):
@@ -284,6 +290,12 @@ def load_config(
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
             raise ConfigError(f"config file {str(path)!r} does not parse: {error}") from None
+    for dotted, value in (defaults or {}).items():
+        *sections, leaf = dotted.split(".")
+        node = data
+        for section in sections:
+            node = node.get(section) if isinstance(node.get(section), dict) else node.setdefault(section, {})
+        node.setdefault(leaf, value)
     for dotted, value in (overrides or {}).items():
         *sections, leaf = dotted.split(".")
         node = data

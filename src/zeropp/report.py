@@ -46,6 +46,15 @@ def _bytes(n: float) -> str:
 def print_summary(summary: dict[str, Any]) -> None:
     head = Table(title="zeropp train: summary", show_header=False)
     head.add_row("stage / precision", f"{summary['stage']} / {summary['precision']}")
+    switches = summary["zeropp"]
+    on = [
+        name
+        for name, flag in (("qwZ", switches["quantized_weights"]), ("qgZ", switches["quantized_gradients"]))
+        if flag
+    ]
+    if switches["hpz_group_size"] > 1:
+        on.append(f"hpZ (groups of {switches['hpz_group_size']})")
+    head.add_row("ZeRO++", ", ".join(on) or "off")
     head.add_row("world / nodes", f"{summary['world_size']} ranks on {summary['nodes']} node(s)")
     head.add_row("parameters", f"{summary['param_count']:,}")
     head.add_row("final train / val loss", f"{summary['final_train_loss']:.4f} / {summary['final_val_loss']:.4f}")
@@ -59,6 +68,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"intra-node {_bytes(summary['intra_node_bytes_per_step'])}, "
         f"inter-node {_bytes(summary['inter_node_bytes_per_step'])}",
     )
+    inter, zero3 = summary["inter_node_bytes_per_step"], summary["zero3_inter_node_bytes_per_step"]
+    if zero3:
+        head.add_row("inter-node vs ZeRO-3", f"{_bytes(inter)} vs {_bytes(zero3)} ({inter / zero3:.2f}x)")
     console.print(head)
 
     ledger = Table(title="ledger: bytes sent per rank per step (mean over ranks)")

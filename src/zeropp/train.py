@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zeropp.comm.volume import zero3_step_bytes
 from zeropp.config import Config, ModelConfig
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
@@ -23,7 +24,7 @@ from zeropp.models.gpt import GPT, PRESETS, GPTConfig
 from zeropp.topology import init_topology
 
 STEP_PHASES = ("forward", "backward", "step")
-LEDGER_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 
 
 def gpt_config(model: ModelConfig) -> GPTConfig:
@@ -148,6 +149,13 @@ class Trainer:
             if value:
                 mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
         zero = self.config.zero
+        zero3 = zero3_step_bytes(
+            [(unit.layout.padded_numel, unit.resident) for unit in engine.units],
+            topo.layout,
+            compute_bytes=engine.compute_dtype.itemsize,
+            grad_bytes=engine.grad_dtype.itemsize,
+            accumulation=zero.gradient_accumulation_steps,
+        )
         return {
             "final_train_loss": train_loss,
             "final_val_loss": val_loss,
@@ -161,13 +169,25 @@ class Trainer:
             "param_count": engine.param_count,
             "model_state_bytes_per_rank": [int(r[0]) for r in rows],
             "analytic_model_state_bytes_per_rank": analytic_model_state_bytes(
-                engine.param_count, topo.world_size, zero.stage, zero.precision, zero.grad_dtype
+                engine.param_count,
+                topo.world_size,
+                zero.stage,
+                zero.precision,
+                zero.grad_dtype,
+                hpz_group_size=engine.hpz_group_size,
             ),
             "peak_memory_bytes_per_rank": [int(r[1]) for r in rows],
             "intra_node_bytes_per_step": sum(r[2] for r in rows) / n,
             "inter_node_bytes_per_step": sum(r[3] for r in rows) / n,
             "intra_node_bytes_per_step_by_rank": [r[2] for r in rows],
             "inter_node_bytes_per_step_by_rank": [r[3] for r in rows],
+            "zero3_intra_node_bytes_per_step": sum(zero3[p]["intra"] for p in STEP_PHASES),
+            "zero3_inter_node_bytes_per_step": sum(zero3[p]["inter"] for p in STEP_PHASES),
+            "zeropp": {
+                "quantized_weights": zero.quantized_weights,
+                "hpz_group_size": engine.hpz_group_size,
+                "quantized_gradients": zero.quantized_gradients,
+            },
             "ledger": mean_ledger,
             "config": self.config.to_dict(),
         }

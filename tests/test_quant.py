@@ -1,0 +1,504 @@
+"""Single-process tests of the ZeRO++ quantization reference and of qgZ's index math.
+
+Covered:
+
+* ``zeropp.quant`` / ``zeropp.quant.reference``: the round-trip error bound (int8 / int4, blocks that
+  divide and do not divide the row, odd rows, one scale per row, fp32 / bf16 / fp16 inputs), the
+  storage layout (int8 codes, int4 nibble packing, scale shapes), zero and non-finite blocks,
+  ``row_order`` (also on a strided view), ``dequantize_reduce`` (fp32 sum in index order, divisor,
+  output dtype, ``out=``), ``dequantize_reduce_quantize``, round-half-even, ``out=`` of quantize /
+  dequantize and ``kernels_for``.
+* ``zeropp.partition``: ``qgz_send_order`` against eq. 2 of ZeRO++, ``qgz_slice_order`` against
+  Algorithm 2, a symbolic simulation of the two-hop qgZ exchange for every X, Y <= 8 and stages <= 4,
+  ``column_chunks`` and ``secondary_range``.
+* Block versus per-tensor accuracy (ZeRO++ Fig. 2): on one transformer block of a briefly trained
+  GPT and on heavy-tailed synthetic weights, block int8 must have >= 3x lower mean-squared error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from zeropp.models.gpt import GPT, GPTConfig
+from zeropp.partition import column_chunks, qgz_send_order, qgz_slice_order, secondary_range
+from zeropp.quant import Quantized, QuantSpec, kernels_for
+from zeropp.quant import reference as ref
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP32_UNIT = 2.0**-24  # unit roundoff of fp32
+
+
+def _random(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normal values with magnitudes varying by row, so blocks have different scales."""
+    g = torch.Generator().manual_seed(seed)
+    rows = math.prod(shape[:-1])
+    row_scale = torch.logspace(-3, 1, rows)[torch.randperm(rows, generator=g)]
+    values = torch.randn(*shape, generator=g) * row_scale.view(*shape[:-1], 1)
+    return values.to(dtype)
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """For every element, max |x| over its block (blocks of `block` along the last dim, last one shorter)."""
+    x = x.float().abs()
+    pieces = [x[..., s : s + block] for s in range(0, x.shape[-1], block)]
+    return torch.cat([p.amax(dim=-1, keepdim=True).expand_as(p) for p in pieces], dim=-1)
+
+
+def _codes(q: Quantized) -> torch.Tensor:
+    """The integer codes of `q`, decoded by hand from the documented storage layout."""
+    if q.spec.bits == 8:
+        return q.data.to(torch.int16)
+    low, high = (q.data & 0xF).to(torch.int16), (q.data >> 4).to(torch.int16)
+    nibbles = torch.stack((low, high), dim=-1).flatten(-2)[..., : q.n]
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+# ---------------------------------------------------------------------------------------------
+# round trip
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "n, block_size", [(1, 256), (7, 4), (7, None), (64, 16), (1001, 256), (1001, 7), (1001, None), (512, 256)]
+)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_round_trip_error_bound(bits, n, block_size, dtype):
+    spec = QuantSpec(bits, block_size)
+    x = _random((5, n), seed=n * 31 + bits, dtype=DTYPES[dtype])
+    q = ref.quantize(x, spec)
+    out = ref.dequantize(q, torch.float32)
+    assert out.shape == x.shape and out.dtype == torch.float32
+
+    x32 = x.float()
+    absmax = _block_absmax(x32, spec.block(n))
+    err = (x32.double() - out.double()).abs()
+    # half a quantization step; the second term is fp32 rounding of x / scale and q * scale, which
+    # can push an element sitting on a rounding tie a few ulps of absmax past the half step
+    bound = absmax.double() / (2 * spec.qmax) * (1 + 1e-6) + absmax.double() * 4 * FP32_UNIT
+    assert (err <= bound).all(), f"worst error / half step = {(err / (absmax.double() / (2 * spec.qmax))).max():.9f}"
+    if n > 1:
+        assert err.max() > 0, "nothing was quantized"
+
+    # the block's absmax element round-trips up to fp32 rounding
+    at_max = x32.abs() == absmax
+    assert at_max.any()
+    torch.testing.assert_close(out[at_max], x32[at_max], rtol=4 * FP32_UNIT, atol=0)
+
+    # another output dtype is the fp32 values cast to it
+    for other in (torch.bfloat16, torch.float16):
+        assert torch.equal(ref.dequantize(q, other), out.to(other))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_trip_many_leading_dims(bits):
+    spec = QuantSpec(bits, 32)
+    x = _random((3, 4, 75), seed=5)
+    out = ref.dequantize(ref.quantize(x, spec), torch.float32)
+    assert out.shape == (3, 4, 75)
+    absmax = _block_absmax(x, 32)
+    assert ((x - out).abs() <= absmax / (2 * spec.qmax) * (1 + 1e-6) + absmax * 4 * FP32_UNIT).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# storage
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n, block_size", [(1, 256), (7, 4), (1001, 256), (1001, None), (256, 256), (10, 3)])
+def test_storage_shapes(bits, n, block_size):
+    spec = QuantSpec(bits, block_size)
+    q = ref.quantize(_random((2, 3, n), seed=1), spec)
+    blocks = 1 if block_size is None else math.ceil(n / block_size)
+    row_bytes = n if bits == 8 else math.ceil(n / 2)
+    assert spec.qmax == (127 if bits == 8 else 7)
+    assert spec.blocks(n) == blocks and spec.row_bytes(n) == row_bytes
+    assert q.data.dtype == (torch.int8 if bits == 8 else torch.uint8) == spec.data_dtype
+    assert q.data.shape == (2, 3, row_bytes)
+    assert q.scales.dtype == torch.float32 and q.scales.shape == (2, 3, blocks)
+    assert q.n == n and q.spec == spec
+    assert q.nbytes == 6 * row_bytes + 6 * blocks * 4
+    sub = q[1]
+    assert sub.data.shape == (3, row_bytes) and torch.equal(sub.scales, q.scales[1])
+    flat = q.reshape(6)
+    assert flat.data.shape == (6, row_bytes) and flat.scales.shape == (6, blocks)
+
+
+def test_int4_nibble_layout_by_hand():
+    # absmax 7 -> scale 7 / 7 = 1, so the codes are the values themselves
+    x = torch.tensor([[-7.0, 7.0, 1.0, -1.0, 3.0], [0.0, -3.0, 7.0, 2.0, -6.0]])
+    q = ref.quantize(x, QuantSpec(4, 8))
+    assert torch.equal(q.scales, torch.ones(2, 1))
+    # row 0: (-7 low = 0x9, 7 high = 0x7) -> 0x79; (1 -> 0x1, -1 -> 0xF) -> 0xF1; (3, pad 0) -> 0x03
+    # row 1: (0, -3 = 0xD) -> 0xD0; (7, 2) -> 0x27; (-6 = 0xA, pad) -> 0x0A
+    expected = torch.tensor([[0x79, 0xF1, 0x03], [0xD0, 0x27, 0x0A]], dtype=torch.uint8)
+    assert torch.equal(q.data, expected)
+    assert torch.equal(ref.dequantize(q, torch.float32), x)
+
+
+def test_int8_codes_by_hand():
+    x = torch.tensor([[-7.0, 7.0, 1.0, -1.0, 3.0, 127.0, -127.0]])  # absmax 127 -> scale 1
+    q = ref.quantize(x, QuantSpec(8, None))
+    assert torch.equal(q.data, x.to(torch.int8))
+    assert torch.equal(q.scales, torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 33])
+def test_int4_every_code_round_trips_through_nibbles(n):
+    codes = (torch.arange(n) % 15 - 7).float().view(1, n)
+    codes[0, 0] = 7.0  # absmax 7 -> scale 1
+    q = ref.quantize(codes, QuantSpec(4, None))
+    assert q.data.shape == (1, math.ceil(n / 2))
+    assert torch.equal(_codes(q).float(), codes)
+
+
+# ---------------------------------------------------------------------------------------------
+# zero and non-finite blocks
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_blocks(bits):
+    spec = QuantSpec(bits, 4)
+    x = _random((2, 13), seed=2)
+    x[0, 4:8] = 0.0  # a full zero block
+    x[1, 12:] = 0.0  # the short last block
+    q = ref.quantize(x, spec)
+    codes = _codes(q)
+    assert (codes[0, 4:8] == 0).all() and (codes[1, 12:] == 0).all()
+    assert q.scales[0, 1] == 0 and q.scales[1, 3] == 0
+    out = ref.dequantize(q, torch.float32)
+    assert torch.isfinite(out).all()
+    assert (out[0, 4:8] == 0).all() and (out[1, 12:] == 0).all()
+
+    zeros = ref.quantize(torch.zeros(3, 9), spec)
+    assert (_codes(zeros) == 0).all() and (zeros.scales == 0).all()
+    assert torch.equal(ref.dequantize(zeros, torch.float32), torch.zeros(3, 9))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_non_finite_block_dequantizes_to_nan(bits, bad, dtype):
+    spec = QuantSpec(bits, 4)
+    x = _random((3, 14), seed=3).to(DTYPES[dtype])
+    x[0, 5] = bad  # block 1 of row 0
+    x[2, 13] = bad  # the short last block (12:14) of row 2
+    out = ref.dequantize(ref.quantize(x, spec), torch.float32)
+    poisoned = torch.zeros(3, 14, dtype=torch.bool)
+    poisoned[0, 4:8] = True
+    poisoned[2, 12:14] = True
+    assert out[poisoned].isnan().all()
+    assert torch.isfinite(out[~poisoned]).all()
+    clean = x.float()
+    absmax = _block_absmax(torch.where(poisoned, 0.0, clean), 4)
+    bound = absmax / (2 * spec.qmax) * (1 + 1e-6) + absmax * 4 * FP32_UNIT
+    assert ((clean - out).abs()[~poisoned] <= bound[~poisoned]).all()
+    # cast to a low-precision output keeps the NaN (what the loss scaler checks)
+    assert ref.dequantize(ref.quantize(x, spec), DTYPES[dtype])[poisoned].isnan().all()
+
+
+def test_non_finite_row_without_blocks():
+    x = _random((3, 10), seed=4)
+    x[1, 7] = float("inf")
+    out = ref.dequantize(ref.quantize(x, QuantSpec(8, None)), torch.float32)
+    assert out[1].isnan().all()
+    assert torch.isfinite(out[[0, 2]]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# row_order
+
+
+def _assert_same_quantized(a: Quantized, b: Quantized) -> None:
+    assert a.n == b.n and a.spec == b.spec
+    assert a.data.dtype == b.data.dtype and torch.equal(a.data, b.data)
+    assert torch.equal(a.scales, b.scales)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16), QuantSpec(4, 16), QuantSpec(4, 5), QuantSpec(8, None)])
+def test_row_order(spec):
+    x = _random((2, 3, 37), seed=6)
+    rows = x.reshape(-1, 37)
+    for order in ([5, 0, 3, 1, 4, 2], [4, 1], [2, 2, 0]):
+        idx = torch.tensor(order)
+        got = ref.quantize(x, spec, row_order=idx)
+        assert got.data.shape[0] == len(order)
+        _assert_same_quantized(got, ref.quantize(rows[idx], spec))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 4), QuantSpec(4, 4), QuantSpec(4, None)])
+def test_row_order_on_strided_view(spec):
+    full = _random((40,), seed=7)
+    view = full.view(4, 10)[:, 3:9]
+    assert not view.is_contiguous()
+    idx = torch.tensor([2, 0, 3])
+    expected = ref.quantize(view.contiguous()[idx], spec)
+    _assert_same_quantized(ref.quantize(view, spec, row_order=idx), expected)
+    _assert_same_quantized(ref.quantize(view.reshape(-1, 6)[idx], spec), expected)
+    _assert_same_quantized(ref.quantize(view, spec), ref.quantize(view.contiguous(), spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+
+
+def _sources(count: int, rows: int, n: int, spec: QuantSpec, seed: int) -> Quantized:
+    """`count` quantized sources of [rows, n], magnitudes differing by orders between sources."""
+    x = torch.stack([_random((rows, n), seed=seed + i) * 10.0 ** (i % 4 - 1) for i in range(count)])
+    return ref.quantize(x, spec)
+
+
+def _fold(q: Quantized, order) -> torch.Tensor:
+    total = None
+    for i in order:
+        value = ref.dequantize(q[i], torch.float32)
+        total = value if total is None else total + value
+    return total
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16), QuantSpec(4, 7), QuantSpec(8, None)])
+@pytest.mark.parametrize("divisor", [1, 3, 8])
+def test_dequantize_reduce(spec, divisor):
+    q = _sources(5, 6, 50, spec, seed=10)
+    in_order = _fold(q, range(5))
+    expected = in_order / divisor if divisor != 1 else in_order
+    got = ref.dequantize_reduce(q, torch.float32, divisor=divisor)
+    assert got.dtype == torch.float32 and got.shape == (6, 50)
+    assert torch.equal(got, expected)
+    # the sources differ by orders of magnitude, so another summation order gives other bits:
+    # the equality above really pins the index order
+    assert not torch.equal(_fold(q, reversed(range(5))), in_order)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        low = ref.dequantize_reduce(q, dtype, divisor=divisor)
+        assert low.dtype == dtype and torch.equal(low, expected.to(dtype))
+
+
+def test_dequantize_reduce_out_writes_in_place():
+    spec = QuantSpec(4, 16)
+    q = _sources(3, 4, 20, spec, seed=20)
+    expected = (_fold(q, range(3)) / 3).to(torch.bfloat16)
+
+    big = torch.full((7, 20), -1.0, dtype=torch.bfloat16)
+    out = big[2:6]
+    result = ref.dequantize_reduce(q, torch.bfloat16, divisor=3, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(big[2:6], expected)
+    assert (big[:2] == -1).all() and (big[6:] == -1).all()
+
+    wide = torch.full((4, 30), -1.0)  # a column slice: strided rows
+    ref.dequantize_reduce(q, torch.float32, divisor=3, out=wide[:, 5:25])
+    assert torch.equal(wide[:, 5:25], _fold(q, range(3)) / 3)
+    assert (wide[:, :5] == -1).all() and (wide[:, 25:] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "source_spec, out_spec",
+    [(QuantSpec(8, 16), QuantSpec(8, 16)), (QuantSpec(4, 16), QuantSpec(4, 16)), (QuantSpec(4, 7), QuantSpec(8, 32))],
+)
+def test_dequantize_reduce_quantize(source_spec, out_spec):
+    q = _sources(4, 3, 45, source_spec, seed=30)
+    got = ref.dequantize_reduce_quantize(q, out_spec)
+    _assert_same_quantized(got, ref.quantize(_fold(q, range(4)), out_spec))
+
+
+def test_quantize_and_dequantize_out():
+    spec = QuantSpec(4, 8)
+    x = _random((3, 21), seed=40)
+    expected = ref.quantize(x, spec)
+    target = Quantized(torch.zeros_like(expected.data), torch.zeros_like(expected.scales), 21, spec)
+    result = ref.quantize(x, spec, out=target)
+    assert result is target
+    _assert_same_quantized(target, expected)
+
+    big = torch.zeros(5, 21, dtype=torch.float16)
+    ref.dequantize(expected, torch.float16, out=big[1:4])
+    assert torch.equal(big[1:4], ref.dequantize(expected, torch.float16))
+    assert (big[0] == 0).all() and (big[4] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# rounding
+
+
+def test_round_half_even_int8():
+    x = torch.tensor([[127.0, 2.5, -2.5, 3.5, -3.5, 0.5, 1.5, -0.5, 126.5]])  # absmax 127 -> scale 1
+    q = ref.quantize(x, QuantSpec(8, None))
+    assert q.scales.item() == 1.0
+    assert q.data.tolist() == [[127, 2, -2, 4, -4, 0, 2, 0, 126]]
+
+
+def test_round_half_even_int4():
+    x = torch.tensor([[7.0, 2.5, -3.5, 0.5, -1.5, 6.5, 5.5]])  # absmax 7 -> scale 1
+    q = ref.quantize(x, QuantSpec(4, 8))
+    assert q.scales.item() == 1.0
+    assert _codes(q).tolist() == [[7, 2, -4, 0, -2, 6, 6]]
+
+
+def test_kernels_for_cpu_is_the_reference():
+    assert kernels_for(torch.device("cpu")) is ref
+    assert kernels_for(torch.device("cpu"), "torch") is ref
+
+
+# ---------------------------------------------------------------------------------------------
+# qgZ index math
+
+
+def _eq2(x: int, y: int) -> list[int]:
+    """ZeRO++ eq. 2 written out: for each local rank j, the slices j, X + j, ..., (Y - 1) X + j."""
+    order = []
+    for j in range(x):
+        for m in range(y):
+            order.append(m * x + j)
+    return order
+
+
+def test_qgz_send_order_paper_example():
+    assert qgz_send_order(2, 2) == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize("x, y", [(1, 1), (1, 4), (4, 1), (2, 3), (3, 2), (4, 4), (8, 2), (2, 8)])
+def test_qgz_send_order_is_eq2(x, y):
+    order = qgz_send_order(x, y)
+    assert order == _eq2(x, y)
+    assert order[:y] == [m * x for m in range(y)]  # [0, X, 2X, ..., (Y-1)X, ...]
+    assert order[-1] == x * y - 1
+    assert sorted(order) == list(range(x * y))
+
+
+@pytest.mark.parametrize("x, y, stages", [(1, 1, 1), (2, 2, 3), (3, 2, 2), (2, 5, 4), (4, 3, 1), (8, 8, 4)])
+def test_qgz_slice_order_is_algorithm2(x, y, stages):
+    order = qgz_slice_order(x, y, stages)
+    assert len(order) == stages * x * y
+    assert sorted(order) == [(k, z) for k in range(stages) for z in range(x * y)]
+    for position, (k, z) in enumerate(order):
+        assert position == k * x * y + (z % x) * y + z // x, (position, k, z)
+
+
+def _simulate_qgz(x: int, y: int, stages: int, order: list[tuple[int, int]]) -> dict:
+    """Run the two qgZ hops on labels with the send buffer `order` of (stage, slice) items.
+
+    Returns {rank: {stage: ((slice, stage) held, Counter of contributing ranks)}}.
+
+    Raises AssertionError when a receiver would sum chunks holding different (slice, stage) items.
+    """
+    world = x * y
+    result: dict = {r: {} for r in range(world)}
+    for k in range(stages):
+        send = [(z, stage) for stage, z in order if stage == k]  # every rank's buffer for stage k
+        assert len(send) == world
+        # hop 1: chunk j of rank (node, i) -> rank (node, j); the receiver sums the X chunks
+        reduced = {}
+        for node in range(y):
+            for j in range(x):
+                chunks = [(node * x + i, send[j * y : (j + 1) * y]) for i in range(x)]
+                labels = chunks[0][1]
+                assert all(chunk == labels for _, chunk in chunks), (x, y, k, node, j)
+                reduced[node * x + j] = [(label, Counter(sender for sender, _ in chunks)) for label in labels]
+        # hop 2: among ranks with local index j, the m-th item of rank (node, j) -> rank (m, j)
+        for receiver in range(world):
+            m, j = divmod(receiver, x)
+            items = [reduced[node * x + j][m] for node in range(y)]
+            labels = {label for label, _ in items}
+            assert len(labels) == 1, (x, y, k, receiver, labels)
+            contributors = sum((c for _, c in items), Counter())
+            result[receiver][k] = (labels.pop(), contributors)
+    return result
+
+
+@pytest.mark.parametrize("y", range(1, 9))
+@pytest.mark.parametrize("x", range(1, 9))
+def test_qgz_two_hop_exchange_delivers_every_slice(x, y):
+    world = x * y
+    everyone = Counter(range(world))
+    for stages in range(1, 5):
+        held = _simulate_qgz(x, y, stages, qgz_slice_order(x, y, stages))
+        for rank in range(world):
+            assert sorted(held[rank]) == list(range(stages))
+            for k in range(stages):
+                label, contributors = held[rank][k]
+                assert label == (rank, k), (x, y, stages, rank, k, label)
+                assert contributors == everyone, (x, y, stages, rank, k)
+
+
+def test_simulation_catches_a_wrong_order():
+    """The simulation itself can fail: without the reordering, slices reach the wrong ranks."""
+    for x, y in [(2, 2), (3, 2), (2, 4)]:
+        identity = [(k, z) for k in range(2) for z in range(x * y)]
+        held = _simulate_qgz(x, y, 2, identity)
+        assert any(held[r][k][0] != (r, k) for r in range(x * y) for k in range(2)), (x, y)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 5, 7, 8, 64, 100, 1001])
+@pytest.mark.parametrize("pieces", [1, 2, 3, 4, 7, 8, 16])
+def test_column_chunks(numel, pieces):
+    chunks = column_chunks(numel, pieces)
+    assert len(chunks) == min(numel, pieces)
+    cursor = 0
+    for start, stop in chunks:
+        assert start == cursor and stop > start
+        cursor = stop
+    assert cursor == numel
+    sizes = [b - a for a, b in chunks]
+    assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("padded, group", [(8, 1), (8, 2), (96, 4), (96, 3), (1024, 8), (5, 5)])
+def test_secondary_range(padded, group):
+    ranges = [secondary_range(padded, group, r) for r in range(group)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == padded
+    for (a, b), (c, _) in zip(ranges, ranges[1:] + [(padded, None)], strict=True):
+        assert b - a == padded // group and b == c
+    with pytest.raises(AssertionError):
+        secondary_range(10, 4, 0)  # group_size must divide the padded buffer
+
+
+# ---------------------------------------------------------------------------------------------
+# block versus per-tensor accuracy (ZeRO++ Fig. 2)
+
+
+def _block_vs_tensor_ratio(flat: torch.Tensor) -> float:
+    """Mean-squared int8 error of one scale for the whole vector over that of 256-element blocks."""
+    flat = flat.float().view(1, -1)
+
+    def mse(spec: QuantSpec) -> float:
+        return float((ref.dequantize(ref.quantize(flat, spec), torch.float32) - flat).pow(2).mean())
+
+    return mse(QuantSpec(8, None)) / mse(QuantSpec(8, 256))
+
+
+def _trained_block() -> torch.Tensor:
+    """One transformer block's parameters, concatenated, after 30 AdamW steps on random bytes."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = GPTConfig(block_size=32, n_layer=2, n_head=2, d_model=64)
+        model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(30):
+            tokens = torch.randint(0, 256, (8, config.block_size + 1))
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    block = model.blocks[0]
+    assert not torch.allclose(block.ln_1.weight, torch.ones_like(block.ln_1.weight)), "weights did not move"
+    return torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+
+
+def test_block_quantization_beats_per_tensor_on_trained_gpt_block():
+    flat = _trained_block()
+    assert flat.numel() == 12 * 64 * 64 + 13 * 64
+    ratio = _block_vs_tensor_ratio(flat)
+    assert ratio >= 3, f"per-tensor / block int8 MSE ratio {ratio:.2f} on a trained GPT block"
+
+
+def test_block_quantization_beats_per_tensor_on_heavy_tails():
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        t = torch.distributions.StudentT(df=3.0).sample((256, 512))
+        row_scale = torch.distributions.LogNormal(0.0, 1.0).sample((256, 1))
+    ratio = _block_vs_tensor_ratio(t * row_scale)
+    assert ratio >= 3, f"per-tensor / block int8 MSE ratio {ratio:.2f} on Student-t(3) x lognormal rows"
