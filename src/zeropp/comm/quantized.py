@@ -24,6 +24,7 @@ partial sum: |result - exact mean| <= (sum over ranks of a_rank + sum over nodes
 
 from __future__ import annotations
 
+import functools
 import math
 from types import ModuleType
 
@@ -82,7 +83,7 @@ def reduce_scatter_quantized(
     width = shard.numel()
     assert full.numel() == world * width, (full.numel(), world, width)
     slices = full.view(world, width)
-    send_order = torch.tensor(qgz_send_order(x, y), device=full.device)
+    send_order = _send_order(x, y, full.device)
     chunks = column_chunks(width, math.ceil(width / bucket_numel) * stages)
 
     def exchange(q: Quantized, group: Group) -> tuple[list[Pending], Quantized]:
@@ -113,3 +114,8 @@ def reduce_scatter_quantized(
             kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop])
 
     return Pending([], finish)
+
+
+@functools.lru_cache(maxsize=8)
+def _send_order(ranks_per_node: int, nodes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(qgz_send_order(ranks_per_node, nodes), device=device)
