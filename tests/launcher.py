@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -31,12 +32,20 @@ def _worker(fn: Callable, rank: int, world: int, nodes: int, port: int, queue: m
     )
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(**kwargs)))
+        queue.put((rank, "ok", _serialize(fn(**kwargs))))
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _serialize(value: Any) -> bytes:
+    """Results travel as torch.save bytes: tensors in a multiprocessing queue would be passed as
+    shared-memory handles that die with the rank's process."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, **kwargs: Any) -> list[Any]:
@@ -53,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, **kwargs: Any)
             rank, status, value = queue.get(timeout=TIMEOUT_S)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp.checkpoint import CheckpointError
 from zeropp.config import ConfigError, leaf_keys, load_config
+from zeropp.train import preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {"zero.quantized_weights": True, "zero.hpz_partition_size": 0, "zero.quantized_gradients": True}
@@ -71,12 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in LAUNCH_FLAGS.items():
         launch.add_argument("--" + name.replace("_", "-"), dest=name, default=default, type=type(default))
     _config_flags(train)
+    export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
+    export.add_argument("out", type=Path, help="the .safetensors file to write")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return _export(args.checkpoint, args.out)
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     if "RANK" not in os.environ and args.nnodes == "1" and "topology.nodes" not in overrides:
         simulated = 2 if args.nproc_per_node % 2 == 0 else 1
@@ -90,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config.topology.check_world(int(os.environ["WORLD_SIZE"]))
         else:
             config.topology.check_world(args.nproc_per_node * int(args.nnodes.split(":")[-1]))
-    except ConfigError as error:
+            preflight(config)
+    except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
@@ -102,6 +110,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS]
+    # c10d rendezvous: each restart (--max-restarts) meets under a fresh key prefix; the static one
+    # would hand restarted ranks the addresses of the ranks it just killed
+    launcher_argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
     torchrun_args = get_args_parser().parse_args([*launcher_argv, "-m", "zeropp.cli", *argv])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     try:
@@ -117,22 +128,38 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
     from zeropp.topology import shutdown
     from zeropp.train import Trainer, write_summary
 
-    trainer = Trainer(config)
-    leader = trainer.topology.rank == 0
+    status = 0
     try:
+        trainer = Trainer(config)
+        leader = trainer.topology.rank == 0
         with progress_bar(config.train.steps, enabled=leader) as update:
             summary = trainer.run(update)
         if leader:
             print_summary(summary)
             if summary_json is not None:
                 write_summary(summary, summary_json)
+    except CheckpointError as error:  # every rank meets it: say it once per rank, in one line
+        print(f"zeropp: error: {error}", file=sys.stderr)
+        status = 1
     finally:
         shutdown()
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def _export(checkpoint: Path, out: Path) -> int:
+    from zeropp.checkpoint import export_checkpoint
+
+    try:
+        meta = export_checkpoint(checkpoint, out)
+    except CheckpointError as error:
+        print(f"zeropp: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, safetensors)")
+    return 0
 
 
 if __name__ == "__main__":

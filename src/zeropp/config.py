@@ -192,12 +192,31 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of `zeropp train` (see zeropp.checkpoint)."""
+
+    checkpoint_dir: str | None = None
+    save_interval: int = 0  # save every this many steps, and after the last one (0: never)
+    resume: str | None = None  # "auto": the latest checkpoint in checkpoint_dir, if any; or a checkpoint's path
+    keep_last: int = 3  # published checkpoints to keep (0: all)
+
+    def validate(self) -> None:
+        for key in ("save_interval", "keep_last"):
+            value = getattr(self, key)
+            _require(value >= 0, f"checkpoint.{key}", value, "an integer >= 0")
+        if self.save_interval or self.resume == "auto":
+            what = "checkpoint.save_interval" if self.save_interval else "checkpoint.resume = 'auto'"
+            _require(self.checkpoint_dir is not None, "checkpoint.checkpoint_dir", None, f"a directory when {what}")
+
+
+@dataclass
 class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> Config:
         for section in dataclasses.fields(self):

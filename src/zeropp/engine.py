@@ -327,10 +327,7 @@ class ZeroEngine:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
         full: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            flat = unit.master.data
-            if unit.shard_world > 1:
-                flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=self.topology.device)
-                self.comm.all_gather(flat, unit.master.data, self.topology.world, bucket_numel=unit.allgather_bucket)
+            flat = unit.gather_flat(unit.master.data)
             for index, p in enumerate(unit.params):
                 start, stop = unit.layout.param_range(index)
                 full[id(p)] = flat[start:stop].view(p.shape).to("cpu", copy=True)

@@ -132,10 +132,29 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
         if "MASTER_ADDR" not in os.environ and world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        timeout = datetime.timedelta(seconds=config.timeout_s)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=config.timeout_s)
+            backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
     return build_topology(layout, rank, device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store under a prefix of its own for each torchrun restart.
+
+    torchrun keeps one store across restarts (--max-restarts); without a fresh prefix, restarted
+    ranks read the addresses that the killed attempt's ranks published and fail to connect
+    (pytorch/pytorch#167288).
+    """
+    agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosted,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"zeropp/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_topology(layout: Layout, rank: int, device: torch.device) -> Topology:

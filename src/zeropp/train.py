@@ -15,6 +15,14 @@ from typing import Any
 
 import torch
 
+from zeropp.checkpoint import (
+    CheckpointError,
+    check_writable,
+    find_latest,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
 from zeropp.comm.volume import zero3_step_bytes
 from zeropp.config import Config, ModelConfig
 from zeropp.data import Batches
@@ -41,6 +49,36 @@ def learning_rate(config: Config, step: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def checkpoint_to_resume(config: Config) -> Path | None:
+    """The checkpoint to start from: checkpoint.resume's path, the latest one for 'auto', or none.
+
+    Refuses a missing or damaged checkpoint, or one saved with another model config (a different
+    n_head, say, can hold tensors of the same shapes).
+    """
+    resume = config.checkpoint.resume
+    if resume is None:
+        return None
+    path = Path(resume) if resume != "auto" else find_latest(config.checkpoint.checkpoint_dir)
+    if path is None:
+        return None
+    saved = read_meta(path)["extra"].get("config", {}).get("model", {})
+    ours = dataclasses.asdict(config.model)
+    for key in sorted(ours):
+        if saved.get(key) != ours[key]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved with model.{key} = {saved.get(key)!r}, "
+                f"this run has model.{key} = {ours[key]!r}"
+            )
+    return path
+
+
+def preflight(config: Config) -> None:
+    """Checks that need no process group: the checkpoint folder is writable, the resume point readable."""
+    if config.checkpoint.save_interval:
+        check_writable(config.checkpoint.checkpoint_dir)
+    checkpoint_to_resume(config)
+
+
 class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -55,11 +93,22 @@ class Trainer:
             config.zero,
             self.topology,
         )
-        self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast is not
+        self.start_step = 0
+        self.resumed_from = checkpoint_to_resume(config)
+        if self.resumed_from is not None:
+            meta = load_checkpoint(self.engine, self.resumed_from)
+            self.start_step = meta["step"]
+        self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         world, rank = self.topology.world_size, self.topology.rank
         args = (self.gpt.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
         self.train_batches = Batches("train", *args)
         self.val_batches = Batches("val", *args)
+
+    def save(self, steps_done: int) -> None:
+        c = self.config.checkpoint
+        extra = {"config": self.config.to_dict()}
+        with self.engine.comm.ledger.in_phase("other"):
+            save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
 
     @property
     def tokens_per_step(self) -> int:
@@ -107,20 +156,25 @@ class Trainer:
         return out.view(self.topology.world_size, len(values)).tolist()
 
     def run(self, progress: Any = None) -> dict[str, Any]:
-        steps = self.config.train.steps
+        steps, interval = self.config.train.steps, self.config.checkpoint.save_interval
         train_loss = float("nan")
         val_loss = float("nan")
-        self.step_times = []
-        for step in range(steps):
+        self.step_times, self.losses = [], []
+        for step in range(self.start_step, steps):
             tick = time.perf_counter()
             train_loss = self.train_step(step)
             self.step_times.append(time.perf_counter() - tick)
+            self.losses.append(train_loss)
             if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
                 val_loss = self.evaluate()
+            if interval and ((step + 1) % interval == 0 or step + 1 == steps):
+                self.save(step + 1)
             if progress is not None:
-                progress(step + 1, train_loss, val_loss, self.tokens_per_step * (step + 1) / sum(self.step_times))
+                tokens_per_s = self.tokens_per_step * len(self.step_times) / sum(self.step_times)
+                progress(step + 1, train_loss, val_loss, tokens_per_s)
         val_loss = self.evaluate()
-        return self.summary(train_loss, val_loss, self.tokens_per_step * steps / sum(self.step_times))
+        tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
+        return self.summary(train_loss, val_loss, tokens_per_s)
 
     def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> dict[str, Any]:
         engine, topo = self.engine, self.topology
@@ -160,12 +214,15 @@ class Trainer:
             "final_train_loss": train_loss,
             "final_val_loss": val_loss,
             "tokens_per_s": tokens_per_s,
-            "median_step_time_s": statistics.median(self.step_times[1:] or self.step_times),
+            "median_step_time_s": statistics.median(self.step_times[1:] or self.step_times or [0.0]),
             "world_size": topo.world_size,
             "nodes": topo.nodes,
             "stage": zero.stage,
             "precision": zero.precision,
             "steps": self.config.train.steps,
+            "start_step": self.start_step,
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "train_losses": self.losses,
             "param_count": engine.param_count,
             "model_state_bytes_per_rank": [int(r[0]) for r in rows],
             "analytic_model_state_bytes_per_rank": analytic_model_state_bytes(

@@ -297,6 +297,29 @@ class FlatUnit:
         else:
             self.grad_flat.zero_()
 
+    # -- whole flat buffers (consolidation, checkpoints) -------------------------------------------
+
+    def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole padded flat buffer of which `shard` (aligned with ``master``) is this rank's piece."""
+        if self.shard_world == 1:
+            return shard
+        flat = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(flat, shard, self.comm.topology.world, bucket_numel=self.allgather_bucket)
+        return flat
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole padded flat buffer (the inverse of gather_flat)."""
+        if self.shard_world == 1:
+            return flat
+        start, stop = self.layout.shard_range(self.comm.topology.rank)
+        return flat[start:stop]
+
+    def load_master(self, flat: torch.Tensor) -> None:
+        """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
+        self.reshard()
+        self.master.data.copy_(self.shard_of(flat))
+        self.publish_master()
+
     # -- after the optimizer step -----------------------------------------------------------------
 
     def publish_master(self) -> None:
