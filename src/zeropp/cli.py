@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file to write")
+    bench = commands.add_parser("bench", help="benchmarks: 'kernels' times the quantization kernels (needs CUDA)")
+    bench.add_argument("what", choices=["kernels"])
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)")
     return parser
 
 
@@ -84,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
+    if args.command == "bench":
+        from zeropp.benchmarks import kernels
+
+        return kernels.main(args.options)
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     if "RANK" not in os.environ and args.nnodes == "1" and "topology.nodes" not in overrides:
         simulated = 2 if args.nproc_per_node % 2 == 0 else 1

@@ -89,8 +89,22 @@ def kernels_for(device: torch.device, backend: Backend = "auto") -> ModuleType:
 
     Each takes and returns the types above; see ``zeropp.quant.reference`` for their contracts.
     """
+    from importlib.util import find_spec
+
     from zeropp.quant import reference
 
-    if backend == "triton":
-        raise NotImplementedError("zeropp: the Triton quantization kernels are not available in this release")
-    return reference
+    device = torch.device(device)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"zeropp: unknown quantization backend {backend!r} (auto, torch or triton)")
+    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or find_spec("triton") is None)):
+        return reference
+    try:
+        from zeropp.quant import triton_kernels
+    except ImportError as error:
+        raise RuntimeError(f"zeropp: quantization backend 'triton' needs the triton package ({error})") from error
+    if device.type != "cuda" and not triton_kernels.INTERPRETED:
+        raise RuntimeError(
+            "zeropp: Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
+            "zeropp.quant.triton_kernels is first imported"
+        )
+    return triton_kernels

@@ -27,14 +27,14 @@ def quantize(
     block, blocks = spec.block(n), spec.blocks(n)
     padded = F.pad(rows.float(), (0, blocks * block - n)).view(-1, blocks, block)
     absmax = padded.abs().amax(dim=-1)
-    scales = absmax / spec.qmax
+    scales = absmax / torch.full_like(absmax, spec.qmax)  # a true division on CUDA too (not x * (1/q))
     usable = (scales > 0) & torch.isfinite(scales)
     divisor = torch.where(usable, scales, torch.ones_like(scales)).unsqueeze(-1)
     q = torch.round(padded / divisor).clamp_(-spec.qmax, spec.qmax)
     q = torch.where(usable.unsqueeze(-1), q, torch.zeros_like(q)).view(-1, blocks * block)[:, :n]
     q = q.to(torch.int8)
     data = q if spec.bits == 8 else _pack_int4(q)
-    result = Quantized(data.view(*lead, -1), scales.view(*lead, blocks), n, spec)
+    result = Quantized(data.reshape(*lead, spec.row_bytes(n)), scales.reshape(*lead, blocks), n, spec)
     if out is None:
         return result
     out.data.copy_(result.data)
@@ -56,7 +56,7 @@ def dequantize_reduce(
     """``(sum over sources i of dequantize(q[i])) / divisor`` in fp32, cast to `dtype`; shape q.shape[1:] + [n]."""
     total = _sum_sources(q)
     if divisor != 1:
-        total = total / divisor
+        total = total / torch.full_like(total, divisor)
     values = total.to(dtype)
     if out is None:
         return values
