@@ -76,10 +76,18 @@ def loss_of(kind: str, model, x, y) -> torch.Tensor:
     return model(x, y) if kind.startswith("gpt") else ((model(x) - y) ** 2).mean()
 
 
-def reference_state(kind: str, steps: int, world: int, accumulation: int, max_norm: float | None, optim_kwargs: dict):
+def reference_state(
+    kind: str,
+    steps: int,
+    world: int,
+    accumulation: int,
+    max_norm: float | None,
+    optim_kwargs: dict,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+):
     """One process on the whole global batch (all micro-batches at once)."""
     model = make_model(kind)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
     for step in range(steps):
         batches = [global_batch(kind, step, m, world) for m in range(accumulation)]
         x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))

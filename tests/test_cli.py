@@ -74,3 +74,10 @@ def test_nodes_must_divide_world_before_launch():
     result = zeropp("train", "--nodes", "3", "--nproc-per-node", "4")
     assert result.returncode == 2
     assert "topology.nodes = 3 does not divide world size 4" in result.stderr
+
+
+def test_hpz_partition_that_does_not_fit_the_world_is_refused_before_launch():
+    result = zeropp("train", "--nproc-per-node", "4", "--hpz-partition-size", "3")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zeropp: error: zero.hpz_partition_size = 3 is not allowed")

@@ -233,3 +233,25 @@ def test_fp16_gradients_need_fp16_precision():
     assert_mentions(message, "zero.grad_dtype", "'fp16'", "'bf16'")
     ZeroConfig(precision="fp16", grad_dtype="fp16").validate()
     ZeroConfig(precision="bf16", grad_dtype="fp32").validate()
+
+
+@pytest.mark.parametrize(
+    "world,ranks_per_node,setting,expected",
+    [
+        (4, 2, 0, 2),  # the ranks of one node
+        (4, 2, 1, 1),  # off
+        (4, 2, 2, 2),
+        (4, 2, 4, 1),  # as large as the world: the primary partition again, so off
+        (4, 4, 0, 1),  # one node: nothing to save
+        (8, 2, 4, 4),  # two whole nodes
+        (6, 3, 3, 3),
+    ],
+)
+def test_hpz_group_size(world, ranks_per_node, setting, expected):
+    assert ZeroConfig(hpz_partition_size=setting).hpz_group_size(world, ranks_per_node) == expected
+
+
+@pytest.mark.parametrize("world,ranks_per_node,setting", [(4, 2, 3), (6, 3, 2), (4, 2, 8)])
+def test_hpz_group_that_straddles_nodes_or_does_not_divide_the_world_is_refused(world, ranks_per_node, setting):
+    message = config_error(ZeroConfig(hpz_partition_size=setting).hpz_group_size, world, ranks_per_node)
+    assert_mentions(message, "zero.hpz_partition_size", str(setting), f"world size {world}")

@@ -103,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "RANK" in os.environ:
             config.topology.check_world(int(os.environ["WORLD_SIZE"]))
         else:
-            config.topology.check_world(args.nproc_per_node * int(args.nnodes.split(":")[-1]))
+            nodes = int(args.nnodes.split(":")[-1])
+            world = args.nproc_per_node * nodes
+            config.topology.check_world(world)
+            config.zero.hpz_group_size(world, world // (config.topology.nodes or nodes))
             preflight(config)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)

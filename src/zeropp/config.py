@@ -62,7 +62,7 @@ class ZeroConfig:
     prefetch: int = 1
     # stage 3: units with at most this many elements stay gathered (not re-gathered every forward/backward)
     persistence_threshold: int = 0
-    # every rank's shard is a multiple of this many elements (also the quantization block of ZeRO++)
+    # every rank's shard is a multiple of this many elements
     shard_alignment: int = 32
     gradient_accumulation_steps: int = 1
     max_grad_norm: float | None = None
@@ -113,10 +113,20 @@ class ZeroConfig:
                 )
         self.loss_scale.validate()
 
-    @property
-    def zeropp(self) -> bool:
-        """Whether any ZeRO++ switch is on."""
-        return self.quantized_weights or self.quantized_gradients or self.hpz_partition_size != 1
+    def hpz_group_size(self, world_size: int, ranks_per_node: int) -> int:
+        """hpZ's secondary group size on this topology, 1 when hpZ is off (a secondary group as large
+        as the world would be the primary partition again: more memory, no fewer bytes)."""
+        size = self.hpz_partition_size or ranks_per_node
+        aligned = ranks_per_node % size == 0 or size % ranks_per_node == 0  # never straddles part of a node
+        if world_size % size or not aligned:
+            _require(
+                False,
+                "zero.hpz_partition_size",
+                self.hpz_partition_size,
+                f"1 (off), 0 (the {ranks_per_node} ranks of one node) or a divisor or multiple of the "
+                f"{ranks_per_node} ranks per node that divides the world size {world_size}",
+            )
+        return 1 if size == world_size else size
 
 
 @dataclass

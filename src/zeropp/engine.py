@@ -71,7 +71,8 @@ class ZeroEngine:
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
-        self.hpz_group_size = self._hpz_group_size()  # refused before the first collective
+        topology = self.topology  # a bad hpZ size is refused before the first collective
+        self.hpz_group_size = self.config.hpz_group_size(topology.world_size, topology.ranks_per_node)
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
         self._sync_initial_weights(model)
@@ -99,25 +100,19 @@ class ZeroEngine:
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _hpz_group_size(self) -> int:
-        """hpZ's secondary group size for this topology (1: no secondary partition)."""
-        size = self.config.hpz_partition_size or self.topology.ranks_per_node
-        world = self.topology.world_size
-        if world % size:
-            raise ConfigError(
-                f"zero.hpz_partition_size = {self.config.hpz_partition_size} is not allowed; expected a divisor "
-                f"of the world size {world} (1: off, 0: the {self.topology.ranks_per_node} ranks of one node)"
-            )
-        return size
-
     def _unit_options(self, secondary_size: int) -> UnitOptions:
+        """The units' options; builds hpZ's secondary groups (collective) unless they are the nodes."""
         config = self.config
         secondary = None
-        if secondary_size > 1:
-            layout = self.topology.layout
-            groups = [tuple(range(g, g + secondary_size)) for g in range(0, layout.world_size, secondary_size)]
+        if secondary_size > 1 and secondary_size == self.topology.ranks_per_node:
+            secondary = self.topology.intra_node
+        elif secondary_size > 1:
+            world = self.topology.world_size
+            groups = [tuple(range(g, g + secondary_size)) for g in range(0, world, secondary_size)]
             secondary = self.topology.subgroups(f"hpz{secondary_size}", groups)
         weight_block = config.weight_block_size if config.weight_quantization == "block" else None
+        quantized = config.quantized_weights or config.quantized_gradients
+        side_stream = config.quantized_weights and self.topology.device.type == "cuda"
         return UnitOptions(
             compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype,
@@ -131,7 +126,8 @@ class ZeroEngine:
             else None,
             qgz_stages=config.qgz_pipeline_stages,
             secondary=secondary,
-            kernels=kernels_for(self.topology.device, config.quant_backend),
+            kernels=kernels_for(self.topology.device, config.quant_backend) if quantized else None,
+            quant_stream=torch.cuda.Stream(self.topology.device) if side_stream else None,
         )
 
     def _cast_unmanaged(self, model: nn.Module) -> None:
@@ -257,6 +253,9 @@ class ZeroEngine:
             self._reductions.append(unit.reduce_gradients())
             while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:  # bounds gradient memory in backward
                 self._reductions.pop(0).wait()
+            for pending in self._reductions:  # qgZ: start inter-node hops whose intra-node hop is done,
+                if not pending.poll():  # oldest first, and none of a later unit before an earlier one's
+                    break
 
     # -- optimizer step --------------------------------------------------------------------------
 

@@ -70,6 +70,7 @@ class Topology:
     world: Group
     intra_node: Group
     inter_node: Group
+    timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     _extra: dict[str, Group] = field(default_factory=dict)
 
     @property
@@ -95,7 +96,7 @@ class Topology:
         if name not in self._extra:
             mine = None
             for ranks in partition:
-                pg = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                pg = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     mine = Group(pg, tuple(ranks))
             assert mine is not None, f"rank {self.rank} is in no group of {name}"
@@ -136,7 +137,7 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
-    return build_topology(layout, rank, device)
+    return build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -157,10 +158,12 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     return dist.PrefixStore(f"zeropp/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def build_topology(layout: Layout, rank: int, device: torch.device) -> Topology:
+def build_topology(
+    layout: Layout, rank: int, device: torch.device, timeout: datetime.timedelta | None = None
+) -> Topology:
     """Build world, intra-node and inter-node groups (collective: every rank calls it identically)."""
     world = Group(dist.group.WORLD, tuple(range(layout.world_size)))
-    topo = Topology(layout, rank, device, world, world, world)
+    topo = Topology(layout, rank, device, world, world, world, timeout)
     intra = [layout.intra_node_ranks(n) for n in range(layout.nodes)]
     inter = [layout.inter_node_ranks(i) for i in range(layout.ranks_per_node)]
     topo.intra_node = world if layout.nodes == 1 else topo.subgroups("intra_node", intra)

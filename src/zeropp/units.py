@@ -92,6 +92,7 @@ class UnitOptions:
     qgz_stages: int = 1
     secondary: Group | None = None  # hpZ: this rank's secondary group
     kernels: ModuleType | None = None  # quantization kernels (zeropp.quant.kernels_for)
+    quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
 
 
 class FlatUnit:
@@ -204,9 +205,16 @@ class FlatUnit:
                 self.full, self.secondary_shard, options.secondary, bucket_numel=bucket, async_op=True
             )
         if options.weight_quant is not None:  # qwZ
-            shard = options.kernels.quantize(self.compute_shard.view(1, -1), options.weight_quant)
             return all_gather_quantized(
-                self.comm, self.full, shard, world, options.kernels, bucket_numel=bucket, async_op=True
+                self.comm,
+                self.full,
+                self.compute_shard,
+                options.weight_quant,
+                world,
+                options.kernels,
+                bucket_numel=bucket,
+                async_op=True,
+                stream=options.quant_stream,
             )
         return self.comm.all_gather(self.full, self.compute_shard, world, bucket_numel=bucket, async_op=True)
 
@@ -244,6 +252,7 @@ class FlatUnit:
         Stage 0 all-reduces ``grad_flat`` in place; stage 1 reduce-scatters it and writes the mean
         shard back into its own slice of ``grad_flat``; stages 2 and 3 reduce-scatter into
         ``grad_shard`` (adding to what earlier micro-batches left there) and drop ``grad_flat``.
+        With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
         """
         world = self.comm.topology.world
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
@@ -252,32 +261,35 @@ class FlatUnit:
             return self.comm.all_reduce(self.grad_flat, world, async_op=True)
         start, stop = self.layout.shard_range(self.comm.topology.rank)
         flat = self.grad_flat
-        if self.policy.shard_gradients:  # the full gradient lives only until its reduce-scatter is done
-            self.grad_flat = None
         out = flat.new_empty(stop - start)
+        pending = self._reduce_scatter(out, flat)
+        if not self.policy.shard_gradients:  # stage 1: the mean shard goes back into its own slice
+            mine = flat[start:stop]
+            return Pending([pending], lambda: mine.copy_(out), poll=pending.poll)
+        # the full gradient lives only as long as its reduction needs it (qgZ: not past the quantization)
+        self.grad_flat = flat = None
+        return Pending([pending], lambda: self._accumulate_reduced(out), poll=pending.poll)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
         options = self.options
-        if options.grad_quant is not None:
-            pending = reduce_scatter_quantized(
-                self.comm,
-                out,
-                flat,
-                options.grad_quant,
-                options.kernels,
-                stages=options.qgz_stages,
-                bucket_numel=self.reduce_bucket,
-            )
+        if options.grad_quant is None:
+            world = self.comm.topology.world
+            return self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
+        return reduce_scatter_quantized(
+            self.comm,
+            out,
+            flat,
+            options.grad_quant,
+            options.kernels,
+            stages=options.qgz_stages,
+            bucket_numel=self.reduce_bucket,
+        )
+
+    def _accumulate_reduced(self, shard: torch.Tensor) -> None:
+        if self.grad_shard is None:
+            self.grad_shard = shard
         else:
-            pending = self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
-
-        def land() -> None:
-            if not self.policy.shard_gradients:
-                flat[start:stop].copy_(out)
-            elif self.grad_shard is None:
-                self.grad_shard = out
-            else:
-                self.grad_shard.add_(out)
-
-        return Pending([pending], land)
+            self.grad_shard.add_(shard)
 
     def reduced_gradient(self) -> torch.Tensor:
         """This rank's reduced gradient, aligned with ``master`` (zeros if none arrived)."""

@@ -3,7 +3,8 @@
 Each call records what this rank sends into the :class:`~zeropp.comm.ledger.Ledger` (byte model
 documented there), under the ledger's current phase. All-gathers and reduce-scatters larger than
 the configured bucket are split into constant-size pieces (ZeRO-R's CB), each a separate
-collective; the ledger counts one call per logical operation.
+collective; the ledger counts one call per logical operation (a quantized collective moves data and
+scales in two, and counts two).
 """
 
 from __future__ import annotations
@@ -27,11 +28,28 @@ ReduceKind = Literal["sum", "mean", "max"]
 
 
 class Pending:
-    """Handles of in-flight collectives plus what to do once they have all finished."""
+    """Handles of in-flight collectives plus what to do once they have all finished, and optionally
+    a step to take early whenever the owner polls (a multi-hop collective's next hop)."""
 
-    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, works: list, then: Callable[[], None] | None = None, poll: Callable[[], bool] | None = None
+    ) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
+        self._poll = poll
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def poll(self) -> bool:
+        """Take the early step if it is ready; return whether nothing is left to start early.
+
+        Early steps must be taken in issue order across Pendings (every rank must issue a group's
+        collectives in the same order): poll the oldest first and stop at the first False.
+        """
+        if self._poll is None or self._then is None:
+            return True
+        return self._poll()
 
     def wait(self) -> None:
         for work in self._works:

@@ -24,6 +24,7 @@ partial sum: |result - exact mean| <= (sum over ranks of a_rank + sum over nodes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from types import ModuleType
@@ -39,29 +40,52 @@ from zeropp.topology import Group
 def all_gather_quantized(
     comm: Communicator,
     out: torch.Tensor,
-    shard: Quantized,
+    shard: torch.Tensor,
+    spec: QuantSpec,
     group: Group,
     kernels: ModuleType,
     *,
     bucket_numel: int,
     async_op: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> Pending:
-    """Gather every group rank's quantized shard (one row of `shard.n` values) into `out`, dequantized."""
-    n = group.size
-    data = torch.empty((n, shard.data.shape[-1]), dtype=shard.data.dtype, device=out.device)
-    scales = torch.empty((n, shard.scales.shape[-1]), dtype=torch.float32, device=out.device)
-    works = [
-        comm.all_gather(data, shard.data.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
-        comm.all_gather(scales, shard.scales.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
-    ]
+    """Quantize this rank's `shard`, gather every group rank's, dequantize all of them into `out`.
+
+    With a CUDA `stream`, the quantization and the gathers are issued on it (ZeRO++ 4.1.1): a
+    prefetch then quantizes the next unit while the current one computes. Only stream waits order
+    the work; nothing waits on the host. Dequantization runs on the caller's stream when the
+    result is waited for.
+    """
+    n, width = group.size, shard.numel()
+    with _on(stream):
+        quantized = kernels.quantize(shard.view(1, -1), spec)
+        data = torch.empty((n, quantized.data.shape[-1]), dtype=quantized.data.dtype, device=out.device)
+        scales = torch.empty((n, quantized.scales.shape[-1]), dtype=torch.float32, device=out.device)
+        works = [
+            comm.all_gather(data, quantized.data.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
+            comm.all_gather(scales, quantized.scales.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
+        ]
 
     def land() -> None:
-        kernels.dequantize(Quantized(data, scales, shard.n, shard.spec), out.dtype, out=out.view(n, shard.n))
+        if stream is not None:
+            consumer = torch.cuda.current_stream(out.device)
+            consumer.wait_stream(stream)
+            data.record_stream(consumer)  # allocated on the side stream, read on this one
+            scales.record_stream(consumer)
+        kernels.dequantize(Quantized(data, scales, width, spec), out.dtype, out=out.view(n, width))
 
     pending = Pending(works, land)
     if not async_op:
         pending.wait()
     return pending
+
+
+def _on(stream: torch.cuda.Stream | None):
+    """Issue work on `stream` after what the current stream has queued (its input is ready then)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
 
 
 def reduce_scatter_quantized(
@@ -76,7 +100,9 @@ def reduce_scatter_quantized(
 ) -> Pending:
     """Mean of `full` over the world, this rank's slice into `shard` (``shard = mean[rank]``), via qgZ.
 
-    The intra-node exchanges start now; waiting on the result runs the rest of the pipeline.
+    The intra-node exchanges start now, and `full` is no longer read once this returns. Polling
+    the returned Pending starts the inter-node exchange of every chunk whose intra-node exchange
+    has completed (the engine polls as backward goes on); waiting on it runs the rest.
     """
     topo = comm.topology
     x, y, world = topo.ranks_per_node, topo.nodes, topo.world_size
@@ -99,21 +125,46 @@ def reduce_scatter_quantized(
         exchange(kernels.quantize(slices[:, start:stop], spec, row_order=send_order), topo.intra_node)
         for start, stop in chunks
     ]
+    if y == 1:  # one node: the intra-node sums are the result, no second quantization
 
-    def finish() -> None:
-        inter = []
-        for works, received in intra:
-            for work in works:
-                work.wait()
+        def land_one_node() -> None:
+            for (start, stop), (works, received) in zip(chunks, intra, strict=True):
+                _wait(works)
+                kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop].view(1, -1))
+
+        return Pending([], land_one_node)
+
+    inter: list[tuple[list[Pending], Quantized]] = []
+    # Inter-node hops may start early only on a group no other collective uses (every rank must
+    # issue a group's collectives in the same order); with one rank per node that group is the world.
+    may_start_early = topo.inter_node is not topo.world
+
+    def start_inter(block: bool) -> bool:
+        """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
+        `block`; return whether all have started."""
+        while len(inter) < len(chunks):
+            works, received = intra[len(inter)]
+            if not block and not all(work.is_completed() for work in works):
+                return False
+            _wait(works)
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
             partial = kernels.dequantize_reduce_quantize(received.reshape(x, y), spec)
+            intra[len(inter)] = None  # the received chunk is no longer needed
             inter.append(exchange(partial, topo.inter_node))
+        return True
+
+    def land() -> None:
+        start_inter(block=True)
         for (start, stop), (works, received) in zip(chunks, inter, strict=True):
-            for work in works:
-                work.wait()
+            _wait(works)
             kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop])
 
-    return Pending([], finish)
+    return Pending([], land, poll=(lambda: start_inter(block=False)) if may_start_early else None)
+
+
+def _wait(works: list[Pending]) -> None:
+    for work in works:
+        work.wait()
 
 
 @functools.lru_cache(maxsize=8)
