@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.checkpoint import CheckpointError
+from zeropp.comm import CollectiveTimeout
 from zeropp.config import ConfigError, leaf_keys, load_config
 from zeropp.train import preflight
 
@@ -148,11 +149,11 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
             print_summary(summary)
             if summary_json is not None:
                 write_summary(summary, summary_json)
-    except CheckpointError as error:  # every rank meets it: say it once per rank, in one line
-        print(f"zeropp: error: {error}", file=sys.stderr)
+    except (CheckpointError, CollectiveTimeout) as error:  # say it in one line
+        print(f"zeropp: error: {error}".replace("zeropp: error: zeropp: ", "zeropp: error: "), file=sys.stderr)
         status = 1
     finally:
-        shutdown()
+        shutdown(barrier=status == 0)  # after a failure another rank may never arrive
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
     sys.stdout.flush()

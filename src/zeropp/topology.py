@@ -171,10 +171,12 @@ def build_topology(
     return topo
 
 
-def shutdown() -> None:
-    """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits)."""
+def shutdown(barrier: bool = True) -> None:
+    """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits),
+    after every rank has arrived unless `barrier` is False (a failing rank cannot count on the others)."""
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

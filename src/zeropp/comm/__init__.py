@@ -18,13 +18,17 @@ import torch.distributed as dist
 from zeropp.comm.ledger import Ledger, ring_bytes
 from zeropp.topology import Group, Topology
 
-__all__ = ["Communicator", "Ledger", "Pending"]
+__all__ = ["CollectiveTimeout", "Communicator", "Ledger", "Pending"]
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 ReduceKind = Literal["sum", "mean", "max"]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within topology.timeout_s. One line."""
 
 
 class Pending:
@@ -53,7 +57,15 @@ class Pending:
 
     def wait(self) -> None:
         for work in self._works:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as error:  # gloo and NCCL say "Timed out ..." once topology.timeout_s passed
+                if "timed out" not in str(error).lower():
+                    raise
+                raise CollectiveTimeout(
+                    "zeropp: a collective timed out (topology.timeout_s): another rank stopped or is stuck; "
+                    f"its own error says why ({str(error).strip().splitlines()[0]})"
+                ) from None
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None
@@ -91,14 +103,14 @@ class Communicator:
         self._record_ring("all_gather", group, out.numel() * out.element_size())
         if s <= bucket_numel:
             return self._done(
-                _all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=async_op), async_op
+                Pending([_all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=True)]), async_op
             )
         works, pieces = [], []
         rows = out.view(n, s)
         for start in range(0, s, bucket_numel):
             stop = min(start + bucket_numel, s)
             piece = torch.empty(n * (stop - start), dtype=out.dtype, device=out.device)
-            works.append(_all_gather_single(piece, shard[start:stop], group=group.pg, async_op=async_op))
+            works.append(_all_gather_single(piece, shard[start:stop], group=group.pg, async_op=True))
             pieces.append((start, stop, piece))
 
         def scatter_pieces() -> None:
@@ -130,7 +142,7 @@ class Communicator:
             stop = min(start + bucket_numel, s)
             piece = full.view(-1) if (start, stop) == (0, s) else rows[:, start:stop].reshape(-1)
             works.append(
-                _reduce_scatter_single(shard[start:stop], piece, op=_op(reduce), group=group.pg, async_op=async_op)
+                _reduce_scatter_single(shard[start:stop], piece, op=_op(reduce), group=group.pg, async_op=True)
             )
         return self._done(Pending(works, _mean_fixup(shard, reduce, n)), async_op)
 
@@ -140,7 +152,7 @@ class Communicator:
         if group.size == 1:
             return Pending([])
         self._record_ring("all_reduce", group, tensor.numel() * tensor.element_size(), passes=2)
-        work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=async_op)
+        work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=True)
         return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size)), async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
@@ -156,7 +168,7 @@ class Communicator:
         peers = [r for r in group.ranks if r != self.topology.rank]
         inter = sum(chunk for r in peers if self.topology.node_of(r) != here)
         self.ledger.record("all_to_all", chunk * len(peers) - inter, inter)
-        work = dist.all_to_all_single(out, inp, group=group.pg, async_op=async_op)
+        work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
         return self._done(Pending([work]), async_op)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, *, src: int) -> None:
@@ -169,12 +181,10 @@ class Communicator:
             sent = tensor.numel() * tensor.element_size()
             intra = self._successor_is_intra(group)
             self.ledger.record("broadcast", sent if intra else 0, 0 if intra else sent)
-        dist.broadcast(tensor, src=src, group=group.pg)
+        self._done(Pending([dist.broadcast(tensor, src=src, group=group.pg, async_op=True)]), async_op=False)
 
     @staticmethod
-    def _done(pending, async_op: bool) -> Pending:
-        if not isinstance(pending, Pending):
-            pending = Pending([pending])
+    def _done(pending: Pending, async_op: bool) -> Pending:
         if not async_op:
             pending.wait()
         return pending
