@@ -1,0 +1,107 @@
+"""What users would pick instead of zeropp, on the same model, data and optimizer: one rank's
+training loop for PyTorch DDP and FSDP2 (``fully_shard``; HSDP over a (nodes, ranks per node)
+mesh; ``reshard_after_forward=<ranks per node>``, FSDP2's closest analogue of hpZ).
+
+Run one process per rank under torchrun (``python -m zeropp.benchmarks.peers --peer fsdp2 ...``);
+rank 0 writes a JSON summary with the same keys as ``zeropp train``'s where they apply. Peers have
+no ledger: their bytes are what the emulated cluster counts on the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.config import ModelConfig
+from zeropp.data import Batches
+from zeropp.memory import peak_memory_bytes
+from zeropp.models.gpt import GPT
+from zeropp.train import gpt_config
+
+PEERS = ("ddp", "fsdp2", "fsdp2-hsdp", "fsdp2-reshard-node")
+
+
+def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Module:
+    """Apply `peer`'s data parallelism to `model` the way its documentation recommends for a GPT."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if peer == "ddp":
+        return DistributedDataParallel(model)
+    if peer == "fsdp2-hsdp":
+        mesh = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        options = {"mesh": mesh}
+    else:
+        options = {"mesh": init_device_mesh("cpu", (world,))}
+        if peer == "fsdp2-reshard-node":
+            options["reshard_after_forward"] = ranks_per_node
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zeropp.benchmarks.peers", description=__doc__)
+    parser.add_argument("--peer", choices=PEERS, required=True)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--summary-json", type=Path)
+    args = parser.parse_args(argv)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.manual_seed(0)
+    config = gpt_config(ModelConfig(preset=args.preset))
+    model = wrap(GPT(config), args.peer, world, ranks_per_node)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = Batches("train", config.block_size, args.micro_batch_size, world, rank, seed=0)
+    times, losses = [], []
+    for step in range(args.steps):
+        tick = time.perf_counter()
+        x, y = batches.local_batch(step)
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        times.append(time.perf_counter() - tick)
+    peak = torch.tensor([float(peak_memory_bytes(torch.device("cpu")))])
+    peaks = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(peaks, peak)
+    if rank == 0 and args.summary_json is not None:
+        tokens = args.micro_batch_size * config.block_size * world * len(times)
+        summary = {
+            "peer": args.peer,
+            "final_train_loss": losses[-1],
+            "train_losses": losses,
+            "tokens_per_s": tokens / sum(times),
+            "median_step_time_s": statistics.median(times[1:] or times),
+            "world_size": world,
+            "nodes": world // ranks_per_node,
+            "steps": args.steps,
+            "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
+        }
+        args.summary_json.write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
