@@ -1,6 +1,8 @@
 """What users would pick instead of zeropp, on the same model, data and optimizer: one rank's
 training loop for PyTorch DDP and FSDP2 (``fully_shard``; HSDP over a (nodes, ranks per node)
-mesh; ``reshard_after_forward=<ranks per node>``, FSDP2's closest analogue of hpZ).
+mesh; ``reshard_after_forward=<ranks per node>``, FSDP2's closest analogue of hpZ), and, when
+``deepspeed`` is installed (an optional extra; ``DS_ACCELERATOR=cpu``, gloo), DeepSpeed ZeRO-3,
+ZeRO-3 + hpZ and ZeRO++ (qwZ + hpZ + qgZ, which DeepSpeed implements for CUDA only).
 
 Run one process per rank under torchrun (``python -m zeropp.benchmarks.peers --peer fsdp2 ...``);
 rank 0 writes a JSON summary with the same keys as ``zeropp train``'s where they apply. Peers have
@@ -27,7 +29,30 @@ from zeropp.memory import peak_memory_bytes
 from zeropp.models.gpt import GPT
 from zeropp.train import gpt_config
 
-PEERS = ("ddp", "fsdp2", "fsdp2-hsdp", "fsdp2-reshard-node")
+PEERS = (
+    "ddp",
+    "fsdp2",
+    "fsdp2-hsdp",
+    "fsdp2-reshard-node",
+    "deepspeed-zero3",
+    "deepspeed-hpz",
+    "deepspeed-zeropp",
+)
+
+
+def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_batch: int, lr: float):
+    """DeepSpeed's engine for `peer`, with the same AdamW (a torch optimizer: no compiled ops needed)."""
+    import deepspeed
+
+    zero = {"stage": 3}
+    if peer in ("deepspeed-hpz", "deepspeed-zeropp"):
+        zero["zero_hpz_partition_size"] = ranks_per_node
+    if peer == "deepspeed-zeropp":
+        zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": zero}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
 
 
 def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Module:
@@ -66,17 +91,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.manual_seed(0)
     config = gpt_config(ModelConfig(preset=args.preset))
-    model = wrap(GPT(config), args.peer, world, ranks_per_node)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.peer.startswith("deepspeed"):
+        engine = deepspeed_engine(GPT(config), args.peer, ranks_per_node, args.micro_batch_size, args.lr)
+        backward, update = engine.backward, engine.step
+        model = engine
+    else:
+        model = wrap(GPT(config), args.peer, world, ranks_per_node)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def update() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
     batches = Batches("train", config.block_size, args.micro_batch_size, world, rank, seed=0)
     times, losses = [], []
     for step in range(args.steps):
         tick = time.perf_counter()
         x, y = batches.local_batch(step)
         loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        backward(loss)
+        update()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
