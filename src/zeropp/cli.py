@@ -1,4 +1,4 @@
-"""Command line: ``zeropp train``.
+"""Command line: ``zeropp train``, ``export``, ``estimate`` and ``bench``.
 
 ``zeropp train`` run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
@@ -11,6 +11,7 @@ At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); tur
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import types
@@ -26,6 +27,9 @@ from zeropp.train import preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {"zero.quantized_weights": True, "zero.hpz_partition_size": 0, "zero.quantized_gradients": True}
+
+# commands with argument parsers of their own: module zeropp.<name>, main(argv) -> exit code
+SUBPROGRAMS = {"estimate": "predict memory and communication per rank and step (zeropp estimate --help)"}
 
 LAUNCH_FLAGS = {  # torchrun flag -> default
     "nproc_per_node": 4,
@@ -77,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file to write")
+    for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
+        commands.add_parser(name, help=text, add_help=False)
     bench = commands.add_parser("bench", help="benchmarks: 'kernels' times the quantization kernels (needs CUDA)")
     bench.add_argument("what", choices=["kernels"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)")
@@ -85,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBPROGRAMS:
+        return importlib.import_module(f"zeropp.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
