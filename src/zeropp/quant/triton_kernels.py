@@ -2,15 +2,17 @@
 
 Every kernel walks *units*: one block of one row (``unit = row * blocks + block index``). A program
 holds a tile of ``GROUP`` consecutive units by ``CHUNK`` elements (``CHUNK`` is the block size
-rounded up to a power of two, at most ``TILE``), so a block is reduced inside one program and the
-loads of neighbouring blocks of a row are contiguous. A block longer than ``TILE`` (a large
-``block_size``, or ``block_size=None`` on long rows) is walked in ``CHUNKS`` pieces by one program:
-a first pass for the absmax and a second to quantize, reading the input twice.
+rounded up to a power of two, at most ``TILE``, or twice that when quantizing to int4), so a block
+is reduced inside one program and the loads of neighbouring blocks of a row are contiguous. A block
+longer than the tile (a large ``block_size``, or ``block_size=None`` on long rows) is walked in
+``CHUNKS`` pieces by one program: a first pass for the absmax and a second to quantize, reading the
+input twice.
 
 Bit-identity with the reference rests on these choices:
 
 * divisions use ``tl.div_rn`` (IEEE round-to-nearest): Triton's ``/`` on fp32 is the approximate
-  ``div.full.f32``;
+  ``div.full.f32``. Dividing the values by their block's scale takes one such division a block, for
+  the reciprocal, and multiplications and fmas an element that give the same quotient (``_divide``);
 * round-half-even is an fp32 add of ``1.5 * 2**23``, which leaves ``round(y)`` in the low bits of
   the sum (for ``|y| < 2**22``; ``|x / scale| <= qmax`` here): libdevice ``rint`` does not run
   under the interpreter, and this also spares the float-to-int conversion;
@@ -21,9 +23,13 @@ Bit-identity with the reference rests on these choices:
 * bf16 converts to and from fp32 through its bits: exact on the GPU as ``cvt`` is, and the
   interpreter's own bf16 casts truncate and mishandle subnormals.
 
-Conversions between int and float run at a fraction of the fp32 rate on the GPU (16 a clock per
-SM on Hopper, against 128 adds), enough to bound the fused reductions: codes become fp32 through
-the same ``1.5 * 2**23`` offset (an integer add and an fp32 subtract).
+Codes become fp32 by conversion. Conversions run at 16 a clock per SM on Hopper (against 128 fp32
+adds), as reciprocals do: while every element also took a reciprocal for its division they bounded
+the fused reductions, and codes went through the ``1.5 * 2**23`` offset (an integer add and an fp32
+subtract) instead; with one reciprocal a block, the conversion is the faster (docs/kernels.md).
+
+The fp values to quantize are loaded with ``evict_first``: read once, they should not displace
+what the L2 cache holds (dirty lines that would otherwise be written back while the kernel reads).
 
 int4 packs elements ``2i`` and ``2i+1`` into one byte. With an odd ``block_size`` and several
 blocks a row a byte straddles two blocks: the kernels then read and write int8 codes, and torch
@@ -50,15 +56,15 @@ from zeropp.quant import Quantized, QuantSpec, reference
 __all__ = ["INTERPRETED", "quantize", "dequantize", "dequantize_reduce", "dequantize_reduce_quantize"]
 
 INTERPRETED: bool = triton.knobs.runtime.interpret
-# Tuned on an H100 (docs/kernels.md). int4 output takes 2 warps: a block's absmax then spans fewer
-# warps, and the pairs' bytes are regrouped among fewer threads.
+# Tuned on an H100 (docs/kernels.md). A program quantizing to int4 holds 2 * TILE elements (the bytes
+# it writes are then those of an int8 program).
 TILE = 1024  # elements a program holds per chunk (GROUP * CHUNK)
 NUM_WARPS = 4
-NUM_WARPS_INT4_OUT = 2
 
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: for |y| < 2**22, y + _ROUND lands where the fp32 spacing is 1
 _ROUND_BITS = tl.constexpr(0x4B400000)  # the bits of _ROUND: bits(_ROUND + i) = _ROUND_BITS + i for integers i there
 _INF = tl.constexpr(float("inf"))
+_EXACT_FMA = tl.constexpr(not INTERPRETED)  # numpy, under the interpreter, rounds a * b + c twice
 
 
 # -- device helpers ------------------------------------------------------------------------------
@@ -69,12 +75,6 @@ _INF = tl.constexpr(float("inf"))
 @triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _int_to_fp32(i):
-    """int32 with |i| < 2**22 to fp32, exactly, by two full-rate operations rather than a conversion."""
-    return (i + _ROUND_BITS).to(tl.float32, bitcast=True) - _ROUND
 
 
 @triton.jit
@@ -90,11 +90,11 @@ def _mask(valid, STEP: tl.constexpr, CHUNK: tl.constexpr, FULL: tl.constexpr):
 
 @triton.jit
 def _load_fp32(ptrs, mask):
-    """Load floats as fp32 (0 where masked); bf16 is widened through its bits."""
+    """Load floats, read once, as fp32 (0 where masked); bf16 is widened through its bits."""
     if ptrs.dtype.element_ty == tl.bfloat16:
-        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int16, bitcast=True).to(tl.int32)
-        return (bits << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+        bits = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int16, bitcast=True)
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
@@ -112,14 +112,13 @@ def _load_codes(ptr, row_base, first, valid, BITS: tl.constexpr, CHUNK: tl.const
     """A chunk's codes as fp32 [GROUP, CHUNK] (0 where masked)."""
     if BITS == 8:
         offset = first[:, None] + tl.arange(0, CHUNK)[None, :]
-        codes = tl.load(ptr + row_base[:, None] + offset, mask=_mask(valid, 1, CHUNK, FULL), other=0).to(tl.int32)
+        return tl.load(ptr + row_base[:, None] + offset, mask=_mask(valid, 1, CHUNK, FULL), other=0).to(tl.float32)
     else:
         offset = first[:, None] // 2 + tl.arange(0, CHUNK // 2)[None, :]
         byte = tl.load(ptr + row_base[:, None] + offset, mask=_mask(valid, 2, CHUNK, FULL), other=0).to(tl.int32)
         low = ((byte & 0xF) ^ 8) - 8  # sign-extend the two's-complement nibbles
         high = ((byte >> 4) ^ 8) - 8
-        codes = tl.reshape(tl.join(low, high), (byte.shape[0], CHUNK))
-    return _int_to_fp32(codes)
+        return tl.reshape(tl.join(low, high), (byte.shape[0], CHUNK)).to(tl.float32)
 
 
 @triton.jit
@@ -132,6 +131,9 @@ def _store_codes(ptr, row_base, first, valid, codes, BITS: tl.constexpr, CHUNK: 
         offset = first[:, None] // 2 + tl.arange(0, CHUNK // 2)[None, :]
         low, high = tl.split(tl.reshape(codes, (codes.shape[0], CHUNK // 2, 2)))
         byte = ((low & 0xF) | ((high & 0xF) << 4)).to(tl.uint8)
+        # A thread holds 4 consecutive fp32 values, so 2 bytes: stores of 2-byte runs write them from
+        # where they are (left alone, Triton widens the store and regroups the bytes through shared memory).
+        offset = tl.max_contiguous(offset, [1, 2])
         tl.store(ptr + row_base[:, None] + offset, byte, mask=_mask(valid, 2, CHUNK, FULL))
 
 
@@ -171,20 +173,48 @@ def _values(
 
 
 @triton.jit
+def _divide(x, d):
+    """``tl.div_rn(x, d[:, None])`` for finite d > 0 and finite x: one IEEE division a row (a reciprocal),
+    then two multiplications and two Markstein corrections an element.
+
+    x and d are first scaled by p = 2**-exponent(d): d then lies in [1, 2) ([2**-23, 1) when subnormal),
+    y = 1 / d rounded is within half an ulp of it, and nothing below overflows or loses bits to
+    underflow unless |x / d| < 2**-80 (where the result is as tiny, and the code 0 either way).
+    q = x * y is within 1.5 ulps of x / d; q + (x - d * q) * y, each fma rounding once, is within one
+    ulp; and a second such correction gives x / d correctly rounded (Markstein's theorem: y within half
+    an ulp of 1 / d, q within one ulp of x / d)."""
+    if not _EXACT_FMA:  # the interpreter's fma rounds twice
+        return tl.div_rn(x, d[:, None])
+    p = ((254 - tl.maximum(d.to(tl.int32, bitcast=True) >> 23, 1)) << 23).to(tl.float32, bitcast=True)
+    d = d * p
+    y = tl.div_rn(1.0, d)[:, None]
+    d = d[:, None]
+    x = x * p[:, None]
+    q = x * y
+    q = tl.fma(tl.fma(-d, q, x), y, q)
+    return tl.fma(tl.fma(-d, q, x), y, q)
+
+
+@triton.jit
 def _codes(x, scale, QMAX: tl.constexpr):
     """The rounding rule: clamp(round_half_even(x / scale)), 0 where the scale is 0 or not finite."""
     usable = (scale > 0) & (scale < _INF)
-    y = tl.div_rn(x, tl.where(usable, scale, 1.0)[:, None])
+    y = _divide(x, tl.where(usable, scale, 1.0))
     q = (y + _ROUND).to(tl.int32, bitcast=True) - _ROUND_BITS  # the add rounds half to even; the bits hold it
     return tl.where(usable[:, None], tl.minimum(tl.maximum(q, -QMAX), QMAX), 0)
 
 
 @triton.jit
-def _units(GROUP: tl.constexpr, blocks, block, units):
-    """This program's units: their row (int64), block index in the row, first element, and whether they exist."""
+def _units(GROUP: tl.constexpr, blocks, blocks_magic, blocks_shift, block, units):
+    """This program's units: their row (int64), block index in the row, first element, and whether they exist.
+
+    ``unit // blocks`` is the high word of ``2 * unit * blocks_magic`` shifted by ``blocks_shift`` (see
+    ``_Geometry.scalars``): a multiply and a shift, where an integer division by a runtime value takes
+    some twenty instructions."""
     unit = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-    index = unit % blocks
-    return (unit // blocks).to(tl.int64), index, index * block, unit < units
+    row = (tl.umulhi(2 * unit.to(tl.uint32), blocks_magic.to(tl.uint32)) >> blocks_shift).to(tl.int32)
+    index = unit - row * blocks
+    return row.to(tl.int64), index, index * block, unit < units
 
 
 @triton.jit
@@ -200,14 +230,14 @@ def _valid(start, units_ok, k, n, block, CHUNK: tl.constexpr):
 def _quantize_kernel(
     in_ptr, in_row_stride, in_source_stride, in_scales_ptr, in_scales_row_stride, in_scales_source_stride,
     order_ptr, data_ptr, data_row_stride, scales_ptr, scales_row_stride,
-    n, block, blocks, units,
+    n, block, blocks, blocks_magic, blocks_shift, units,
     QMAX: tl.constexpr, BITS: tl.constexpr, SOURCES: tl.constexpr, FROM_CODES: tl.constexpr,
     SOURCE_BITS: tl.constexpr, REORDER: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FULL: tl.constexpr,
 ):  # fmt: skip
     """Quantize GROUP units a program. The input rows are fp values (row r read from row order[r] when
     REORDER), or with FROM_CODES SOURCES quantized copies of them to sum first (intra-node qgZ hop)."""
-    row, index, start, units_ok = _units(GROUP, blocks, block, units)
+    row, index, start, units_ok = _units(GROUP, blocks, blocks_magic, blocks_shift, block, units)
     in_row = tl.load(order_ptr + row, mask=units_ok, other=0) if REORDER else row
     in_row_base = in_row * in_row_stride
     in_scale_offset = row * in_scales_row_stride + index
@@ -244,13 +274,13 @@ def _quantize_kernel(
 def _dequantize_kernel(
     in_ptr, in_row_stride, in_source_stride, in_scales_ptr, in_scales_row_stride, in_scales_source_stride,
     out_ptr, out_row_stride, divisor,
-    n, block, blocks, units,
+    n, block, blocks, blocks_magic, blocks_shift, units,
     BITS: tl.constexpr, SOURCES: tl.constexpr, DIVIDE: tl.constexpr,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, FULL: tl.constexpr,
 ):  # fmt: skip
     """Chunk program_id(1) of GROUP units: the sum over SOURCES of the dequantized values (one source
     for a plain dequantize), divided by `divisor` when DIVIDE, cast to the output's dtype."""
-    row, index, start, units_ok = _units(GROUP, blocks, block, units)
+    row, index, start, units_ok = _units(GROUP, blocks, blocks_magic, blocks_shift, block, units)
     k = tl.program_id(1)
     first, valid = start + k * CHUNK, _valid(start, units_ok, k, n, block, CHUNK)
     total = _sum_sources(
@@ -268,7 +298,7 @@ def _dequantize_kernel(
 
 @dataclass(frozen=True)
 class _Geometry:
-    """How `rows` rows of `n` elements cut into units, chunks and programs under a spec."""
+    """How `rows` rows of `n` elements cut into units, chunks and programs of `tile` elements under a spec."""
 
     rows: int
     n: int
@@ -279,19 +309,25 @@ class _Geometry:
     group: int  # units per program
 
     @classmethod
-    def of(cls, spec: QuantSpec, rows: int, n: int) -> _Geometry:
+    def of(cls, spec: QuantSpec, rows: int, n: int, tile: int) -> _Geometry:
         block, blocks = spec.block(n), spec.blocks(n)
-        chunk = max(2, min(triton.next_power_of_2(block), TILE))
+        chunk = max(2, min(triton.next_power_of_2(block), tile))
         chunks = math.ceil(block / chunk)
-        group = 1 if chunks > 1 else min(TILE // chunk, triton.next_power_of_2(rows * blocks))
+        group = 1 if chunks > 1 else min(tile // chunk, triton.next_power_of_2(rows * blocks))
         return cls(rows, n, block, blocks, chunk, chunks, group)
 
     @property
     def programs(self) -> int:
         return triton.cdiv(self.rows * self.blocks, self.group)
 
-    def scalars(self) -> tuple[int, int, int, int]:
-        return self.n, self.block, self.blocks, self.rows * self.blocks
+    def scalars(self) -> tuple[int, ...]:
+        """n, block, blocks, blocks_magic, blocks_shift, units.
+
+        For 0 <= u < 2**31, ``u // blocks == (2 * u * magic >> 32) >> s`` with s = ceil(log2(blocks)) and
+        magic = 2**(31 + s) // blocks + 1 < 2**32 (Granlund and Montgomery's round-up method)."""
+        s = (self.blocks - 1).bit_length()
+        magic = (1 << (31 + s)) // self.blocks + 1
+        return self.n, self.block, self.blocks, magic, s, self.rows * self.blocks
 
     def constexprs(self) -> dict[str, int | bool]:
         full = self.n % self.block == 0 and self.block % self.chunk == 0  # no partial chunk anywhere
@@ -345,8 +381,8 @@ def _read_codes(q: Quantized, lead: int) -> tuple[tuple, int]:
     return args, 8 if straddles else spec.bits
 
 
-def _launch(kernel, grid: tuple[int, ...], *args, num_warps: int = NUM_WARPS, **constexprs) -> None:
-    kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+def _launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    kernel[grid](*args, **constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def _quantize(
@@ -367,8 +403,8 @@ def _quantize(
     else:
         data = torch.empty(*lead, width, dtype=data_dtype, device=device)
         result = Quantized(data, torch.empty(*lead, spec.blocks(n), device=device), n, spec)
-    geometry = _Geometry.of(spec, math.prod(lead), n)
     bits = 8 if straddles else spec.bits
+    geometry = _Geometry.of(spec, math.prod(lead), n, 2 * TILE if bits == 4 else TILE)
     if geometry.rows > 0:
         data, scales = _view_rows(result.data, width), _view_rows(result.scales, geometry.blocks)
         _launch(
@@ -376,7 +412,7 @@ def _quantize(
             *in_args, order, data, data.stride(0), scales, scales.stride(0), *geometry.scalars(),
             QMAX=spec.qmax, BITS=bits, SOURCES=sources, FROM_CODES=source_bits is not None,
             SOURCE_BITS=source_bits or 8, REORDER=order is not None, CHUNKS=geometry.chunks,
-            num_warps=NUM_WARPS_INT4_OUT if bits == 4 else NUM_WARPS, **geometry.constexprs(),
+            **geometry.constexprs(),
         )  # fmt: skip
     if straddles:
         result = Quantized(_pack_int4(result.data), result.scales, n, spec)
@@ -427,7 +463,7 @@ def _dequantize_sum(q: Quantized, dtype: torch.dtype, out: torch.Tensor | None, 
     direct = out is not None and out.dtype == dtype and _view_rows(out, n) is not None
     result = out if direct else torch.empty(shape, dtype=dtype, device=q.data.device)
     target = _view_rows(result, n)
-    geometry = _Geometry.of(q.spec, math.prod(shape[:-1]), n)
+    geometry = _Geometry.of(q.spec, math.prod(shape[:-1]), n, TILE)
     if geometry.rows > 0:
         _launch(
             _dequantize_kernel, (geometry.programs, geometry.chunks),
