@@ -1,4 +1,4 @@
-"""Command line: ``zeropp train``, ``export``, ``estimate`` and ``bench``.
+"""Command line: ``zeropp train``, ``export``, ``estimate``, ``cluster`` and ``bench``.
 
 ``zeropp train`` run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
@@ -29,7 +29,10 @@ from zeropp.train import preflight
 ZEROPP_TRAIN_DEFAULTS = {"zero.quantized_weights": True, "zero.hpz_partition_size": 0, "zero.quantized_gradients": True}
 
 # commands with argument parsers of their own: module zeropp.<name>, main(argv) -> exit code
-SUBPROGRAMS = {"estimate": "predict memory and communication per rank and step (zeropp estimate --help)"}
+SUBPROGRAMS = {
+    "estimate": "predict memory and communication per rank and step (zeropp estimate --help)",
+    "cluster": "run zeropp train on emulated nodes joined by shaped links, as root (zeropp cluster --help)",
+}
 
 LAUNCH_FLAGS = {  # torchrun flag -> default
     "nproc_per_node": 4,
@@ -132,6 +135,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     # c10d rendezvous: each restart (--max-restarts) meets under a fresh key prefix; the static one
     # would hand restarted ranks the addresses of the ranks it just killed
     launcher_argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
+    if args.node_rank == 0:  # node 0 hosts the store even where its hostname does not resolve to master_addr
+        launcher_argv.append("--rdzv-conf=is_host=true")
     torchrun_args = get_args_parser().parse_args([*launcher_argv, "-m", "zeropp.cli", *argv])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     try:

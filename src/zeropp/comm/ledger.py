@@ -15,8 +15,10 @@ Byte model (per calling rank; B = bytes of the full buffer, n = group size):
 Quantized collectives (qwZ, qgZ) are these same operations on int8/int4 data plus fp32 scales;
 the ledger counts both.
 
-These are what NCCL's and gloo's ring algorithms put on the wire per rank; the emulated cluster
-compares them to interface counters.
+These are what NCCL's ring algorithms put on the wire per rank. gloo differs in two places,
+measured on the emulated cluster (docs/cluster.md): its reduce-scatter runs as an all-reduce and
+sends twice the ring figure, and its broadcast is a tree. The ledger keeps the algorithm's
+figures (the same on every backend); ``zeropp cluster`` prints them next to the wire counters.
 """
 
 from __future__ import annotations
