@@ -86,8 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", type=Path, help="the .safetensors file to write")
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
-    bench = commands.add_parser("bench", help="benchmarks: 'kernels' times the quantization kernels (needs CUDA)")
-    bench.add_argument("what", choices=["kernels"])
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: 'kernels' times the quantization kernels (CUDA); 'cluster' compares zeropp, DDP, "
+        "FSDP2 and DeepSpeed on an emulated 2-node cluster (root)",
+    )
+    bench.add_argument("what", choices=["kernels", "cluster"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)")
     return parser
 
@@ -100,9 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         return _export(args.checkpoint, args.out)
     if args.command == "bench":
-        from zeropp.benchmarks import kernels
-
-        return kernels.main(args.options)
+        return importlib.import_module(f"zeropp.benchmarks.{args.what}").main(args.options)
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     if "RANK" not in os.environ and args.nnodes == "1" and "topology.nodes" not in overrides:
         simulated = 2 if args.nproc_per_node % 2 == 0 else 1
