@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,11 +80,13 @@ def run_one(name: str, bandwidth: str, preset: str, steps: int) -> dict[str, Any
             args = ["--peer", PEERS[name], *common]
             result = run_cluster(
                 NODES, RANKS_PER_NODE, bandwidth, args, summary_path, module="zeropp.benchmarks.peers",
-                timeout_s=900, env={"DS_ACCELERATOR": "cpu"},
+                timeout_s=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
             )  # fmt: skip
     row: dict[str, Any] = {"name": name, "bandwidth": bandwidth, "returncode": result.returncode}
     if result.returncode != 0 or not result.summary:
-        reason = next((line for tail in result.log_tails for line in reversed(tail) if "Error" in line), "")
+        lines = [line for tail in result.log_tails for line in tail if re.search(r"\w+Error: ", line)]
+        lines = [line for line in lines if "ChildFailedError" not in line and "elastic" not in line]
+        reason = lines[-1] if lines else ""
         row["error"] = reason.strip()[-200:] or f"exit status {result.returncode}"
         return row
     s = result.summary
