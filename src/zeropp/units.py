@@ -267,7 +267,7 @@ class FlatUnit:
             mine = flat[start:stop]
             return Pending([pending], lambda: mine.copy_(out), poll=pending.poll)
         # the full gradient lives only as long as its reduction needs it (qgZ: not past the quantization)
-        self.grad_flat = flat = None
+        self.grad_flat = None
         return Pending([pending], lambda: self._accumulate_reduced(out), poll=pending.poll)
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
