@@ -18,6 +18,10 @@ adds zeropp.json and renames the folder to ``step-00000120``, an atomic rename o
 which :func:`find_latest` never picks and the next save removes. Old checkpoints beyond
 ``keep_last`` are pruned after a publish, never before.
 
+Ranks synchronise through the engine's communicator (barriers, and one all-gather per unit for the
+flat buffers below). DCP also exchanges its save and load plans with small collectives of its
+own; those carry metadata, not tensor data (which goes to storage), and are not in the ledger.
+
 Loading reads, one unit at a time, the whole of each of its tensors on every rank (DCP assembles
 them from whatever pieces were written) and keeps this rank's shard, so any run loads any
 checkpoint of the same model. Saving gathers one unit's flat buffers at a time for the same
@@ -35,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
@@ -116,14 +119,14 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    engine.comm.barrier(engine.topology.world)
     try:
         dcp.save(_state_to_save(engine), storage_writer=FileSystemWriter(str(partial)))
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
-        _barrier()  # every rank is done with the folder
+        engine.comm.barrier(engine.topology.world)  # every rank is done with the folder
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()  # ... and nobody sees it after the error
+        engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
         raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
     if rank == 0:
         meta = {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}}
@@ -136,7 +139,7 @@ def save_checkpoint(
             published = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
             for old in published[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    engine.comm.barrier(engine.topology.world)
     return final
 
 
@@ -341,11 +344,6 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(directory: Path) -> None:

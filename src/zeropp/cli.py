@@ -164,11 +164,12 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
             print_summary(summary)
             if summary_json is not None:
                 write_summary(summary, summary_json)
+        trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
     except (CheckpointError, CollectiveTimeout) as error:  # say it in one line
         print(f"zeropp: error: {error}".replace("zeropp: error: zeropp: ", "zeropp: error: "), file=sys.stderr)
         status = 1
     finally:
-        shutdown(barrier=status == 0)  # after a failure another rank may never arrive
+        shutdown()
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
     sys.stdout.flush()

@@ -171,12 +171,12 @@ def build_topology(
     return topo
 
 
-def shutdown(barrier: bool = True) -> None:
-    """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits),
-    after every rank has arrived unless `barrier` is False (a failing rank cannot count on the others)."""
+def shutdown() -> None:
+    """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits).
+
+    Ranks that end normally meet in a barrier first (through comm, like every collective); a
+    failing rank calls this directly, since it cannot count on the others arriving."""
     if dist.is_initialized():
-        if barrier:
-            dist.barrier()
         dist.destroy_process_group()
 
 

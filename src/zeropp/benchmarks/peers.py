@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zeropp.config import ModelConfig
+from zeropp.comm import Communicator
+from zeropp.config import ModelConfig, TopologyConfig
 from zeropp.data import Batches
 from zeropp.memory import peak_memory_bytes
 from zeropp.models.gpt import GPT
+from zeropp.topology import init_topology, shutdown
 from zeropp.train import gpt_config
 
 PEERS = (
@@ -86,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary-json", type=Path)
     args = parser.parse_args(argv)
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    topology = init_topology(TopologyConfig(backend="gloo"))
+    comm = Communicator(topology)  # the loss means and peak-memory gather: zeropp's own collectives
+    rank, world, ranks_per_node = topology.rank, topology.world_size, topology.ranks_per_node
     torch.manual_seed(0)
     config = gpt_config(ModelConfig(preset=args.preset))
     if args.peer.startswith("deepspeed"):
@@ -115,12 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         backward(loss)
         update()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        comm.all_reduce(mean, topology.world)
+        losses.append(mean.item())
         times.append(time.perf_counter() - tick)
     peak = torch.tensor([float(peak_memory_bytes(torch.device("cpu")))])
-    peaks = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(peaks, peak)
+    peaks = torch.zeros(world)
+    comm.all_gather(peaks, peak, topology.world, bucket_numel=1)
     if rank == 0 and args.summary_json is not None:
         tokens = args.micro_batch_size * config.block_size * world * len(times)
         summary = {
@@ -135,8 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
         }
         args.summary_json.write_text(json.dumps(summary, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.barrier(topology.world)
+    shutdown()
     return 0
 
 

@@ -171,6 +171,12 @@ class Communicator:
         work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
         return self._done(Pending([work]), async_op)
 
+    def barrier(self, group: Group) -> None:
+        """Wait until every rank of the group has arrived (no payload: a call, 0 bytes)."""
+        self.ledger.record("barrier", 0, 0)
+        if group.size > 1:
+            self._done(Pending([dist.barrier(group=group.pg, async_op=True)]), async_op=False)
+
     def broadcast(self, tensor: torch.Tensor, group: Group, *, src: int) -> None:
         """Copy global rank `src`'s tensor to every rank of the group (pipelined ring: every rank but
         the one whose successor is `src` forwards the whole buffer once)."""
