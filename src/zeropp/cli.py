@@ -166,7 +166,7 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
                 write_summary(summary, summary_json)
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
     except (CheckpointError, CollectiveTimeout) as error:  # say it in one line
-        print(f"zeropp: error: {error}".replace("zeropp: error: zeropp: ", "zeropp: error: "), file=sys.stderr)
+        print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
         status = 1
     finally:
         shutdown()

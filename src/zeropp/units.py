@@ -297,10 +297,7 @@ class FlatUnit:
             if self.grad_shard is None:
                 self.grad_shard = torch.zeros_like(self.master, dtype=self.grad_dtype)
             return self.grad_shard
-        if not self.policy.shard_optimizer:
-            return self.grad_flat
-        start, stop = self.layout.shard_range(self.comm.topology.rank)
-        return self.grad_flat[start:stop]
+        return self.shard_of(self.grad_flat)
 
     def clear_gradients(self) -> None:
         if self.policy.shard_gradients:

@@ -112,13 +112,10 @@ def reduce_scatter_quantized(
     send_order = _send_order(x, y, full.device)
     chunks = column_chunks(width, math.ceil(width / bucket_numel) * stages)
 
-    def exchange(q: Quantized, group: Group) -> tuple[list[Pending], Quantized]:
+    def exchange(q: Quantized, group: Group) -> tuple[Pending, Quantized]:
         received = Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), q.n, q.spec)
-        works = [
-            comm.all_to_all(received.data, q.data, group, async_op=True),
-            comm.all_to_all(received.scales, q.scales, group, async_op=True),
-        ]
-        return works, received
+        data = comm.all_to_all(received.data, q.data, group, async_op=True)
+        return Pending([data, comm.all_to_all(received.scales, q.scales, group, async_op=True)]), received
 
     # hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j
     intra = [
@@ -128,13 +125,13 @@ def reduce_scatter_quantized(
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
 
         def land_one_node() -> None:
-            for (start, stop), (works, received) in zip(chunks, intra, strict=True):
-                _wait(works)
+            for (start, stop), (pending, received) in zip(chunks, intra, strict=True):
+                pending.wait()
                 kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop].view(1, -1))
 
         return Pending([], land_one_node)
 
-    inter: list[tuple[list[Pending], Quantized]] = []
+    inter: list[tuple[Pending, Quantized]] = []
     # Inter-node hops may start early only on a group no other collective uses (every rank must
     # issue a group's collectives in the same order); with one rank per node that group is the world.
     may_start_early = topo.inter_node is not topo.world
@@ -143,10 +140,10 @@ def reduce_scatter_quantized(
         """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
         `block`; return whether all have started."""
         while len(inter) < len(chunks):
-            works, received = intra[len(inter)]
-            if not block and not all(work.is_completed() for work in works):
+            pending, received = intra[len(inter)]
+            if not block and not pending.is_completed():
                 return False
-            _wait(works)
+            pending.wait()
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
             partial = kernels.dequantize_reduce_quantize(received.reshape(x, y), spec)
             intra[len(inter)] = None  # the received chunk is no longer needed
@@ -155,16 +152,11 @@ def reduce_scatter_quantized(
 
     def land() -> None:
         start_inter(block=True)
-        for (start, stop), (works, received) in zip(chunks, inter, strict=True):
-            _wait(works)
+        for (start, stop), (pending, received) in zip(chunks, inter, strict=True):
+            pending.wait()
             kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop])
 
     return Pending([], land, poll=(lambda: start_inter(block=False)) if may_start_early else None)
-
-
-def _wait(works: list[Pending]) -> None:
-    for work in works:
-        work.wait()
 
 
 @functools.lru_cache(maxsize=8)
