@@ -26,6 +26,10 @@ class ConfigError(ValueError):
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
+# ZeroConfig keys that turn on all three ZeRO++ switches (qwZ, hpZ over each node, qgZ): zeropp train's
+# default at stage 3, the estimator's ZeRO++ column, the benchmarks' "ZeRO++" configuration
+ZEROPP_SWITCHES: dict[str, Any] = {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}
+
 
 @dataclass
 class LossScaleConfig:

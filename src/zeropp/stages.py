@@ -27,3 +27,8 @@ class StagePolicy:
     @classmethod
     def for_stage(cls, stage: int) -> StagePolicy:
         return cls(stage, shard_optimizer=stage >= 1, shard_gradients=stage >= 2, shard_parameters=stage >= 3)
+
+    def keeps_resident(self, numel: int, persistence_threshold: int) -> bool:
+        """Whether a unit of `numel` elements stays gathered between uses: always below stage 3, and at
+        stage 3 when it is small enough that gathering it every use costs more than it saves."""
+        return not self.shard_parameters or numel <= persistence_threshold

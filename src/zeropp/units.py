@@ -141,7 +141,7 @@ class FlatUnit:
         topo = comm.topology
         self.shard_world = topo.world_size if policy.shard_optimizer else 1
         self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, options.alignment)
-        self.resident = not policy.shard_parameters or self.layout.numel <= options.persistence_threshold
+        self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
         device = topo.device
 
         full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
