@@ -7,7 +7,7 @@ Covered:
   storage layout (int8 codes, int4 nibble packing, scale shapes), zero and non-finite blocks,
   ``row_order`` (also on a strided view), ``dequantize_reduce`` (fp32 sum in index order, divisor,
   output dtype, ``out=``), ``dequantize_reduce_quantize``, round-half-even, ``out=`` of quantize /
-  dequantize and ``kernels_for``.
+  dequantize, ``pack_int4`` / ``unpack_int4``, ``kernels_for`` and the ``QuantKernels`` protocol.
 * ``zeropp.partition``: ``qgz_send_order`` against eq. 2 of ZeRO++, ``qgz_slice_order`` against
   Algorithm 2, a symbolic simulation of the two-hop qgZ exchange for every X, Y <= 8 and stages <= 4,
   ``column_chunks`` and ``secondary_range``.
@@ -17,15 +17,17 @@ Covered:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from zeropp.models.gpt import GPT, GPTConfig
 from zeropp.partition import column_chunks, qgz_send_order, qgz_slice_order, secondary_range
-from zeropp.quant import Quantized, QuantSpec, kernels_for
+from zeropp.quant import Quantized, QuantKernels, QuantSpec, kernels_for, pack_int4, unpack_int4
 from zeropp.quant import reference as ref
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,6 +146,15 @@ def test_int8_codes_by_hand():
     q = ref.quantize(x, QuantSpec(8, None))
     assert torch.equal(q.data, x.to(torch.int8))
     assert torch.equal(q.scales, torch.ones(1, 1))
+
+
+def test_pack_int4_by_hand_under_leading_dims():
+    codes = (torch.arange(2 * 3 * 9) % 16 - 8).to(torch.int8).view(2, 3, 9)  # every nibble, odd rows
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 5)
+    assert packed[0, 0].tolist() == [0x98, 0xBA, 0xDC, 0xFE, 0x00]  # -8 -7, -6 -5, -4 -3, -2 -1, 0 (pad)
+    assert torch.equal(_codes(Quantized(packed, torch.empty(0), 9, QuantSpec(4))), codes.to(torch.int16))
+    assert torch.equal(unpack_int4(packed, 9), codes)
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 33])
@@ -341,6 +352,25 @@ def test_round_half_even_int4():
 def test_kernels_for_cpu_is_the_reference():
     assert kernels_for(torch.device("cpu")) is ref
     assert kernels_for(torch.device("cpu"), "torch") is ref
+
+
+def assert_implements_quant_kernels(module) -> None:
+    """`module` has the functions of ``QuantKernels`` with its signatures: names, kinds, defaults, annotations."""
+    assert isinstance(module, QuantKernels)
+    names = [name for name in vars(QuantKernels) if not name.startswith("_")]
+    assert names == ["quantize", "dequantize", "dequantize_reduce", "dequantize_reduce_quantize"]
+    for name in names:
+        declared = inspect.signature(getattr(QuantKernels, name))
+        without_self = declared.replace(parameters=list(declared.parameters.values())[1:])
+        assert inspect.signature(getattr(module, name)) == without_self, name
+
+
+def test_reference_implements_quant_kernels():
+    assert_implements_quant_kernels(ref)
+    functions = {name: getattr(ref, name) for name in ("dequantize", "dequantize_reduce", "dequantize_reduce_quantize")}
+    drifted = SimpleNamespace(**functions, quantize=lambda x, spec, *, order=None, out=None: None)
+    with pytest.raises(AssertionError, match="quantize"):
+        assert_implements_quant_kernels(drifted)
 
 
 # ---------------------------------------------------------------------------------------------

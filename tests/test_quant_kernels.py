@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
+from test_quant import assert_implements_quant_kernels
 
 import zeropp.quant
 from zeropp.quant import Quantized, QuantSpec, kernels_for, reference
@@ -216,6 +217,10 @@ def test_one_element_rows_and_no_rows():
 
 
 # -- dispatch --------------------------------------------------------------------------------------
+
+
+def test_implements_quant_kernels():
+    assert_implements_quant_kernels(tk)
 
 
 def test_kernels_for_dispatch():

@@ -15,9 +15,10 @@ Rounding rule (every backend must follow it bit for bit)::
 A block holding an inf or a NaN gets a non-finite scale, so it dequantizes to NaN: an fp16
 overflow survives quantization and the loss scaler still sees it.
 
-Storage. int8: ``data`` is int8 with the row's shape. int4: two values per byte, element ``2i`` in
-the low nibble and ``2i+1`` in the high one (two's complement nibbles), ``ceil(n / 2)`` bytes a row.
-``scales`` is fp32 ``[..., blocks]``.
+Storage. int8: ``data`` is int8 with the row's shape. int4: ``data`` is uint8, two values per byte,
+element ``2i`` in the low nibble and ``2i+1`` in the high one (two's complement nibbles),
+``ceil(n / 2)`` bytes a row; ``pack_int4`` and ``unpack_int4`` convert, and the Triton kernels do the
+same bit manipulation in place. ``scales`` is fp32 ``[..., blocks]``.
 
 Reductions (the two qgZ hops) add the sources in index order, ``((x0 + x1) + x2) + ...``, in fp32.
 """
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["QuantSpec", "Quantized", "kernels_for"]
+__all__ = ["QuantKernels", "QuantSpec", "Quantized", "kernels_for", "pack_int4", "unpack_int4"]
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -83,12 +84,57 @@ class Quantized:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
+    def copy_(self, src: Quantized) -> Quantized:
+        """Copy `src`'s data and scales into this one's; returns self."""
+        self.data.copy_(src.data)
+        self.scales.copy_(src.scales)
+        return self
 
-def kernels_for(device: torch.device, backend: Backend = "auto") -> ModuleType:
-    """The module implementing quantize / dequantize / dequantize_reduce / dequantize_reduce_quantize.
 
-    Each takes and returns the types above; see ``zeropp.quant.reference`` for their contracts.
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7], [..., n] -> uint8 [..., ceil(n / 2)] in the int4 storage layout above."""
+    nibbles = F.pad(codes, (0, codes.shape[-1] % 2)).view(torch.uint8) & 0xF
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int8 codes [..., n] of uint8 bytes [..., ceil(n / 2)] in the int4 storage layout above."""
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)[..., :n]
+    return (nibbles ^ 8).view(torch.int8) - 8
+
+
+@runtime_checkable
+class QuantKernels(Protocol):
+    """The quantization API, as ``kernels_for`` returns it: a module with these four functions.
+
+    Every backend follows the rounding rule and storage above bit for bit, and works on rows along
+    the last dimension; ``out`` arguments are written and returned (copied into where a backend
+    cannot write them in place).
     """
+
+    def quantize(
+        self, x: torch.Tensor, spec: QuantSpec, *, row_order: torch.Tensor | None = None, out: Quantized | None = None
+    ) -> Quantized:
+        """Quantize `x` [..., n] (or, with `row_order`, the rows ``x.reshape(-1, n)[row_order]``).
+
+        `x` may be a strided view whose last dimension is contiguous; `row_order` quantizes rows in
+        another order than they are stored (qgZ's tensor-slice reordering).
+        """
+
+    def dequantize(self, q: Quantized, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values of `q` as `dtype`, shape [..., n]."""
+
+    def dequantize_reduce(
+        self, q: Quantized, dtype: torch.dtype, *, divisor: int = 1, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``(sum over sources i of dequantize(q[i])) / divisor`` in fp32, cast to `dtype`; shape q.shape[1:] + [n]."""
+
+    def dequantize_reduce_quantize(self, q: Quantized, spec: QuantSpec) -> Quantized:
+        """Sum of the sources' dequantized rows (fp32), quantized again with `spec` (qgZ's intra-node hop)."""
+
+
+def kernels_for(device: torch.device, backend: Backend = "auto") -> QuantKernels:
+    """The module implementing ``QuantKernels`` for `device`: ``triton_kernels`` or ``reference``."""
     from importlib.util import find_spec
 
     from zeropp.quant import reference

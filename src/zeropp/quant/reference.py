@@ -1,8 +1,6 @@
-"""Torch reference implementation of the quantization API (any device; the rounding rule of ``zeropp.quant``).
+"""Torch reference implementation of ``zeropp.quant.QuantKernels`` (any device; the rounding rule of ``zeropp.quant``).
 
-Every function works on rows along the last dimension. ``x`` may be a strided view whose last
-dimension is contiguous; ``row_order`` lets the caller quantize rows in another order than they
-are stored (qgZ's tensor-slice reordering), which a fused kernel does without a copy.
+``row_order`` and ``out`` go through copies here, which a fused kernel avoids.
 """
 
 from __future__ import annotations
@@ -10,13 +8,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeropp.quant import Quantized, QuantSpec
+from zeropp.quant import Quantized, QuantSpec, pack_int4, unpack_int4
 
 
 def quantize(
     x: torch.Tensor, spec: QuantSpec, *, row_order: torch.Tensor | None = None, out: Quantized | None = None
 ) -> Quantized:
-    """Quantize `x` [..., n] (or, with `row_order`, the rows ``x.reshape(-1, n)[row_order]``)."""
+    """``QuantKernels.quantize``."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if row_order is not None:
@@ -33,38 +31,30 @@ def quantize(
     q = torch.round(padded / divisor).clamp_(-spec.qmax, spec.qmax)
     q = torch.where(usable.unsqueeze(-1), q, torch.zeros_like(q)).view(-1, blocks * block)[:, :n]
     q = q.to(torch.int8)
-    data = q if spec.bits == 8 else _pack_int4(q)
+    data = q if spec.bits == 8 else pack_int4(q)
     result = Quantized(data.reshape(*lead, spec.row_bytes(n)), scales.reshape(*lead, blocks), n, spec)
-    if out is None:
-        return result
-    out.data.copy_(result.data)
-    out.scales.copy_(result.scales)
-    return out
+    return result if out is None else out.copy_(result)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Values of `q` as `dtype`, shape [..., n]."""
+    """``QuantKernels.dequantize``."""
     values = _dequantize_fp32(q).to(dtype)
-    if out is None:
-        return values
-    return out.copy_(values)
+    return values if out is None else out.copy_(values)
 
 
 def dequantize_reduce(
     q: Quantized, dtype: torch.dtype, *, divisor: int = 1, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``(sum over sources i of dequantize(q[i])) / divisor`` in fp32, cast to `dtype`; shape q.shape[1:] + [n]."""
+    """``QuantKernels.dequantize_reduce``."""
     total = _sum_sources(q)
     if divisor != 1:
         total = total / torch.full_like(total, divisor)
     values = total.to(dtype)
-    if out is None:
-        return values
-    return out.copy_(values)
+    return values if out is None else out.copy_(values)
 
 
 def dequantize_reduce_quantize(q: Quantized, spec: QuantSpec) -> Quantized:
-    """Sum of the sources' dequantized rows (fp32), quantized again with `spec` (qgZ's intra-node hop)."""
+    """``QuantKernels.dequantize_reduce_quantize``: the fp32 sum goes through memory."""
     return quantize(_sum_sources(q), spec)
 
 
@@ -80,23 +70,8 @@ def _dequantize_fp32(q: Quantized) -> torch.Tensor:
     spec, n = q.spec, q.n
     lead = tuple(q.data.shape[:-1])
     codes = q.data.reshape(-1, q.data.shape[-1])
-    codes = codes if spec.bits == 8 else _unpack_int4(codes, n)
+    codes = codes if spec.bits == 8 else unpack_int4(codes, n)
     block, blocks = spec.block(n), spec.blocks(n)
     padded = F.pad(codes.float(), (0, blocks * block - n)).view(-1, blocks, block)
     values = (padded * q.scales.reshape(-1, blocks, 1)).view(-1, blocks * block)[:, :n]
     return values.reshape(*lead, n)
-
-
-def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-7, 7], [rows, n] -> uint8 [rows, ceil(n/2)], element 2i in the low nibble."""
-    if q.shape[-1] % 2:
-        q = F.pad(q, (0, 1))
-    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-
-
-def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    low = (packed & 0xF).to(torch.int16)
-    high = (packed >> 4).to(torch.int16)
-    both = torch.stack((low, high), dim=-1).view(packed.shape[0], -1)[:, :n]
-    return torch.where(both >= 8, both - 16, both).to(torch.int8)

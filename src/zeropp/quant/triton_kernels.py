@@ -1,4 +1,4 @@
-"""Triton kernels for the quantization API: same functions, signatures and bits as ``zeropp.quant.reference``.
+"""Triton kernels implementing ``zeropp.quant.QuantKernels``: the bits of ``zeropp.quant.reference``, fused.
 
 Every kernel walks *units*: one block of one row (``unit = row * blocks + block index``). A program
 holds a tile of ``GROUP`` consecutive units by ``CHUNK`` elements (``CHUNK`` is the block size
@@ -31,9 +31,10 @@ subtract) instead; with one reciprocal a block, the conversion is the faster (do
 The fp values to quantize are loaded with ``evict_first``: read once, they should not displace
 what the L2 cache holds (dirty lines that would otherwise be written back while the kernel reads).
 
-int4 packs elements ``2i`` and ``2i+1`` into one byte. With an odd ``block_size`` and several
-blocks a row a byte straddles two blocks: the kernels then read and write int8 codes, and torch
-packs or unpacks them (a rare layout, not a fast path).
+int4 codes are packed in the layout of ``zeropp.quant`` (``pack_int4``), inside the kernels
+(``_load_codes``, ``_store_codes``). With an odd ``block_size`` and several blocks a row a byte
+straddles two blocks: the kernels then read and write int8 codes, and ``pack_int4`` /
+``unpack_int4`` convert them (a rare layout, not a fast path).
 
 Kernels are decorated at import, so ``TRITON_INTERPRET=1`` (the CPU interpreter) must be set before
 this module is first imported; ``INTERPRETED`` records which way it went. They call none of the
@@ -47,11 +48,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from zeropp.quant import Quantized, QuantSpec, reference
+from zeropp.quant import Quantized, QuantSpec, pack_int4, reference, unpack_int4
 
 __all__ = ["INTERPRETED", "quantize", "dequantize", "dequantize_reduce", "dequantize_reduce_quantize"]
 
@@ -109,7 +109,7 @@ def _from_fp32(x, dtype: tl.constexpr):
 
 @triton.jit
 def _load_codes(ptr, row_base, first, valid, BITS: tl.constexpr, CHUNK: tl.constexpr, FULL: tl.constexpr):
-    """A chunk's codes as fp32 [GROUP, CHUNK] (0 where masked)."""
+    """A chunk's codes as fp32 [GROUP, CHUNK] (0 where masked); int4 unpacked as ``unpack_int4`` does."""
     if BITS == 8:
         offset = first[:, None] + tl.arange(0, CHUNK)[None, :]
         return tl.load(ptr + row_base[:, None] + offset, mask=_mask(valid, 1, CHUNK, FULL), other=0).to(tl.float32)
@@ -123,7 +123,7 @@ def _load_codes(ptr, row_base, first, valid, BITS: tl.constexpr, CHUNK: tl.const
 
 @triton.jit
 def _store_codes(ptr, row_base, first, valid, codes, BITS: tl.constexpr, CHUNK: tl.constexpr, FULL: tl.constexpr):
-    """Store a chunk's int32 codes [GROUP, CHUNK]: int8, or int4 packed two a byte."""
+    """Store a chunk's int32 codes [GROUP, CHUNK]: int8, or int4 packed as ``pack_int4`` does."""
     if BITS == 8:
         offset = first[:, None] + tl.arange(0, CHUNK)[None, :]
         tl.store(ptr + row_base[:, None] + offset, codes.to(tl.int8), mask=_mask(valid, 1, CHUNK, FULL))
@@ -342,17 +342,6 @@ def _straddles(spec: QuantSpec, n: int) -> bool:
     return spec.bits == 4 and spec.blocks(n) > 1 and spec.block(n) % 2 == 1
 
 
-def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes [..., n] -> uint8 [..., ceil(n / 2)], element 2i in the low nibble."""
-    nibbles = F.pad(codes, (0, codes.shape[-1] % 2)).view(torch.uint8) & 0xF
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-
-
-def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)[..., :n]
-    return (nibbles ^ 8).view(torch.int8) - 8
-
-
 def _view_rows(t: torch.Tensor, width: int, lead: int = 0) -> torch.Tensor | None:
     """`t` as [*t.shape[:lead], rows, width] without a copy, last dim contiguous; None if impossible."""
     try:
@@ -373,7 +362,7 @@ def _read_codes(q: Quantized, lead: int) -> tuple[tuple, int]:
     (`lead` 1: q has a source dim; 0: it is the one source), and the bits of those codes."""
     n, spec = q.n, q.spec
     straddles = _straddles(spec, n)
-    data = _read_rows(_unpack_int4(q.data, n) if straddles else q.data, n if straddles else spec.row_bytes(n), lead)
+    data = _read_rows(unpack_int4(q.data, n) if straddles else q.data, n if straddles else spec.row_bytes(n), lead)
     scales = _read_rows(q.scales, spec.blocks(n), lead)
     if lead == 0:
         data, scales = data.unsqueeze(0), scales.unsqueeze(0)
@@ -415,21 +404,15 @@ def _quantize(
             **geometry.constexprs(),
         )  # fmt: skip
     if straddles:
-        result = Quantized(_pack_int4(result.data), result.scales, n, spec)
-    if out is None or result is out:
-        return result
-    out.data.copy_(result.data)
-    out.scales.copy_(result.scales)
-    return out
+        result = Quantized(pack_int4(result.data), result.scales, n, spec)
+    return result if out is None or result is out else out.copy_(result)
 
 
 def quantize(
     x: torch.Tensor, spec: QuantSpec, *, row_order: torch.Tensor | None = None, out: Quantized | None = None
 ) -> Quantized:
-    """Quantize `x` [..., n] (or, with `row_order`, the rows ``x.reshape(-1, n)[row_order]``).
-
-    `row_order` must hold indices in ``[0, rows)``: the kernel reads through it without a bounds check.
-    """
+    """``QuantKernels.quantize``; `row_order` must hold indices in ``[0, rows)``: the kernel reads
+    through it without a bounds check."""
     n = x.shape[-1]
     if n == 0:  # nothing to compute
         return reference.quantize(x, spec, row_order=row_order, out=out)
@@ -441,11 +424,8 @@ def quantize(
 
 
 def dequantize_reduce_quantize(q: Quantized, spec: QuantSpec) -> Quantized:
-    """Sum of the sources' dequantized rows (fp32), quantized again with `spec` (qgZ's intra-node hop).
-
-    One fused kernel when `spec` cuts rows into the blocks of ``q.spec``; else the fp32 sum goes
-    through memory.
-    """
+    """``QuantKernels.dequantize_reduce_quantize``: one fused kernel when `spec` cuts rows into the
+    blocks of ``q.spec``; else the fp32 sum goes through memory."""
     if q.n == 0:
         return reference.dequantize_reduce_quantize(q, spec)
     if spec.block(q.n) != q.spec.block(q.n):
@@ -476,7 +456,7 @@ def _dequantize_sum(q: Quantized, dtype: torch.dtype, out: torch.Tensor | None, 
 
 
 def dequantize(q: Quantized, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Values of `q` as `dtype`, shape [..., n]."""
+    """``QuantKernels.dequantize``."""
     if q.n == 0:
         return reference.dequantize(q, dtype, out=out)
     return _dequantize_sum(q, dtype, out, lead=0, divisor=1)
@@ -485,7 +465,7 @@ def dequantize(q: Quantized, dtype: torch.dtype, *, out: torch.Tensor | None = N
 def dequantize_reduce(
     q: Quantized, dtype: torch.dtype, *, divisor: int = 1, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``(sum over sources i of dequantize(q[i])) / divisor`` in fp32, cast to `dtype`; shape q.shape[1:] + [n]."""
+    """``QuantKernels.dequantize_reduce``."""
     if q.n == 0:
         return reference.dequantize_reduce(q, dtype, divisor=divisor, out=out)
     return _dequantize_sum(q, dtype, out, lead=1, divisor=divisor)
