@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zeropp.config import Config, ConfigError, TopologyConfig, ZeroConfig, load_config
-from zeropp.topology import init_topology
+from zeropp.topology import Layout, init_topology
 
 
 def config_error(fn, *args, **kwargs) -> str:
@@ -187,9 +187,9 @@ def test_unparsable_file(tmp_path, name, text):
 
 
 def test_world_not_divisible_by_nodes():
-    assert_mentions(config_error(TopologyConfig(nodes=3).check_world, 4), "topology.nodes", "3", "4")
-    TopologyConfig(nodes=2).check_world(4)
-    TopologyConfig(nodes=None).check_world(5)
+    assert_mentions(config_error(Layout, 4, 3), "topology.nodes", "3", "4")
+    Layout(4, 2)
+    Layout(5, 1)
 
 
 def test_init_topology_refuses_before_process_group(monkeypatch):
@@ -248,10 +248,10 @@ def test_fp16_gradients_need_fp16_precision():
     ],
 )
 def test_hpz_group_size(world, ranks_per_node, setting, expected):
-    assert ZeroConfig(hpz_partition_size=setting).hpz_group_size(world, ranks_per_node) == expected
+    assert Layout(world, world // ranks_per_node).hpz_group_size(setting) == expected
 
 
 @pytest.mark.parametrize("world,ranks_per_node,setting", [(4, 2, 3), (6, 3, 2), (4, 2, 8)])
 def test_hpz_group_that_straddles_nodes_or_does_not_divide_the_world_is_refused(world, ranks_per_node, setting):
-    message = config_error(ZeroConfig(hpz_partition_size=setting).hpz_group_size, world, ranks_per_node)
+    message = config_error(Layout(world, world // ranks_per_node).hpz_group_size, setting)
     assert_mentions(message, "zero.hpz_partition_size", str(setting), f"world size {world}")

@@ -81,8 +81,8 @@ def test_layout(world, nodes, node_of, intra, inter):
     layout = Layout(world, nodes)
     assert layout.ranks_per_node == world // nodes
     assert [layout.node_of(r) for r in range(world)] == node_of
-    assert [layout.intra_node_ranks(n) for n in range(nodes)] == intra
-    assert [layout.inter_node_ranks(i) for i in range(world // nodes)] == inter
+    assert layout.intra_node_groups() == intra
+    assert layout.inter_node_groups() == inter
     # every rank is in exactly one intra-node group and one inter-node group
     assert sorted(r for group in intra for r in group) == list(range(world))
     assert sorted(r for group in inter for r in group) == list(range(world))

@@ -37,7 +37,7 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
 
     topo = init_topology(TopologyConfig(nodes=simulated_nodes))
     comm, kernels = Communicator(topo), kernels_for(topo.device, "torch")
-    world, rank = topo.world_size, topo.rank
+    world, rank, groups = topo.world_size, topo.rank, topo.shard_groups()
     failures, worst, ledger_checks = [], {}, 0
     # widths: not multiples of 2 * world, shorter than a block, longer than a bucket
     for width in (1, 37, 301):
@@ -51,7 +51,7 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
                     comm.ledger.reset()
                     out = torch.full((width,), float("nan"), dtype=dtype)
                     reduce_scatter_quantized(
-                        comm, out, inputs[rank].clone(), spec, kernels, stages=stages, bucket_numel=128
+                        comm, out, inputs[rank].clone(), spec, kernels, groups, chunks=stages, bucket_numel=128
                     ).wait()
                     bound = slice_absmax * (2 + 1 / (2 * spec.qmax)) / (2 * spec.qmax * world)
                     bound = bound + exact.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
@@ -66,7 +66,7 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
     if rank == 0:
         poisoned[37 * (world - 1) + 5] = float("inf")  # slice owned by the last rank
     out = torch.zeros(37, dtype=torch.float16)
-    reduce_scatter_quantized(comm, out, poisoned, QuantSpec(4, 16), kernels, stages=2, bucket_numel=128).wait()
+    reduce_scatter_quantized(comm, out, poisoned, QuantSpec(4, 16), kernels, groups, chunks=2, bucket_numel=128).wait()
     overflow_seen = not bool(torch.isfinite(out).all())
     # qwZ: every rank receives exactly the dequantized quantization of every shard
     qwz_errors = {}
@@ -248,7 +248,7 @@ def test_ledger_shows_zeropp_table_1_and_hpz_memory():
 
 QUANTIZED_SCENARIOS = {
     "qwz-int8": dict(quantized_weights=True),
-    "qgz-int8-3stages": dict(quantized_gradients=True, gradient_bits=8, qgz_pipeline_stages=3),
+    "qgz-int8-3stages": dict(quantized_gradients=True, gradient_bits=8, qgz_pipeline_chunks=3),
     "qgz-int4": dict(quantized_gradients=True),
     "all-three-int4-grads": dict(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
 }

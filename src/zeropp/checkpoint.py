@@ -3,12 +3,10 @@ node count or stage, and export one consolidated file.
 
 A checkpoint is a directory ``step-00000120`` holding
 
-- DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) with tensors in a layout that does
-  not depend on how they were sharded: ``model.<name>`` is the fp32 master of parameter <name>,
-  flattened, as a DTensor cut over the ranks in torch.chunk pieces (each rank writes its piece);
-  ``optim.<name>.<key>`` is the optimizer's per-element state of that parameter the same way, and
-  its scalar states (Adam's ``step``) whole; ``fixed.<name>`` holds frozen parameters and buffers
-  whole (written once); ``rng.rank<r>`` each rank's RNG state.
+- DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) holding the engine's
+  :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
+  ``fixed.<name>``: a layout that does not depend on how the run was sharded, see
+  :mod:`zeropp.state`; each rank writes its pieces) and ``rng.rank<r>``, each rank's RNG state.
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), and the world it was saved from.
 
@@ -18,14 +16,13 @@ adds zeropp.json and renames the folder to ``step-00000120``, an atomic rename o
 which :func:`find_latest` never picks and the next save removes. Old checkpoints beyond
 ``keep_last`` are pruned after a publish, never before.
 
-Ranks synchronise through the engine's communicator (barriers, and one all-gather per unit for the
-flat buffers below). DCP also exchanges its save and load plans with small collectives of its
+Ranks synchronise through the engine's communicator (barriers, and the state API's all-gathers,
+one per unit and state). DCP also exchanges its save and load plans with small collectives of its
 own; those carry metadata, not tensor data (which goes to storage), and are not in the ledger.
 
-Loading reads, one unit at a time, the whole of each of its tensors on every rank (DCP assembles
-them from whatever pieces were written) and keeps this rank's shard, so any run loads any
-checkpoint of the same model. Saving gathers one unit's flat buffers at a time for the same
-reason (a redistribution by all-to-all would move less; not done yet).
+Loading reads into :meth:`~zeropp.engine.ZeroEngine.sharded_state_template`: each rank reads the
+pieces of this run's data-parallel world (DCP reassembles them from whatever pieces were
+written), so any run loads any checkpoint of the same model.
 """
 
 from __future__ import annotations
@@ -41,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+
+from zeropp import state
+from zeropp.state import StateError
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
-    from zeropp.units import FlatUnit
 
 FORMAT = "zeropp-checkpoint/1"
 META = "zeropp.json"
@@ -144,61 +141,12 @@ def save_checkpoint(
 
 
 def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
-    world = engine.topology.world_size
-    mesh = init_device_mesh(engine.topology.device.type, (world,))
-    rank = engine.topology.rank
-    state: dict[str, Any] = {}
-
-    def chunked(flat: torch.Tensor, start: int, stop: int) -> DTensor:
-        pieces = torch.chunk(flat[start:stop], world)
-        local = pieces[rank] if rank < len(pieces) else flat[:0]
-        return DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False, shape=(stop - start,), stride=(1,))
-
-    for unit in engine.units:
-        master = unit.gather_flat(unit.master.data)
-        optim_state = engine.optimizer.state.get(unit.master, {})
-        per_element = {k: unit.gather_flat(v) for k, v in optim_state.items() if _is_per_element(unit, v)}
-        for index, name in enumerate(unit.names):
-            start, stop = unit.layout.param_range(index)
-            state[f"model.{name}"] = chunked(master, start, stop)
-            for key, value in optim_state.items():
-                if key in per_element:
-                    state[f"optim.{name}.{key}"] = chunked(per_element[key], start, stop)
-                elif isinstance(value, torch.Tensor) and value.dim() == 0:
-                    state[f"optim.{name}.{key}"] = value.clone()
-                else:
-                    raise CheckpointError(
-                        f"optimizer state {key!r} of {type(engine.optimizer).__name__} is neither per-element "
-                        "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
-                    )
-    for name, tensor in _fixed_tensors(engine).items():
-        state[f"fixed.{name}"] = tensor
-    state[f"rng.rank{rank}"] = torch.get_rng_state()
-    return state
-
-
-def _is_per_element(unit: FlatUnit, value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == unit.master.shape
-
-
-def _fixed_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers: what the engine keeps whole on every rank."""
-    managed = {id(p) for unit in engine.units for p in unit.params}
-    return {
-        name: tensor.detach()
-        for name, tensor in engine.module.state_dict(keep_vars=True).items()
-        if id(tensor) not in managed
-    }
-
-
-def _aliases(engine: ZeroEngine) -> dict[str, str]:
-    """state_dict keys that name an already listed parameter (tied weights): key -> parameter name."""
-    owner = {id(p): name for unit in engine.units for name, p in zip(unit.names, unit.params, strict=True)}
-    return {
-        key: owner[id(tensor)]
-        for key, tensor in engine.module.state_dict(keep_vars=True).items()
-        if id(tensor) in owner and owner[id(tensor)] != key
-    }
+    try:
+        saved = engine.sharded_state_dict()
+    except StateError as error:
+        raise CheckpointError(str(error)) from None
+    saved[f"rng.rank{engine.topology.rank}"] = torch.get_rng_state()
+    return saved
 
 
 def _describe(engine: ZeroEngine) -> dict[str, Any]:
@@ -207,11 +155,9 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
         "world_size": engine.topology.world_size,
         "nodes": engine.topology.nodes,
         "stage": engine.config.stage,
-        "params": {
-            name: list(p.shape) for unit in engine.units for name, p in zip(unit.names, unit.params, strict=True)
-        },
-        "fixed": {name: list(t.shape) for name, t in _fixed_tensors(engine).items()},
-        "aliases": _aliases(engine),
+        "params": state.parameter_shapes(engine.units),
+        "fixed": {name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()},
+        "aliases": state.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
@@ -230,32 +176,20 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
     """
     meta = read_meta(path)
     _check_compatible(engine, meta, path)
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    rank = engine.topology.rank
-    for unit in engine.units:
-        first = f"optim.{unit.names[0]}."
-        optim_keys = sorted(k[len(first) :] for k in keys if k.startswith(first))
-        wanted = {f"model.{n}": _empty_like_saved(keys[f"model.{n}"]) for n in unit.names}
-        wanted.update(
-            {f"optim.{n}.{k}": _empty_like_saved(keys[f"optim.{n}.{k}"]) for n in unit.names for k in optim_keys}
-        )
-        _read(wanted, path)
-        unit.load_master(_assemble(unit, [wanted[f"model.{n}"] for n in unit.names]))
-        state = {}
-        for key in optim_keys:
-            values = [wanted[f"optim.{n}.{key}"] for n in unit.names]
-            state[key] = values[0] if values[0].dim() == 0 else unit.shard_of(_assemble(unit, values)).clone()
-        if state:
-            engine.optimizer.state[unit.master] = state
-        unit.clear_gradients()
-    fixed = {f"fixed.{name}": tensor for name, tensor in _fixed_tensors(engine).items()}
-    rng = f"rng.rank{rank}"
-    if rng in keys and meta["world_size"] == engine.topology.world_size:
-        fixed[rng] = torch.empty_like(torch.get_rng_state())
-    if fixed:
-        _read(fixed, path)
-        if rng in fixed:
-            torch.set_rng_state(fixed.pop(rng))
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    optimizer_keys = {}
+    for key, entry in saved.items():
+        name = state.optimizer_state_name(key)
+        if name is not None:
+            optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
+    wanted = engine.sharded_state_template(optimizer_keys)
+    rng = f"rng.rank{engine.topology.rank}"
+    if rng in saved and meta["world_size"] == engine.topology.world_size:
+        wanted[rng] = torch.empty_like(torch.get_rng_state())
+    _read(wanted, path)
+    engine.load_sharded_state_dict(wanted)
+    if rng in wanted:
+        torch.set_rng_state(wanted[rng])
     for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
         for key, value in saved.items():
             group[key] = type(group[key])(value) if isinstance(group.get(key), tuple) else value
@@ -287,22 +221,9 @@ def _shape(shape: list[int] | None) -> str:
     return "(absent)" if shape is None else str(tuple(shape))
 
 
-def _empty_like_saved(metadata: Any) -> torch.Tensor:
-    return torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
-
-
-def _assemble(unit: FlatUnit, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The unit's padded flat buffer from its parameters' flat tensors (zeros in the padding)."""
-    flat = torch.zeros(unit.layout.padded_numel, dtype=pieces[0].dtype, device=unit.master.device)
-    for index, piece in enumerate(pieces):
-        start, stop = unit.layout.param_range(index)
-        flat[start:stop].copy_(piece)
-    return flat
-
-
-def _read(state: dict[str, torch.Tensor], path: str | Path) -> None:
+def _read(wanted: dict[str, Any], path: str | Path) -> None:
     try:
-        dcp.load(state, storage_reader=FileSystemReader(str(path)))
+        dcp.load(wanted, storage_reader=FileSystemReader(str(path)))
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
 
@@ -322,19 +243,19 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise CheckpointError(f"cannot write {str(out)!r}: its folder does not exist or is not writable")
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    flat = {f"model.{name}": _empty_like_saved(keys[f"model.{name}"]) for name in meta["params"]}
-    fixed = {f"fixed.{name}": _empty_like_saved(keys[f"fixed.{name}"]) for name in meta["fixed"]}
+    flat = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
+    fixed = {key: _empty_like_saved(keys[key]) for key in map(state.fixed_key, meta["fixed"])}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({**flat, **fixed}, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
-    tensors = {name: flat[f"model.{name}"].view(shape) for name, shape in meta["params"].items()}
+    tensors = {name: flat[state.model_key(name)].view(shape) for name, shape in meta["params"].items()}
     for alias, name in meta["aliases"].items():
         tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
     for name in meta["fixed"]:
-        value = fixed[f"fixed.{name}"]
+        value = fixed[state.fixed_key(name)]
         tensors[name] = value.float() if value.is_floating_point() else value
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
@@ -344,6 +265,10 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _empty_like_saved(metadata: Any) -> torch.Tensor:
+    return torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout
 from zeropp.config import ConfigError, leaf_keys, load_config
+from zeropp.topology import Layout
 from zeropp.train import preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
@@ -115,12 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.zero.stage == 3:
             config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
         if "RANK" in os.environ:
-            config.topology.check_world(int(os.environ["WORLD_SIZE"]))
+            Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
         else:
             nodes = int(args.nnodes.split(":")[-1])
-            world = args.nproc_per_node * nodes
-            config.topology.check_world(world)
-            config.zero.hpz_group_size(world, world // (config.topology.nodes or nodes))
+            layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
+            layout.hpz_group_size(config.zero.hpz_partition_size)
             preflight(config)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 try:
     import tomllib
@@ -55,6 +55,14 @@ class LossScaleConfig:
 class ZeroConfig:
     """What the engine partitions and how it communicates."""
 
+    # other names accepted for a key (in files, dicts and as flags): DeepSpeed's, and former names
+    ALIASES: ClassVar[dict[str, str]] = {
+        "zero_quantized_weights": "quantized_weights",
+        "zero_hpz_partition_size": "hpz_partition_size",
+        "zero_quantized_gradients": "quantized_gradients",
+        "qgz_pipeline_stages": "qgz_pipeline_chunks",
+    }
+
     stage: int = 3
     precision: Precision = "fp32"
     # dtype gradients are reduced and accumulated in; None means the compute dtype (the ZeRO paper's 2 bytes)
@@ -80,10 +88,11 @@ class ZeroConfig:
     # hpZ: secondary weight partition over groups of this many consecutive ranks (1: off, 0: the ranks of one node)
     hpz_partition_size: int = 1
     # qgZ: reduce gradients by quantized two-hop all-to-all, pipelined in this many chunks per bucket
+    # (the paper's pipeline stages; ``qgz_pipeline_stages`` is accepted as an alias)
     quantized_gradients: bool = False
     gradient_bits: Literal[4, 8] = 4
     gradient_block_size: int = 256
-    qgz_pipeline_stages: int = 2
+    qgz_pipeline_chunks: int = 2
     # quantization kernels: "auto" (Triton on CUDA when available, else torch), or force one
     quant_backend: Literal["auto", "torch", "triton"] = "auto"
 
@@ -100,7 +109,7 @@ class ZeroConfig:
             _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             _require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
-        for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_stages"):
+        for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_chunks"):
             value = getattr(self, key)
             _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
         _require(
@@ -117,21 +126,6 @@ class ZeroConfig:
                 )
         self.loss_scale.validate()
 
-    def hpz_group_size(self, world_size: int, ranks_per_node: int) -> int:
-        """hpZ's secondary group size on this topology, 1 when hpZ is off (a secondary group as large
-        as the world would be the primary partition again: more memory, no fewer bytes)."""
-        size = self.hpz_partition_size or ranks_per_node
-        aligned = ranks_per_node % size == 0 or size % ranks_per_node == 0  # never straddles part of a node
-        if world_size % size or not aligned:
-            _require(
-                False,
-                "zero.hpz_partition_size",
-                self.hpz_partition_size,
-                f"1 (off), 0 (the {ranks_per_node} ranks of one node) or a divisor or multiple of the "
-                f"{ranks_per_node} ranks per node that divides the world size {world_size}",
-            )
-        return 1 if size == world_size else size
-
 
 @dataclass
 class TopologyConfig:
@@ -147,14 +141,6 @@ class TopologyConfig:
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
-
-    def check_world(self, world_size: int) -> None:
-        """Refuse a world size the simulated node count cannot split evenly (before init_process_group)."""
-        if self.nodes is not None and world_size % self.nodes != 0:
-            raise ConfigError(
-                f"topology.nodes = {self.nodes} does not divide world size {world_size}; "
-                f"allowed: a divisor of {world_size}"
-            )
 
 
 @dataclass
@@ -266,7 +252,9 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
+    aliases = getattr(cls, "ALIASES", {})
     for key, value in data.items():
+        key = aliases.get(key, key)
         if key not in names:
             raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join(names)}")
         kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])

@@ -8,41 +8,32 @@ Usage (one process per rank, under torchrun)::
     engine.backward(loss)      # backward of one micro-batch
     engine.step()              # optimizer step once every gradient_accumulation_steps micro-batches
 
-Hook order within one training step (sharded units, i.e. stage 3):
-
-1. forward pre-hook of a unit: gather it (waiting for a prefetch if one is in flight), then start
-   gathering the next ``prefetch`` units of the order recorded in the first step;
-2. forward post-hook: put a gradient hook on the outputs (the unit's *pre-backward*), reshard;
-3. pre-backward (first output gradient reaching the unit): gather again, prefetch the next units
-   of the recorded backward order;
-4. each parameter's post-accumulate-grad hook adds its gradient into the unit's flat gradient
-   buffer; when the last one has arrived the unit reshards and its reduction starts (async);
-5. end of ``backward``: units some of whose parameters got no gradient are reduced in a fixed order
-   (every rank issues the same collectives), then every reduction is waited for.
-
-Units that are resident (stages 0-2, or small units under the persistence threshold) skip 1-3.
+The engine is the user API: construction, ``__call__``, ``backward``, ``step`` and the state dicts.
+What happens to the units during forward and backward (hooks, prefetch, reductions) is the
+runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zeropp.state`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map_only
 
-from zeropp.comm import Communicator, Ledger, Pending
+from zeropp import state
+from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
+from zeropp.grouping import group_parameters, repeated_blocks
 from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for
+from zeropp.runtime import Runtime
 from zeropp.stages import StagePolicy
 from zeropp.topology import Topology
-from zeropp.units import FlatUnit, UnitOptions, group_parameters, repeated_blocks
-
-# reductions overlapping backward at once; each holds one unit's full gradient until it completes
-MAX_REDUCTIONS_IN_FLIGHT = 2
+from zeropp.units import FlatUnit, UnitOptions
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -71,19 +62,19 @@ class ZeroEngine:
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
-        topology = self.topology  # a bad hpZ size is refused before the first collective
-        self.hpz_group_size = self.config.hpz_group_size(topology.world_size, topology.ranks_per_node)
+        self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
+        self.hpz_group_size = self.groups.hpz_group_size
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
         self._sync_initial_weights(model)
 
-        groups = group_parameters(model, repeated_blocks(model) if units is None else units)
-        options = self._unit_options(self.hpz_group_size)
-        self.units = [FlatUnit(module, params, self.comm, self.policy, options) for module, params in groups]
+        grouped = group_parameters(model, repeated_blocks(model) if units is None else units)
+        options = self._unit_options()
+        self.units = [FlatUnit(module, params, self.comm, self.groups, self.policy, options) for module, params in grouped]
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
-        self._register_hooks()
+        self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
 
         self.micro_step = 0
         self.global_step = 0
@@ -91,29 +82,16 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self.measured_model_state_bytes = 0
-        self._in_backward = False
-        self._reduce_now = False
-        self._reductions: list[Pending] = []
-        self._forward_order: list[FlatUnit] = []
-        self._backward_order: list[FlatUnit] = []
-        self._recording = True
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _unit_options(self, secondary_size: int) -> UnitOptions:
-        """The units' options; builds hpZ's secondary groups (collective) unless they are the nodes."""
-        config = self.config
-        secondary = None
-        if secondary_size > 1 and secondary_size == self.topology.ranks_per_node:
-            secondary = self.topology.intra_node
-        elif secondary_size > 1:
-            world = self.topology.world_size
-            groups = [tuple(range(g, g + secondary_size)) for g in range(0, world, secondary_size)]
-            secondary = self.topology.subgroups(f"hpz{secondary_size}", groups)
+    def _unit_options(self) -> UnitOptions:
+        config, device = self.config, self.topology.device
         weight_block = config.weight_block_size if config.weight_quantization == "block" else None
         quantized = config.quantized_weights or config.quantized_gradients
-        side_stream = config.quantized_weights and self.topology.device.type == "cuda"
+        side_stream = config.quantized_weights and device.type == "cuda"
         return UnitOptions(
+            device=device,
             compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype,
             alignment=config.shard_alignment,
@@ -124,10 +102,9 @@ class ZeroEngine:
             grad_quant=QuantSpec(config.gradient_bits, config.gradient_block_size)
             if config.quantized_gradients
             else None,
-            qgz_stages=config.qgz_pipeline_stages,
-            secondary=secondary,
-            kernels=kernels_for(self.topology.device, config.quant_backend) if quantized else None,
-            quant_stream=torch.cuda.Stream(self.topology.device) if side_stream else None,
+            qgz_chunks=config.qgz_pipeline_chunks,
+            kernels=kernels_for(device, config.quant_backend) if quantized else None,
+            quant_stream=torch.cuda.Stream(device) if side_stream else None,
         )
 
     def _cast_unmanaged(self, model: nn.Module) -> None:
@@ -145,14 +122,6 @@ class ZeroEngine:
         for tensor in [*model.parameters(), *model.buffers()]:
             self.comm.broadcast(tensor.data, self.topology.world, src=0)
 
-    def _register_hooks(self) -> None:
-        for unit in self.units:
-            if not unit.resident:
-                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
-                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-            for index, p in enumerate(unit.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_param_grad, unit, index))
-
     # -- forward ---------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -164,98 +133,16 @@ class ZeroEngine:
         with self.comm.ledger.in_phase(phase):
             return self.module(*args, **kwargs)
 
-    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
-        unit.unshard()
-        if self._in_backward:  # activation recompute: already gathered for backward
-            return
-        self._record(self._forward_order, unit)
-        self._prefetch(self._forward_order, unit)
-
-    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_backward:
-            return
-        if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(functools.partial(self._pre_backward, unit))
-        unit.reshard()
-
-    def _record(self, order: list[FlatUnit], unit: FlatUnit) -> None:
-        if self._recording and unit not in order:
-            order.append(unit)
-
-    def _prefetch(self, order: list[FlatUnit], unit: FlatUnit) -> None:
-        if self._recording or unit not in order:
-            return
-        position = order.index(unit)
-        for upcoming in order[position + 1 : position + 1 + self.config.prefetch]:
-            if not (self._in_backward and upcoming.reduced_this_backward):
-                upcoming.unshard(async_op=True)
-
     # -- backward --------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
-        self._reduce_now = self.policy.shard_gradients or boundary
-        for unit in self.units:
-            unit.pending_grads = len(unit.params)
-            unit.reduced_this_backward = False
-            unit.gathered_for_backward = False
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
-        self._in_backward = True
-        try:
-            with self.comm.ledger.in_phase("backward"):
-                (loss * scale).backward()
-                for unit in reversed(self.units):  # fixed order: every rank issues the same collectives
-                    if not unit.reduced_this_backward:
-                        self._grads_ready(unit)
-                for pending in self._reductions:
-                    pending.wait()
-        finally:
-            self._in_backward = False
-            self._reductions = []
+        with self.comm.ledger.in_phase("backward"):
+            self.runtime.backward(loss * scale, reduce=self.policy.shard_gradients or boundary)
         self.micro_step += 1
         self._at_boundary = boundary
-        self._recording = False
-
-    def _require_engine_backward(self) -> None:
-        if not self._in_backward:
-            raise RuntimeError("zeropp: call engine.backward(loss), not loss.backward(): the engine reduces gradients")
-
-    def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        self._require_engine_backward()
-        if unit.gathered_for_backward:
-            return
-        unit.gathered_for_backward = True
-        unit.unshard()
-        self._record(self._backward_order, unit)
-        self._prefetch(self._backward_order, unit)
-
-    def _on_param_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
-        self._require_engine_backward()
-        if unit.reduced_this_backward:
-            raise RuntimeError(
-                f"zeropp: parameter {unit.names[index]} received a second gradient after its unit was reduced "
-                "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
-            )
-        unit.accumulate_param_grad(index, param.grad)
-        param.grad = None
-        unit.pending_grads -= 1
-        if unit.pending_grads == 0:
-            self._grads_ready(unit)
-
-    def _grads_ready(self, unit: FlatUnit) -> None:
-        unit.reduced_this_backward = True
-        if self.policy.shard_parameters:
-            unit.reshard()
-        if self._reduce_now:
-            self._reductions.append(unit.reduce_gradients())
-            while len(self._reductions) > MAX_REDUCTIONS_IN_FLIGHT:  # bounds gradient memory in backward
-                self._reductions.pop(0).wait()
-            for pending in self._reductions:  # qgZ: start inter-node hops whose intra-node hop is done,
-                if not pending.poll():  # oldest first, and none of a later unit before an earlier one's
-                    break
 
     # -- optimizer step --------------------------------------------------------------------------
 
@@ -291,7 +178,7 @@ class ZeroEngine:
     def _reduce_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
         """Combine a per-rank statistic of the gradient shards over ranks (sharded optimizer only)."""
         if self.policy.shard_optimizer:
-            self.comm.all_reduce(local, self.topology.world, reduce=reduce)
+            self.comm.all_reduce(local, self.groups.shard, reduce=reduce)
         return local
 
     def _any_overflow(self) -> bool:
@@ -322,22 +209,29 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
+    # -- state (per-parameter, sharding-independent: zeropp.state) --------------------------------
+
+    @functools.cached_property
+    def state_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks as a DTensor device mesh (built once, on first use)."""
+        return DeviceMesh.from_group(self.groups.shard.pg, self.topology.device.type)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
+        return state.sharded_state_dict(self.units, self.optimizer, self.module, self.state_mesh)
+
+    def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
+        """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
+        maps each optimizer state key to (per-element, dtype)."""
+        return state.sharded_state_template(self.units, self.module, self.state_mesh, optimizer_keys)
+
+    def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
+        """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
+        state.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
-        full: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            flat = unit.gather_flat(unit.master.data)
-            for index, p in enumerate(unit.params):
-                start, stop = unit.layout.param_range(index)
-                full[id(p)] = flat[start:stop].view(p.shape).to("cpu", copy=True)
-        state = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) in full:
-                state[name] = full[id(tensor)]
-            else:  # frozen parameters and buffers: floating ones back to fp32, others unchanged
-                dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
-                state[name] = tensor.detach().to("cpu", dtype, copy=True)
-        return state
+        return state.full_state_dict(self.units, self.module)
 
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""

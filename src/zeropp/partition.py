@@ -11,8 +11,11 @@ gradients and therefore never changes (Adam's update of a zero with zero gradien
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,18 @@ class FlatLayout:
         start = self.offsets[index]
         return start, start + self.numels[index]
 
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a whole flat buffer, in the parameters' shapes (padding left out)."""
+        return [flat[a : a + n].view(shape) for a, n, shape in zip(self.offsets, self.numels, self.shapes, strict=True)]
+
+    def join(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new whole flat buffer holding `tensors` (one per parameter, any shape of its numel) and
+        zeros in the padding: the inverse of :meth:`split`."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        for view, tensor in zip(self.split(flat), tensors, strict=True):
+            view.view(-1).copy_(tensor.reshape(-1))
+        return flat
+
 
 def secondary_range(padded_numel: int, group_size: int, group_rank: int) -> tuple[int, int]:
     """[start, stop) of the flat buffer that hpZ's secondary shard holds: the buffer cut into
@@ -62,6 +77,14 @@ def secondary_range(padded_numel: int, group_size: int, group_rank: int) -> tupl
     assert padded_numel % group_size == 0, (padded_numel, group_size)
     size = padded_numel // group_size
     return group_rank * size, (group_rank + 1) * size
+
+
+def chunk_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece `index` of `numel` elements cut like ``torch.chunk`` into `parts`
+    (a DTensor's ``Shard(0)``): pieces of ceil(numel / parts), the last shorter, trailing ones empty."""
+    size = math.ceil(numel / parts)
+    start = min(index * size, numel)
+    return start, min(start + size, numel)
 
 
 def qgz_send_order(ranks_per_node: int, nodes: int) -> list[int]:
@@ -77,15 +100,16 @@ def qgz_send_order(ranks_per_node: int, nodes: int) -> list[int]:
     return [node * ranks_per_node + local for local in range(ranks_per_node) for node in range(nodes)]
 
 
-def qgz_slice_order(ranks_per_node: int, nodes: int, stages: int) -> list[tuple[int, int]]:
-    """The generalized reordering with pipelining (ZeRO++ Algorithm 2): (stage, slice) at each position.
+def qgz_slice_order(ranks_per_node: int, nodes: int, chunks: int) -> list[tuple[int, int]]:
+    """The generalized reordering with pipelining (ZeRO++ Algorithm 2): (chunk, slice) at each position.
 
-    Every slice is cut into `stages` column chunks; the buffer is stage-major, and within a stage
-    it follows :func:`qgz_send_order`, so each pipeline stage is one contiguous region that goes
-    through both hops on its own. Position of (stage k, slice z) is k*W + (z % X)*Y + z // X.
+    Every slice is cut into `chunks` column chunks (the paper's pipeline stages); the buffer is
+    chunk-major, and within a chunk it follows :func:`qgz_send_order`, so each chunk is one
+    contiguous region that goes through both hops on its own. Position of (chunk k, slice z) is
+    k*W + (z % X)*Y + z // X.
     """
     order = qgz_send_order(ranks_per_node, nodes)
-    return [(stage, z) for stage in range(stages) for z in order]
+    return [(chunk, z) for chunk in range(chunks) for z in order]
 
 
 def column_chunks(numel: int, pieces: int) -> list[tuple[int, int]]:

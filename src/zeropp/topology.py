@@ -1,12 +1,20 @@
-"""World, nodes and ranks per node, and the process groups built from them (once, in a fixed order).
+"""World, nodes, the mesh of parallel dimensions, and the process groups built from them (once, in a fixed order).
 
 Ranks are laid out node-major: rank r lives on node r // ranks_per_node with local index
 r % ranks_per_node. That holds for torchrun (it numbers ranks node by node) and is how a single
-machine simulates several nodes. The groups:
+machine simulates several nodes.
 
-- world: every rank;
-- intra-node: the ranks of one node;
-- inter-node: the ranks with the same local index on every node.
+The mesh. The world is partitioned into data-parallel groups: the ranks that hold one replica's
+model states between them, which ZeRO shards, gathers and reduces over. Today there is one such
+group, every rank. A tensor-parallel dimension (inside a node) would make them the ranks with the
+same tensor-parallel index: only :meth:`Layout.data_parallel_groups` changes, since everything
+below is derived from a data-parallel group's ranks. For each data-parallel group:
+
+- intra-node: its ranks on one node;
+- inter-node: its ranks with the same position inside their node, one per node;
+- hpZ's secondary groups: consecutive runs of its ranks, whole nodes or parts of one.
+
+Units and collectives receive these as :class:`ShardGroups` and never look at world or rank.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from zeropp.config import ConfigError, TopologyConfig
+
+Partition = list[tuple[int, ...]]  # disjoint groups of global ranks covering the world, in a fixed order
 
 
 @dataclass(frozen=True)
@@ -42,24 +52,78 @@ class Layout:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def intra_node_ranks(self, node: int) -> tuple[int, ...]:
-        start = node * self.ranks_per_node
-        return tuple(range(start, start + self.ranks_per_node))
+    def data_parallel_groups(self) -> Partition:
+        """The world cut into data-parallel groups (see the module docstring): one, every rank."""
+        return [tuple(range(self.world_size))]
 
-    def inter_node_ranks(self, local_index: int) -> tuple[int, ...]:
-        return tuple(node * self.ranks_per_node + local_index for node in range(self.nodes))
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.data_parallel_groups()[0])
+
+    @property
+    def data_parallel_per_node(self) -> int:
+        """Ranks of one data-parallel group on each node."""
+        return self.data_parallel_size // self.nodes
+
+    def intra_node_groups(self) -> Partition:
+        """Every data-parallel group cut by node."""
+        return [
+            tuple(r for r in ranks if self.node_of(r) == node)
+            for ranks in self.data_parallel_groups()
+            for node in range(self.nodes)
+        ]
+
+    def inter_node_groups(self) -> Partition:
+        """Every data-parallel group cut by position inside the node: one rank per node."""
+        per_node = self.data_parallel_per_node
+        return [ranks[i::per_node] for ranks in self.data_parallel_groups() for i in range(per_node)]
+
+    def hpz_group_size(self, partition_size: int) -> int:
+        """hpZ's secondary group size for ``zero.hpz_partition_size`` (0: one node's data-parallel
+        ranks), 1 when hpZ is off. A group as large as the data-parallel group would be the primary
+        partition again (more memory, no fewer bytes), so that is off too. A group never straddles
+        part of a node: it is whole nodes or divides one node's ranks."""
+        world, per_node = self.data_parallel_size, self.data_parallel_per_node
+        size = partition_size or per_node
+        if partition_size < 0 or world % size or not (per_node % size == 0 or size % per_node == 0):
+            raise ConfigError(
+                f"zero.hpz_partition_size = {partition_size!r} is not allowed; expected 1 (off), 0 (the "
+                f"{per_node} ranks of one node) or a divisor or multiple of the {per_node} ranks per node "
+                f"that divides the world size {world}"
+            )
+        return 1 if size == world else size
+
+    def hpz_groups(self, size: int) -> Partition:
+        """Every data-parallel group cut into consecutive runs of `size` ranks (hpZ's secondary groups)."""
+        return [ranks[i : i + size] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), size)]
 
 
 @dataclass(frozen=True)
 class Group:
-    """A process group together with the global ranks it spans, in group-rank order."""
+    """A process group: the global ranks it spans in group-rank order, and this process's place in it."""
 
     pg: dist.ProcessGroup | None
     ranks: tuple[int, ...]
+    rank: int  # this process's index in `ranks`
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The groups a unit shards, gathers and reduces over: this rank's data-parallel group, its
+    intra-node and inter-node parts (qgZ's two hops) and, with hpZ, its secondary group."""
+
+    shard: Group
+    intra_node: Group
+    inter_node: Group
+    secondary: Group | None = None
+
+    @property
+    def hpz_group_size(self) -> int:
+        return 1 if self.secondary is None else self.secondary.size
 
 
 @dataclass
@@ -70,8 +134,9 @@ class Topology:
     world: Group
     intra_node: Group
     inter_node: Group
+    data_parallel: Group
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
-    _extra: dict[str, Group] = field(default_factory=dict)
+    _built: dict[str, Group] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -88,20 +153,35 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return self.layout.node_of(rank)
 
-    def subgroups(self, name: str, partition: list[tuple[int, ...]]) -> Group:
-        """Build (once) a partition of the world into groups, e.g. hpZ's secondary groups; return ours.
+    def subgroups(self, name: str, partition: Partition) -> Group:
+        """Build (once) a partition of the world into process groups; return the one holding this rank.
 
         Every rank must call this with the same partition, in the same order: new_group is collective.
+        A group of every rank is the world's; a group of one rank needs no process group.
         """
-        if name not in self._extra:
+        if name not in self._built:
             mine = None
             for ranks in partition:
-                pg = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
+                if ranks == self.world.ranks:
+                    group = self.world
+                else:
+                    pg = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
+                    group = Group(pg, tuple(ranks), ranks.index(self.rank) if self.rank in ranks else -1)
                 if self.rank in ranks:
-                    mine = Group(pg, tuple(ranks))
+                    mine = group
             assert mine is not None, f"rank {self.rank} is in no group of {name}"
-            self._extra[name] = mine
-        return self._extra[name]
+            self._built[name] = mine
+        return self._built[name]
+
+    def shard_groups(self, hpz_partition_size: int = 1) -> ShardGroups:
+        """The groups units shard over, with hpZ's secondary groups for ``zero.hpz_partition_size``
+        (built on first use; collective then)."""
+        size = self.layout.hpz_group_size(hpz_partition_size)
+        secondary = None
+        if size > 1:
+            same_as_node = size == self.layout.data_parallel_per_node
+            secondary = self.intra_node if same_as_node else self.subgroups(f"hpz{size}", self.layout.hpz_groups(size))
+        return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
 
 
 def read_world_from_env() -> tuple[int, int, int | None]:
@@ -118,7 +198,6 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     config = config or TopologyConfig()
     config.validate()
     rank, world_size, env_nodes = read_world_from_env()
-    config.check_world(world_size)
     layout = Layout(world_size, config.nodes or env_nodes or 1)
     backend = config.backend
     if backend == "auto":
@@ -161,13 +240,13 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 def build_topology(
     layout: Layout, rank: int, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> Topology:
-    """Build world, intra-node and inter-node groups (collective: every rank calls it identically)."""
-    world = Group(dist.group.WORLD, tuple(range(layout.world_size)))
-    topo = Topology(layout, rank, device, world, world, world, timeout)
-    intra = [layout.intra_node_ranks(n) for n in range(layout.nodes)]
-    inter = [layout.inter_node_ranks(i) for i in range(layout.ranks_per_node)]
-    topo.intra_node = world if layout.nodes == 1 else topo.subgroups("intra_node", intra)
-    topo.inter_node = world if layout.ranks_per_node == 1 else topo.subgroups("inter_node", inter)
+    """Build the mesh's groups: data-parallel, intra-node, inter-node (collective: every rank calls it
+    identically)."""
+    world = Group(dist.group.WORLD, tuple(range(layout.world_size)), rank)
+    topo = Topology(layout, rank, device, world, world, world, world, timeout)
+    topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
+    topo.intra_node = topo.subgroups("intra_node", layout.intra_node_groups())
+    topo.inter_node = topo.subgroups("inter_node", layout.inter_node_groups())
     return topo
 
 

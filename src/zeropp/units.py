@@ -1,97 +1,66 @@
-"""Units: groups of parameters that are flattened, sharded, gathered and reduced together.
-
-Default grouping: every child of a repeated container (an ``nn.ModuleList`` / ``nn.Sequential``
-whose children include at least two modules of one class, e.g. the transformer layers) is a unit;
-one root unit holds everything else. A parameter reachable from two units (a tied weight between
-a layer and the root, say) goes to the root unit, which stays gathered for the whole forward.
+"""A unit: parameters flattened into one padded buffer, evenly sharded, gathered and reduced together.
 
 A :class:`FlatUnit` owns the buffers of its parameters. The module's ``nn.Parameter`` objects stay
-registered where the user put them, their ``.data`` pointed once at views of the unit's full
-buffer. Resharding frees that buffer's *storage* (resized to 0 bytes) and unsharding re-grows it
-and gathers into it, so the views never change: a weight (or a view of it, like ``w.t()``)
-that autograd saved in forward reads the re-gathered values in backward, and holds no memory
-in between.
+registered where the user put them, their ``.data`` pointed once at views of the unit's
+``compute_flat`` buffer. Resharding frees that buffer's *storage* (resized to 0 bytes) and
+unsharding re-grows it and gathers into it, so the views never change: a weight (or a view of it,
+like ``w.t()``) that autograd saved in forward reads the re-gathered values in backward, and holds
+no memory in between.
+
+A unit has two pieces of state, each an enum changed only by its own methods:
+
+- :class:`ShardState`, where its compute-dtype parameters are (sharded / gathering / unsharded);
+- :class:`TrainingState`, where it is in a backward pass (the runtime drives it: ``begin_backward``,
+  ``enter_backward``, ``add_grad``, ``finish_backward``, ``end_backward``).
+
+Which modules form units is :mod:`zeropp.grouping`'s concern; when hooks fire is :mod:`zeropp.runtime`'s.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
-from zeropp.partition import FlatLayout, secondary_range
-from zeropp.quant import QuantSpec
+from zeropp.partition import FlatLayout, chunk_range, secondary_range
+from zeropp.quant import QuantKernels, QuantSpec
 from zeropp.stages import StagePolicy
-from zeropp.topology import Group
+from zeropp.topology import ShardGroups
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Children of containers holding >= 2 modules of the same class, outermost first, in order."""
-    blocks: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                kinds = [type(m) for m in child.children()]
-                if any(kinds.count(k) >= 2 for k in kinds):
-                    blocks.extend(m for m in child.children() if any(True for _ in m.parameters()))
-                    continue
-            visit(child)
-
-    visit(model)
-    return blocks
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
+    GATHERING = "gathering"  # an all-gather into compute_flat is in flight
+    UNSHARDED = "unsharded"  # parameters are views of the gathered compute_flat
 
 
-def group_parameters(
-    model: nn.Module, unit_modules: Iterable[nn.Module]
-) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """Assign each trainable parameter to exactly one unit; the root (`model`) unit comes last.
-
-    Frozen parameters (requires_grad=False) are left where they are: resident and replicated.
-    """
-    claims: dict[int, list[int]] = {}
-    unit_modules = [m for m in unit_modules if m is not model]
-    for index, module in enumerate(unit_modules):
-        for p in module.parameters():
-            if p.requires_grad:
-                claims.setdefault(id(p), []).append(index)
-    grouped: list[list[tuple[str, nn.Parameter]]] = [[] for _ in unit_modules] + [[]]
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if not p.requires_grad:
-            continue
-        owners = claims.get(id(p), [])
-        grouped[owners[0] if len(owners) == 1 else -1].append((name, p))
-    modules = [*unit_modules, model]
-    return [(m, params) for m, params in zip(modules, grouped, strict=True) if params]
-
-
-class ParamState(enum.Enum):
-    SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty tensors
-    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
-    UNSHARDED = "unsharded"  # parameters are views of the gathered full buffer
+class TrainingState(enum.Enum):
+    IDLE = "idle"  # no backward pass under way (forward and evaluation run here)
+    PRE_BACKWARD = "pre_backward"  # backward has begun; no output gradient has reached the unit yet
+    BACKWARD = "backward"  # gathered for backward; parameter gradients are arriving
+    POST_BACKWARD = "post_backward"  # every gradient of this backward is in (reduced, or kept to accumulate)
 
 
 @dataclass(frozen=True)
 class UnitOptions:
     """How every unit stores and communicates (the engine builds one from ZeroConfig)."""
 
+    device: torch.device
     compute_dtype: torch.dtype
     grad_dtype: torch.dtype
     alignment: int
     persistence_threshold: int
     allgather_bucket: int
     reduce_bucket: int
-    weight_quant: QuantSpec | None = None  # qwZ: gather weights over the world quantized
+    weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
     grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
-    qgz_stages: int = 1
-    secondary: Group | None = None  # hpZ: this rank's secondary group
-    kernels: ModuleType | None = None  # quantization kernels (zeropp.quant.kernels_for)
+    qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
+    kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
     quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
 
 
@@ -101,24 +70,25 @@ class FlatUnit:
     Buffers (P = padded numel, S = this rank's shard, W = ranks the optimizer state is split over):
 
     - ``master``: fp32 ``nn.Parameter`` of S elements (P when W == 1), what the optimizer updates;
-    - ``full``: compute-dtype P elements, resident unless the unit is sharded (stage 3);
+    - ``compute_flat``: compute-dtype P elements, the parameters' storage; resident unless the unit
+      is sharded (stage 3), where it holds memory only while gathered;
     - ``compute_shard``: compute-dtype S elements, the all-gather source of a sharded unit;
     - ``grad_flat``: P elements in the gradient dtype where parameter gradients land; kept across
       micro-batches when gradients are not sharded (stages 0, 1), transient otherwise;
     - ``grad_shard``: S elements, the reduced gradient accumulated over micro-batches (stages 2, 3).
 
-    Where the compute dtype is fp32 the full buffer (stage 0) or the compute shard (stage 3) is the
+    Where the compute dtype is fp32 the compute buffer (stage 0) or the compute shard (stage 3) is the
     master's own storage, so nothing is stored twice.
 
     ZeRO++ on a sharded unit:
 
-    - hpZ keeps ``secondary_shard``, this rank's 1/H of the full compute-dtype buffer (H = its
-      secondary group's size). It is cut from the gathered weights when the unit reshards and is
-      valid while the weights have not changed (``version``, bumped by every optimizer step):
-      while valid every gather (backward, later micro-batches, eval) runs inside the secondary
-      group. A step invalidates it, so a stale copy is never read; the copy is written only after
-      the gather into ``full`` has completed, so it never races a prefetch.
-    - qwZ quantizes the compute shard at every gather over the world and dequantizes what arrives.
+    - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
+      size). It is cut from the gathered weights when the unit reshards and is valid while the
+      weights have not changed (``version``, bumped by every optimizer step): while valid every
+      gather (backward, later micro-batches, eval) runs inside the secondary group. A step
+      invalidates it, so a stale copy is never read; the copy is written only after the gather into
+      ``compute_flat`` has completed, so it never races a prefetch.
+    - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives.
     """
 
     def __init__(
@@ -126,6 +96,7 @@ class FlatUnit:
         module: nn.Module,
         named_params: list[tuple[str, nn.Parameter]],
         comm: Communicator,
+        groups: ShardGroups,
         policy: StagePolicy,
         options: UnitOptions,
     ) -> None:
@@ -133,38 +104,33 @@ class FlatUnit:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.comm = comm
+        self.groups = groups
         self.policy = policy
         self.options = options
         compute_dtype = self.compute_dtype = options.compute_dtype
         grad_dtype = self.grad_dtype = options.grad_dtype
         self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
-        topo = comm.topology
-        self.shard_world = topo.world_size if policy.shard_optimizer else 1
+        self.shard_world = groups.shard.size if policy.shard_optimizer else 1
         self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, options.alignment)
         self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
-        device = topo.device
+        device = options.device
 
-        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-        for i, p in enumerate(self.params):
-            start, stop = self.layout.param_range(i)
-            full32[start:stop].copy_(p.detach().reshape(-1))
-        start, stop = self.layout.shard_range(topo.rank if self.shard_world > 1 else 0)
+        full32 = self.layout.join([p.detach() for p in self.params], torch.float32, device)
         if self.shard_world == 1:
             self.master = nn.Parameter(full32)
         else:
-            self.master = nn.Parameter(full32[start:stop].clone())
+            self.master = nn.Parameter(self.shard_of(full32).clone())
         self.compute_shard: torch.Tensor | None = None
         if self.resident:
             alias = self.shard_world == 1 and compute_dtype == torch.float32
-            self.full = self.master.data if alias else full32.to(compute_dtype)
+            self.compute_flat = self.master.data if alias else full32.to(compute_dtype)
         else:
             alias = compute_dtype == torch.float32
             self.compute_shard = self.master.data if alias else self.master.data.to(compute_dtype)
-            self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         del full32
-        for i, p in enumerate(self.params):
-            start, stop = self.layout.param_range(i)
-            p.data = self.full[start:stop].view(p.shape)
+        for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
+            p.data = view
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if not policy.shard_gradients:
@@ -172,15 +138,14 @@ class FlatUnit:
         self.version = 0  # bumped whenever the weights change
         self.secondary_shard: torch.Tensor | None = None
         self._secondary_version = -1
-        self.state = ParamState.UNSHARDED
+        self.shard_state = ShardState.UNSHARDED
+        self.training_state = TrainingState.IDLE
         self._gather: Pending | None = None
-        self.pending_grads = len(self.params)
-        self.reduced_this_backward = False
-        self.gathered_for_backward = False
+        self._grads_missing = 0
         self.reshard()
-        if options.secondary is not None and not self.resident:  # filled by the first gather's reshard
-            group = options.secondary
-            self._secondary_range = secondary_range(self.layout.padded_numel, group.size, group.ranks.index(topo.rank))
+        if groups.secondary is not None and not self.resident:  # filled by the first gather's reshard
+            secondary = groups.secondary
+            self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
             size = self._secondary_range[1] - self._secondary_range[0]
             self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
 
@@ -188,35 +153,36 @@ class FlatUnit:
 
     def unshard(self, async_op: bool = False) -> None:
         """Start (or, unless async, also finish) gathering the full parameters of a sharded unit."""
-        if self.state is ParamState.SHARDED:
-            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        if self.shard_state is ShardState.SHARDED:
+            self.compute_flat.untyped_storage().resize_(self.layout.padded_numel * self.compute_flat.element_size())
             self._gather = self._start_gather()
-            self.state = ParamState.GATHERING
-        if self.state is ParamState.GATHERING and not async_op:
+            self.shard_state = ShardState.GATHERING
+        if self.shard_state is ShardState.GATHERING and not async_op:
             self._gather.wait()
             self._gather = None
-            self.state = ParamState.UNSHARDED
+            self.shard_state = ShardState.UNSHARDED
 
     def _start_gather(self) -> Pending:
-        options, world = self.options, self.comm.topology.world
-        bucket = self.allgather_bucket
+        options, bucket = self.options, self.allgather_bucket
         if self.secondary_valid:  # hpZ: inside the secondary group, in the compute dtype
             return self.comm.all_gather(
-                self.full, self.secondary_shard, options.secondary, bucket_numel=bucket, async_op=True
+                self.compute_flat, self.secondary_shard, self.groups.secondary, bucket_numel=bucket, async_op=True
             )
         if options.weight_quant is not None:  # qwZ
             return all_gather_quantized(
                 self.comm,
-                self.full,
+                self.compute_flat,
                 self.compute_shard,
                 options.weight_quant,
-                world,
+                self.groups.shard,
                 options.kernels,
                 bucket_numel=bucket,
                 async_op=True,
                 stream=options.quant_stream,
             )
-        return self.comm.all_gather(self.full, self.compute_shard, world, bucket_numel=bucket, async_op=True)
+        return self.comm.all_gather(
+            self.compute_flat, self.compute_shard, self.groups.shard, bucket_numel=bucket, async_op=True
+        )
 
     @property
     def secondary_valid(self) -> bool:
@@ -225,63 +191,97 @@ class FlatUnit:
     def reshard(self) -> None:
         """Free the gathered parameters of a sharded unit (resident units keep theirs); with hpZ keep
         this rank's secondary shard of them first."""
-        if self.resident or self.state is ParamState.SHARDED:
+        if self.resident or self.shard_state is ShardState.SHARDED:
             return
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
         if self.secondary_shard is not None and not self.secondary_valid:
             start, stop = self._secondary_range
-            self.secondary_shard.copy_(self.full[start:stop])
+            self.secondary_shard.copy_(self.compute_flat[start:stop])
             self._secondary_version = self.version
-        self.full.untyped_storage().resize_(0)
-        self.state = ParamState.SHARDED
+        self.compute_flat.untyped_storage().resize_(0)
+        self.shard_state = ShardState.SHARDED
+
+    # -- training state --------------------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        """A backward pass starts: every parameter's gradient is awaited."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._grads_missing = len(self.params)
+
+    def enter_backward(self) -> bool:
+        """The first output gradient reached the unit; return whether it must be gathered for backward
+        (only the first time in a backward, and not once its gradients are all in)."""
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return False
+        self.training_state = TrainingState.BACKWARD
+        return True
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """Add parameter `index`'s gradient into the flat gradient buffer (allocated on first use);
+        return whether it was the last one this backward awaited."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            raise RuntimeError(
+                f"zeropp: parameter {self.names[index]} received a second gradient after its unit was reduced "
+                "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
+            )
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
+        start, stop = self.layout.param_range(index)
+        self.grad_flat[start:stop].add_(grad.reshape(-1))
+        self._grads_missing -= 1
+        return self._grads_missing == 0
+
+    def finish_backward(self) -> None:
+        """Every gradient this backward will produce is in (some parameters may have got none)."""
+        self.training_state = TrainingState.POST_BACKWARD
+
+    @property
+    def finished_backward(self) -> bool:
+        return self.training_state is TrainingState.POST_BACKWARD
+
+    def end_backward(self) -> None:
+        self.training_state = TrainingState.IDLE
 
     # -- gradients -------------------------------------------------------------------------------
 
-    def accumulate_param_grad(self, param_index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into the flat gradient buffer (allocated on first use)."""
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
-        start, stop = self.layout.param_range(param_index)
-        self.grad_flat[start:stop].add_(grad.reshape(-1))
-
     def reduce_gradients(self) -> Pending:
-        """Reduce this rank's gradients over the world (mean), asynchronously.
+        """Reduce this rank's gradients over the shard group (mean), asynchronously.
 
         Stage 0 all-reduces ``grad_flat`` in place; stage 1 reduce-scatters it and writes the mean
         shard back into its own slice of ``grad_flat``; stages 2 and 3 reduce-scatter into
         ``grad_shard`` (adding to what earlier micro-batches left there) and drop ``grad_flat``.
         With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
         """
-        world = self.comm.topology.world
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.master.device)
         if not self.policy.shard_optimizer:
-            return self.comm.all_reduce(self.grad_flat, world, async_op=True)
-        start, stop = self.layout.shard_range(self.comm.topology.rank)
+            return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
         flat = self.grad_flat
-        out = flat.new_empty(stop - start)
+        mine = self.shard_of(flat)
+        out = flat.new_empty(mine.numel())
         pending = self._reduce_scatter(out, flat)
         if not self.policy.shard_gradients:  # stage 1: the mean shard goes back into its own slice
-            mine = flat[start:stop]
-            return Pending([pending], lambda: mine.copy_(out), poll=pending.poll)
+            return Pending([pending], lambda: mine.copy_(out), start_hops=pending.start_ready_hops)
         # the full gradient lives only as long as its reduction needs it (qgZ: not past the quantization)
         self.grad_flat = None
-        return Pending([pending], lambda: self._accumulate_reduced(out), poll=pending.poll)
+        return Pending([pending], lambda: self._accumulate_reduced(out), start_hops=pending.start_ready_hops)
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
         options = self.options
         if options.grad_quant is None:
-            world = self.comm.topology.world
-            return self.comm.reduce_scatter(out, flat, world, bucket_numel=self.reduce_bucket, async_op=True)
+            return self.comm.reduce_scatter(
+                out, flat, self.groups.shard, bucket_numel=self.reduce_bucket, async_op=True
+            )
         return reduce_scatter_quantized(
             self.comm,
             out,
             flat,
             options.grad_quant,
             options.kernels,
-            stages=options.qgz_stages,
+            self.groups,
+            chunks=options.qgz_chunks,
             bucket_numel=self.reduce_bucket,
         )
 
@@ -306,22 +306,51 @@ class FlatUnit:
         else:
             self.grad_flat.zero_()
 
-    # -- whole flat buffers (consolidation, checkpoints) -------------------------------------------
+    # -- whole flat buffers and per-parameter pieces (state dicts, checkpoints) --------------------
 
     def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """The whole padded flat buffer of which `shard` (aligned with ``master``) is this rank's piece."""
         if self.shard_world == 1:
             return shard
         flat = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(flat, shard, self.comm.topology.world, bucket_numel=self.allgather_bucket)
+        self.comm.all_gather(flat, shard, self.groups.shard, bucket_numel=self.allgather_bucket)
         return flat
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a whole padded flat buffer (the inverse of gather_flat)."""
         if self.shard_world == 1:
             return flat
-        start, stop = self.layout.shard_range(self.comm.topology.rank)
+        start, stop = self.layout.shard_range(self.groups.shard.rank)
         return flat[start:stop]
+
+    def param_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's piece of every parameter of the flat buffer whose shard is `shard`, each
+        parameter flattened and cut like ``torch.chunk`` over the shard group (a DTensor's
+        ``Shard(0)``): the sharding-independent layout of checkpoints. Collective."""
+        flat, group = self.gather_flat(shard), self.groups.shard
+        pieces = []
+        for view in self.layout.split(flat):
+            start, stop = chunk_range(view.numel(), group.size, group.rank)
+            pieces.append(view.reshape(-1)[start:stop].clone())
+        return pieces
+
+    def flat_from_param_chunks(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """The whole padded flat buffer from every rank's :meth:`param_chunks` (one all-gather).
+
+        Each rank sends its chunks padded to the largest chunk size of each parameter, ceil(n / W),
+        so the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a
+        parameter's chunks read in rank order, cut to its n elements, are the parameter."""
+        group, numels = self.groups.shard, self.layout.numels
+        widths = [math.ceil(n / group.size) for n in numels]
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+        send = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=self.options.device)
+        for chunk, offset in zip(chunks, offsets, strict=True):
+            send[offset : offset + chunk.numel()].copy_(chunk.reshape(-1))
+        rows = torch.empty(group.size * send.numel(), dtype=send.dtype, device=send.device)
+        self.comm.all_gather(rows, send, group, bucket_numel=self.allgather_bucket)
+        rows = rows.view(group.size, -1)
+        params = [rows[:, o : o + w].reshape(-1)[:n] for o, w, n in zip(offsets, widths, numels, strict=True)]
+        return self.layout.join(params, send.dtype, send.device)
 
     def load_master(self, flat: torch.Tensor) -> None:
         """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
@@ -338,25 +367,15 @@ class FlatUnit:
             if self.compute_shard.data_ptr() != self.master.data_ptr():
                 self.compute_shard.copy_(self.master.data)
         elif self.shard_world == 1:
-            if self.full.data_ptr() != self.master.data_ptr():
-                self.full.copy_(self.master.data)
+            if self.compute_flat.data_ptr() != self.master.data_ptr():
+                self.compute_flat.copy_(self.master.data)
         else:
             source = self.master.data.to(self.compute_dtype)
-            self.comm.all_gather(self.full, source, self.comm.topology.world, bucket_numel=self.allgather_bucket)
+            self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=self.allgather_bucket)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor this unit keeps (for measured model-state bytes)."""
-        return [
-            t
-            for t in (
-                self.master.data,
-                self.full,
-                self.compute_shard,
-                self.secondary_shard,
-                self.grad_flat,
-                self.grad_shard,
-            )
-            if t is not None
-        ]
+        kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard)
+        return [t for t in (*kept, self.grad_flat, self.grad_shard) if t is not None]

@@ -33,27 +33,28 @@ class CollectiveTimeout(RuntimeError):
 
 class Pending:
     """Handles of in-flight collectives plus what to do once they have all finished, and optionally
-    a step to take early whenever the owner polls (a multi-hop collective's next hop)."""
+    a way to start the later hops of a multi-hop collective early (qgZ's inter-node exchange)."""
 
     def __init__(
-        self, works: list, then: Callable[[], None] | None = None, poll: Callable[[], bool] | None = None
+        self, works: list, then: Callable[[], None] | None = None, start_hops: Callable[[], bool] | None = None
     ) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
-        self._poll = poll
+        self._start_hops = start_hops
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
 
-    def poll(self) -> bool:
-        """Take the early step if it is ready; return whether nothing is left to start early.
+    def start_ready_hops(self) -> bool:
+        """Start every later hop whose input is ready; return True when no hop is left to start
+        (False: a hop waits on an earlier one that has not finished).
 
-        Early steps must be taken in issue order across Pendings (every rank must issue a group's
-        collectives in the same order): poll the oldest first and stop at the first False.
+        Hops must be started in issue order across Pendings (every rank must issue a group's
+        collectives in the same order): call it on the oldest first and stop at the first False.
         """
-        if self._poll is None or self._then is None:
+        if self._start_hops is None or self._then is None:
             return True
-        return self._poll()
+        return self._start_hops()
 
     def wait(self) -> None:
         for work in self._works:
@@ -80,8 +81,7 @@ class Communicator:
     # -- byte accounting -------------------------------------------------------------------------
 
     def _successor_is_intra(self, group: Group) -> bool:
-        me = group.ranks.index(self.topology.rank)
-        successor = group.ranks[(me + 1) % group.size]
+        successor = group.ranks[(group.rank + 1) % group.size]
         return self.topology.node_of(successor) == self.topology.node_of(self.topology.rank)
 
     def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1) -> None:
@@ -182,8 +182,7 @@ class Communicator:
         the one whose successor is `src` forwards the whole buffer once)."""
         if group.size == 1:
             return
-        me = group.ranks.index(self.topology.rank)
-        if group.ranks[(me + 1) % group.size] != src:
+        if group.ranks[(group.rank + 1) % group.size] != src:
             sent = tensor.numel() * tensor.element_size()
             intra = self._successor_is_intra(group)
             self.ledger.record("broadcast", sent if intra else 0, 0 if intra else sent)

@@ -11,7 +11,7 @@
   node and (Y-1)/(X*Y) across nodes: with int4 against 16-bit gradients a quarter of what the
   ring reduce-scatter sends per node, or less.
 
-Pipelining: the columns of the slices are cut into chunks (``stages`` per reduce bucket). All
+Pipelining: the columns of the slices are cut into chunks (``chunks`` per reduce bucket). All
 chunks start their intra-node exchange at once; as each finishes it is reduced, re-quantized
 and its inter-node exchange starts, so the inter-node hop of chunk k runs while the intra-node
 hop of chunk k+1 is still in flight (ZeRO++ section 4.1.2). Chunk k's columns of every slice form
@@ -27,14 +27,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from types import ModuleType
 
 import torch
 
 from zeropp.comm import Communicator, Pending
 from zeropp.partition import column_chunks, qgz_send_order
-from zeropp.quant import Quantized, QuantSpec
-from zeropp.topology import Group
+from zeropp.quant import QuantKernels, Quantized, QuantSpec
+from zeropp.topology import Group, ShardGroups
 
 
 def all_gather_quantized(
@@ -43,7 +42,7 @@ def all_gather_quantized(
     shard: torch.Tensor,
     spec: QuantSpec,
     group: Group,
-    kernels: ModuleType,
+    kernels: QuantKernels,
     *,
     bucket_numel: int,
     async_op: bool = False,
@@ -93,24 +92,28 @@ def reduce_scatter_quantized(
     shard: torch.Tensor,
     full: torch.Tensor,
     spec: QuantSpec,
-    kernels: ModuleType,
+    kernels: QuantKernels,
+    groups: ShardGroups,
     *,
-    stages: int,
+    chunks: int,
     bucket_numel: int,
 ) -> Pending:
-    """Mean of `full` over the world, this rank's slice into `shard` (``shard = mean[rank]``), via qgZ.
+    """Mean of `full` over the shard group, this rank's slice into `shard` (``shard = mean[rank]``), via qgZ.
 
-    The intra-node exchanges start now, and `full` is no longer read once this returns. Polling
-    the returned Pending starts the inter-node exchange of every chunk whose intra-node exchange
-    has completed (the engine polls as backward goes on); waiting on it runs the rest.
+    The group's X ranks per node form ``groups.intra_node`` and its Y nodes ``groups.inter_node``.
+    The intra-node exchanges start now, and `full` is no longer read once this returns.
+    ``start_ready_hops`` on the returned Pending starts the inter-node exchange of every chunk whose
+    intra-node exchange has completed (the runtime calls it as backward goes on); waiting on it
+    runs the rest.
     """
-    topo = comm.topology
-    x, y, world = topo.ranks_per_node, topo.nodes, topo.world_size
+    x, y = groups.intra_node.size, groups.inter_node.size
+    world = x * y
+    assert world == groups.shard.size, (x, y, groups.shard.size)
     width = shard.numel()
     assert full.numel() == world * width, (full.numel(), world, width)
     slices = full.view(world, width)
     send_order = _send_order(x, y, full.device)
-    chunks = column_chunks(width, math.ceil(width / bucket_numel) * stages)
+    columns = column_chunks(width, math.ceil(width / bucket_numel) * chunks)
 
     def exchange(q: Quantized, group: Group) -> tuple[Pending, Quantized]:
         received = Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), q.n, q.spec)
@@ -119,13 +122,13 @@ def reduce_scatter_quantized(
 
     # hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j
     intra = [
-        exchange(kernels.quantize(slices[:, start:stop], spec, row_order=send_order), topo.intra_node)
-        for start, stop in chunks
+        exchange(kernels.quantize(slices[:, start:stop], spec, row_order=send_order), groups.intra_node)
+        for start, stop in columns
     ]
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
 
         def land_one_node() -> None:
-            for (start, stop), (pending, received) in zip(chunks, intra, strict=True):
+            for (start, stop), (pending, received) in zip(columns, intra, strict=True):
                 pending.wait()
                 kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop].view(1, -1))
 
@@ -133,13 +136,13 @@ def reduce_scatter_quantized(
 
     inter: list[tuple[Pending, Quantized]] = []
     # Inter-node hops may start early only on a group no other collective uses (every rank must
-    # issue a group's collectives in the same order); with one rank per node that group is the world.
-    may_start_early = topo.inter_node is not topo.world
+    # issue a group's collectives in the same order); with one rank per node it is the shard group.
+    may_start_early = groups.inter_node.ranks != groups.shard.ranks
 
     def start_inter(block: bool) -> bool:
         """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
         `block`; return whether all have started."""
-        while len(inter) < len(chunks):
+        while len(inter) < len(columns):
             pending, received = intra[len(inter)]
             if not block and not pending.is_completed():
                 return False
@@ -147,16 +150,16 @@ def reduce_scatter_quantized(
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
             partial = kernels.dequantize_reduce_quantize(received.reshape(x, y), spec)
             intra[len(inter)] = None  # the received chunk is no longer needed
-            inter.append(exchange(partial, topo.inter_node))
+            inter.append(exchange(partial, groups.inter_node))
         return True
 
     def land() -> None:
         start_inter(block=True)
-        for (start, stop), (pending, received) in zip(chunks, inter, strict=True):
+        for (start, stop), (pending, received) in zip(columns, inter, strict=True):
             pending.wait()
             kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop])
 
-    return Pending([], land, poll=(lambda: start_inter(block=False)) if may_start_early else None)
+    return Pending([], land, start_hops=(lambda: start_inter(block=False)) if may_start_early else None)
 
 
 @functools.lru_cache(maxsize=8)

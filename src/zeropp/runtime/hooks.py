@@ -1,0 +1,132 @@
+"""Hooks that drive the units through forward and backward, and the backward pass around them.
+
+Hook order within one training step (sharded units, i.e. stage 3):
+
+1. forward pre-hook of a unit: gather it (waiting for a prefetch if one is in flight), then start
+   gathering the next ``prefetch`` units of the forward order recorded in the first step;
+2. forward post-hook: put a gradient hook on the outputs (the unit's *pre-backward*), reshard;
+3. pre-backward (first output gradient reaching the unit): gather again, prefetch the next units
+   of the recorded backward order;
+4. each parameter's post-accumulate-grad hook adds its gradient into the unit's flat gradient
+   buffer; when the last one has arrived the unit reshards and its reduction starts (async);
+5. end of backward: units some of whose parameters got no gradient are reduced in a fixed order
+   (every rank issues the same collectives), then every reduction is waited for.
+
+Resident units (stages 0-2, or small units under the persistence threshold) skip 1-3. During
+backward, activation recomputation runs forward hooks again: the unit is gathered (it already is,
+for backward) and nothing is recorded, prefetched or resharded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zeropp.runtime.order import ExecutionOrder
+from zeropp.runtime.reductions import ReductionQueue
+from zeropp.stages import StagePolicy
+from zeropp.units import FlatUnit
+
+
+class Runtime:
+    """The hooks of every unit, the recorded orders, prefetch and the reduction queue."""
+
+    def __init__(self, units: Sequence[FlatUnit], policy: StagePolicy, prefetch: int) -> None:
+        self.units = list(units)
+        self.policy = policy
+        self.prefetch = prefetch
+        self.forward_order = ExecutionOrder()
+        self.backward_order = ExecutionOrder()
+        self.reductions = ReductionQueue()
+        self.in_backward = False
+        self._reduce = False
+        for unit in self.units:
+            if not unit.resident:
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+            for index, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_param_grad, unit, index))
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+        unit.unshard()
+        if self.in_backward:  # activation recompute: already gathered for backward
+            return
+        self.forward_order.record(unit)
+        self._prefetch(self.forward_order, unit)
+
+    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if self.in_backward:
+            return
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(functools.partial(self._pre_backward, unit))
+        unit.reshard()
+
+    def _prefetch(self, order: ExecutionOrder, unit: FlatUnit) -> None:
+        """Start gathering the units recorded after `unit`.
+
+        In backward, a unit whose gradients are all in is skipped. The order was recorded in the
+        first step and need not hold in later ones (a unit may run twice, a branch may be skipped),
+        so a prefetch can name a unit whose backward is already over in this pass: gathering it
+        would move its weights for nobody and hold their memory until the step reshards them.
+        """
+        for upcoming in order.after(unit, self.prefetch):
+            if not (self.in_backward and upcoming.finished_backward):
+                upcoming.unshard(async_op=True)
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, *, reduce: bool) -> None:
+        """Backward of `loss` (already scaled); reduce every unit's gradients as they complete when
+        `reduce`, else leave them accumulated in place (a micro-batch before the boundary, stages 0-1)."""
+        self._reduce = reduce
+        for unit in self.units:
+            unit.begin_backward()
+        self.in_backward = True
+        try:
+            loss.backward()
+            for unit in reversed(self.units):  # fixed order: every rank issues the same collectives
+                if not unit.finished_backward:
+                    self._grads_ready(unit)
+            self.reductions.drain()
+        finally:
+            self.in_backward = False
+            self.reductions.clear()
+            for unit in self.units:
+                unit.end_backward()
+        self.forward_order.freeze()
+        self.backward_order.freeze()
+
+    def _require_engine_backward(self) -> None:
+        if not self.in_backward:
+            raise RuntimeError("zeropp: call engine.backward(loss), not loss.backward(): the engine reduces gradients")
+
+    def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        self._require_engine_backward()
+        if not unit.enter_backward():
+            return
+        unit.unshard()
+        self.backward_order.record(unit)
+        self._prefetch(self.backward_order, unit)
+
+    def _on_param_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
+        self._require_engine_backward()
+        last = unit.add_grad(index, param.grad)
+        param.grad = None
+        if last:
+            self._grads_ready(unit)
+
+    def _grads_ready(self, unit: FlatUnit) -> None:
+        unit.finish_backward()
+        if self.policy.shard_parameters:
+            unit.reshard()
+        if self._reduce:
+            self.reductions.push(unit.reduce_gradients())

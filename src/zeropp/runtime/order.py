@@ -1,0 +1,32 @@
+"""The order units run in, recorded during the first training step, which prefetch follows."""
+
+from __future__ import annotations
+
+from zeropp.units import FlatUnit
+
+
+class ExecutionOrder:
+    """Units in the order they first ran in one direction (forward, or backward) of the first step.
+
+    Recording stops at the end of the first backward (:meth:`freeze`); from then on a unit that
+    runs is followed by the units recorded after it. A unit that ran before recording stopped but
+    was not recorded (it did not run in the first step) never triggers a prefetch.
+    """
+
+    def __init__(self) -> None:
+        self.units: list[FlatUnit] = []
+        self.recording = True
+
+    def record(self, unit: FlatUnit) -> None:
+        if self.recording and unit not in self.units:
+            self.units.append(unit)
+
+    def freeze(self) -> None:
+        self.recording = False
+
+    def after(self, unit: FlatUnit, count: int) -> list[FlatUnit]:
+        """The `count` units recorded after `unit` (none while recording, or for an unrecorded unit)."""
+        if self.recording or unit not in self.units:
+            return []
+        position = self.units.index(unit)
+        return self.units[position + 1 : position + 1 + count]
