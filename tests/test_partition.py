@@ -95,3 +95,66 @@ def test_layout_refuses_uneven_split(world, nodes):
     message = str(info.value)
     assert "\n" not in message
     assert "topology.nodes" in message and str(nodes) in message and str(world) in message
+
+
+@pytest.mark.parametrize("shapes", SHAPE_SETS)
+def test_split_and_join_are_inverse_views(shapes):
+    import torch
+
+    layout = FlatLayout(shapes, 4, 32)
+    tensors = [torch.randn(shape) for shape in shapes]
+    flat = layout.join(tensors, torch.float32, torch.device("cpu"))
+    assert flat.numel() == layout.padded_numel
+    assert not flat[layout.numel :].any()  # padding holds zeros
+    views = layout.split(flat)
+    assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+    for view, tensor, index in zip(views, tensors, range(len(shapes)), strict=True):
+        assert torch.equal(view, tensor)
+        start, stop = layout.param_range(index)
+        if view.numel():
+            assert view.data_ptr() == flat[start:stop].data_ptr()  # a view, not a copy
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 5, 7, 31, 32, 100])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_chunk_range_cuts_like_torch_chunk(numel, parts):
+    import torch
+
+    from zeropp.partition import chunk_range
+
+    values = torch.arange(numel)
+    pieces = torch.chunk(values, parts) if numel else ()
+    for index in range(parts):
+        start, stop = chunk_range(numel, parts, index)
+        expected = pieces[index] if index < len(pieces) else values[:0]
+        assert torch.equal(values[start:stop], expected)
+
+
+@pytest.mark.parametrize(
+    "world,nodes,setting,groups",
+    [
+        (4, 2, 0, [(0, 1), (2, 3)]),  # each node
+        (8, 2, 8, None),  # as large as the world: off
+        (8, 2, 2, [(0, 1), (2, 3), (4, 5), (6, 7)]),  # parts of a node
+        (8, 4, 4, [(0, 1, 2, 3), (4, 5, 6, 7)]),  # two whole nodes
+        (4, 4, 1, None),  # off
+    ],
+)
+def test_hpz_groups_cover_each_data_parallel_group(world, nodes, setting, groups):
+    layout = Layout(world, nodes)
+    size = layout.hpz_group_size(setting)
+    if groups is None:
+        assert size == 1
+        return
+    assert layout.hpz_groups(size) == groups
+    for group in groups:  # a group is whole nodes or inside one node
+        spanned = {layout.node_of(r) for r in group}
+        assert len(spanned) == 1 or len(group) == len(spanned) * layout.ranks_per_node
+
+
+def test_mesh_groups_derive_from_the_data_parallel_groups():
+    layout = Layout(8, 2)
+    assert layout.data_parallel_groups() == [tuple(range(8))]
+    assert (layout.data_parallel_size, layout.data_parallel_per_node) == (8, 4)
+    assert layout.intra_node_groups() == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert layout.inter_node_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
