@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout
 from zeropp.config import ZEROPP_SWITCHES, ConfigError, leaf_keys, load_config
@@ -74,12 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", type=Path, help="the .safetensors file to write")
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
+    benchmarks = available()
+    listing = "\n".join(f"  {name:<12} {text}" for name, text in benchmarks.items())
     bench = commands.add_parser(
         "bench",
-        help="benchmarks: 'kernels' times the quantization kernels (CUDA); 'cluster' compares zeropp, DDP, "
-        "FSDP2 and DeepSpeed on an emulated 2-node cluster (root)",
+        help="run a benchmark (zeropp bench --help lists them)",
+        description=f"Runs zeropp.benchmarks.NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
+        f"benchmarks:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("what", choices=["kernels", "cluster"])
+    bench.add_argument("what", choices=list(benchmarks), metavar="NAME", help=", ".join(benchmarks))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)")
     return parser
 

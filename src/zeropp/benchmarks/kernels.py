@@ -1,4 +1,4 @@
-"""Quantization kernel benchmark: the Triton kernels against a device-to-device copy and the torch reference.
+"""``zeropp bench kernels``: the Triton quantization kernels against a device copy and the torch reference (CUDA).
 
 For each kernel and buffer size (the bytes of the fp32 input, 1 MiB to 1 GiB): the median device
 time of several calls, each after a 256 MiB write that evicts the L2 cache and a GPU-side sleep
