@@ -205,7 +205,8 @@ class Trainer:
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
-        zero3 = zero3_step_bytes([(unit.layout.padded_numel, unit.resident) for unit in engine.units], topo.layout, zero)
+        units = [(unit.layout.padded_numel, unit.resident) for unit in engine.units]
+        zero3 = zero3_step_bytes(units, topo.layout, zero)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
