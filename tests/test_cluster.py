@@ -31,6 +31,7 @@ from zeropp.cluster import (
     per_step_wire_bytes,
     run_cluster,
 )
+from zeropp.summary import RunSummary, ZeroppSwitches
 
 
 def _namespaces_unavailable() -> str | None:
@@ -132,21 +133,27 @@ def test_gloo_broadcast_crossings_follow_the_binomial_tree():
 
 
 def test_compare_to_ledger_adds_what_the_ledger_leaves_out():
-    summary = {
-        "steps": 3,
-        "start_step": 0,
-        "stage": 3,
-        "param_count": 1000,
-        "world_size": 4,
-        "inter_node_bytes_per_step": 150.0,
-        "inter_node_bytes_per_step_by_rank": [100.0, 200.0, 100.0, 200.0],
-        "zeropp": {"hpz_group_size": 2},
-        "ledger": {
+    unused = dict.fromkeys(("final_train_loss", "final_val_loss", "tokens_per_s", "median_step_time_s"), 0.0)
+    unused |= dict.fromkeys(("intra_node_bytes_per_step", "analytic_model_state_bytes_per_rank"), 0.0)
+    unused |= dict.fromkeys(("zero3_intra_node_bytes_per_step", "zero3_inter_node_bytes_per_step"), 0.0)
+    unused |= dict(nodes=2, precision="fp32", resumed_from=None, train_losses=[], model_state_bytes_per_rank=[])
+    unused |= dict(peak_memory_bytes_per_rank=[], intra_node_bytes_per_step_by_rank=[])
+    summary = RunSummary(
+        **unused,
+        steps=3,
+        start_step=0,
+        stage=3,
+        param_count=1000,
+        world_size=4,
+        inter_node_bytes_per_step=150.0,
+        inter_node_bytes_per_step_by_rank=[100.0, 200.0, 100.0, 200.0],
+        zeropp=ZeroppSwitches(quantized_weights=False, hpz_group_size=2, quantized_gradients=False),
+        ledger={
             "all_gather": {"forward": {"intra": 50.0, "inter": 50.0}},
             "reduce_scatter": {"backward": {"intra": 0.0, "inter": 25.0}},
         },
-        "config": {"train": {"eval_batches": 4, "eval_interval": 2}, "zero": {"gradient_accumulation_steps": 1}},
-    }
+        config={"train": {"eval_batches": 4, "eval_interval": 2}, "zero": {"gradient_accumulation_steps": 1}},
+    )
     c = compare_to_ledger(summary, 2, 2, [20_000, 3_000], [10, 10])
     node0, node1 = c["nodes"]
     assert node0["ledger_step_bytes"] == node1["ledger_step_bytes"] == 900  # (100 + 200) x 3 steps
@@ -179,10 +186,10 @@ def test_two_nodes_train_over_the_shaped_link(tiny_run):
     assert result.returncode == 0, "\n".join(line for tail in result.log_tails for line in tail[-30:])
     assert elapsed < 60
     summary = result.summary
-    assert summary is not None and json.loads((tmp / "summary.json").read_text()) == summary
-    assert (summary["world_size"], summary["nodes"], summary["steps"]) == (4, 2, 3)
-    assert all(math.isfinite(loss) for loss in summary["train_losses"]) and math.isfinite(summary["final_val_loss"])
-    assert summary["zeropp"]["hpz_group_size"] == 2  # hpZ over each real node's 2 ranks
+    assert isinstance(summary, RunSummary) and json.loads((tmp / "summary.json").read_text()) == summary.as_dict()
+    assert (summary.world_size, summary.nodes, summary.steps) == (4, 2, 3)
+    assert all(math.isfinite(loss) for loss in summary.train_losses) and math.isfinite(summary.final_val_loss)
+    assert summary.zeropp.hpz_group_size == 2  # hpZ over each real node's 2 ranks
     assert set(result.wire_bytes) == {"node0->node1", "node1->node0"}
     # a veth pair: what one end sends, the other receives
     assert result.wire_bytes["node0->node1"] == result.wire_rx_bytes["node1->node0"]
@@ -199,7 +206,7 @@ def test_wire_bytes_agree_with_the_ledger(tiny_run):
     assert comparison is not None
     total = comparison["total"]
     # the broadcast of 120,576 fp32 weights leaves node 0 twice (gloo's binomial tree), node 1 never
-    assert [n["broadcast_bytes"] for n in comparison["nodes"]] == [2 * 4 * result.summary["param_count"], 0]
+    assert [n["broadcast_bytes"] for n in comparison["nodes"]] == [2 * 4 * result.summary.param_count, 0]
     assert PAYLOAD_BOUNDS[0] <= total["ratio"] <= PAYLOAD_BOUNDS[1], total
     assert WIRE_BOUNDS[0] <= total["wire_ratio"] <= WIRE_BOUNDS[1], total
     for node in comparison["nodes"]:

@@ -139,13 +139,7 @@ def test_zero3_estimate_equals_zero3_step_bytes(precision, accumulation, thresho
     )
     est = estimate(numels, 4, 2, zero)
     mean = est.ledger()
-    baseline = zero3_step_bytes(
-        [(u.padded, u.resident) for u in est.units],
-        Layout(4, 2),
-        compute_bytes=2 if precision == "bf16" else 4,
-        grad_bytes=2 if precision == "bf16" else 4,
-        accumulation=accumulation,
-    )
+    baseline = zero3_step_bytes([(u.padded, u.resident) for u in est.units], Layout(4, 2), zero)
     assert est.zero3_bytes() == baseline
     for phase, links in baseline.items():
         for link, expected in links.items():  # the estimate also has the step's grad-norm all-reduce
@@ -176,7 +170,7 @@ def test_zero_section_7_volumes_and_the_ledger_bounds_of_test_zeropp():
 
 def test_qgz_and_qwz_bytes_by_hand():
     """One unit of 2^16 elements on 2 nodes x 2, bf16, blocks of 256, one bucket, 2 pipeline chunks."""
-    zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, qgz_pipeline_stages=2)
+    zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, qgz_pipeline_chunks=2)
     ledger = estimate(2**16, 4, 2, zero).ledger(rank=0)
     shard, chunk = 2**14, 2**13
     # qwZ: int8 shard + 64 scales, ring over 4 ranks; rank 0's successor is on its node
@@ -224,7 +218,7 @@ MEASURED_SCENARIOS = {
     "zeropp-fp32-accumulate-resident-root": dict(
         stage=3, gradient_accumulation_steps=2, persistence_threshold=10_000, quantized_weights=True, weight_bits=4,
         weight_quantization="tensor", hpz_partition_size=2, quantized_gradients=True, gradient_bits=8,
-        qgz_pipeline_stages=3, reduce_bucket_numel=1000,
+        qgz_pipeline_chunks=3, reduce_bucket_numel=1000,
     ),
 }  # fmt: skip
 MEASURED_NODES = (2, 1, 4)

@@ -210,7 +210,7 @@ def table1_worker() -> dict:
             padded_psi=sum(u.layout.padded_numel for u in engine.units),
             hpz_group=engine.hpz_group_size,
             zero3_predicted=zero3_step_bytes(
-                [(u.layout.padded_numel, u.resident) for u in engine.units], topo.layout, compute_bytes=2, grad_bytes=2
+                [(u.layout.padded_numel, u.resident) for u in engine.units], topo.layout, config
             ),
         )
     return out

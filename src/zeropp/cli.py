@@ -14,20 +14,20 @@ import argparse
 import importlib
 import os
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout
-from zeropp.config import ConfigError, leaf_keys, load_config
+from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
+from zeropp.flags import add_config_flags
 from zeropp.topology import Layout
 from zeropp.train import preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
-ZEROPP_TRAIN_DEFAULTS = {"zero.quantized_weights": True, "zero.hpz_partition_size": 0, "zero.quantized_gradients": True}
+ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.items()}
 
 # commands with argument parsers of their own: module zeropp.<name>, main(argv) -> exit code
 SUBPROGRAMS = {
@@ -45,29 +45,9 @@ LAUNCH_FLAGS = {  # torchrun flag -> default
 }
 
 
-def _config_flags(parser: argparse.ArgumentParser) -> None:
+def _train_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("config keys (override --config)")
-    for name, (dotted, hint) in leaf_keys().items():
-        flag = "--" + name.replace("_", "-")
-        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        base = next(a for a in typing.get_args(hint) if a is not type(None)) if is_union else hint
-        help_text = f"{dotted}"
-        if typing.get_origin(base) is typing.Literal:
-            choices = typing.get_args(base)
-            group.add_argument(flag, dest=dotted, choices=choices, type=type(choices[0]), help=help_text)
-        elif base is bool:
-            group.add_argument(flag, dest=dotted, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument(flag, dest=dotted, type=base, help=help_text, metavar=base.__name__.upper())
-    aliases = {"zero_quantized_weights": "quantized_weights", "zero_quantized_gradients": "quantized_gradients"}
-    for alias, name in aliases.items():  # DeepSpeed's names for the ZeRO++ switches
-        group.add_argument(
-            "--" + alias.replace("_", "-"),
-            dest=leaf_keys()[name][0],
-            action=argparse.BooleanOptionalAction,
-            help=argparse.SUPPRESS,
-        )
-    group.add_argument("--zero-hpz-partition-size", dest="zero.hpz_partition_size", type=int, help=argparse.SUPPRESS)
+    add_config_flags(group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,18 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch = train.add_argument_group("launcher (torchrun's flags)")
     for name, default in LAUNCH_FLAGS.items():
         launch.add_argument("--" + name.replace("_", "-"), dest=name, default=default, type=type(default))
-    _config_flags(train)
+    _train_config_flags(train)
     export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file to write")
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
+    benchmarks = available()
+    listing = "\n".join(f"  {name:<12} {text}" for name, text in benchmarks.items())
     bench = commands.add_parser(
         "bench",
-        help="benchmarks: 'kernels' times the quantization kernels (CUDA); 'cluster' compares zeropp, DDP, "
-        "FSDP2 and DeepSpeed on an emulated 2-node cluster (root)",
+        help="run a benchmark (zeropp bench --help lists them)",
+        description=f"Runs zeropp.benchmarks.NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
+        f"benchmarks:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("what", choices=["kernels", "cluster"])
+    bench.add_argument("what", choices=list(benchmarks), metavar="NAME", help=", ".join(benchmarks))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)")
     return parser
 

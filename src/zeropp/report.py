@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from zeropp.summary import RunSummary
 
 console = Console()
 
@@ -43,32 +44,32 @@ def _bytes(n: float) -> str:
     raise AssertionError
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: RunSummary) -> None:
     head = Table(title="zeropp train: summary", show_header=False)
-    head.add_row("stage / precision", f"{summary['stage']} / {summary['precision']}")
-    switches = summary["zeropp"]
+    head.add_row("stage / precision", f"{summary.stage} / {summary.precision}")
+    switches = summary.zeropp
     on = [
         name
-        for name, flag in (("qwZ", switches["quantized_weights"]), ("qgZ", switches["quantized_gradients"]))
+        for name, flag in (("qwZ", switches.quantized_weights), ("qgZ", switches.quantized_gradients))
         if flag
     ]
-    if switches["hpz_group_size"] > 1:
-        on.append(f"hpZ (groups of {switches['hpz_group_size']})")
+    if switches.hpz_group_size > 1:
+        on.append(f"hpZ (groups of {switches.hpz_group_size})")
     head.add_row("ZeRO++", ", ".join(on) or "off")
-    head.add_row("world / nodes", f"{summary['world_size']} ranks on {summary['nodes']} node(s)")
-    head.add_row("parameters", f"{summary['param_count']:,}")
-    head.add_row("final train / val loss", f"{summary['final_train_loss']:.4f} / {summary['final_val_loss']:.4f}")
-    head.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
-    analytic = summary["analytic_model_state_bytes_per_rank"]
-    measured = ", ".join(_bytes(b) for b in summary["model_state_bytes_per_rank"])
+    head.add_row("world / nodes", f"{summary.world_size} ranks on {summary.nodes} node(s)")
+    head.add_row("parameters", f"{summary.param_count:,}")
+    head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
+    head.add_row("tokens/s", f"{summary.tokens_per_s:,.0f}")
+    analytic = summary.analytic_model_state_bytes_per_rank
+    measured = ", ".join(_bytes(b) for b in summary.model_state_bytes_per_rank)
     head.add_row("model states per rank", f"measured {measured}; analytic {_bytes(analytic)}")
-    head.add_row("peak memory per rank", ", ".join(_bytes(b) for b in summary["peak_memory_bytes_per_rank"]))
+    head.add_row("peak memory per rank", ", ".join(_bytes(b) for b in summary.peak_memory_bytes_per_rank))
     head.add_row(
         "sent per rank per step",
-        f"intra-node {_bytes(summary['intra_node_bytes_per_step'])}, "
-        f"inter-node {_bytes(summary['inter_node_bytes_per_step'])}",
+        f"intra-node {_bytes(summary.intra_node_bytes_per_step)}, "
+        f"inter-node {_bytes(summary.inter_node_bytes_per_step)}",
     )
-    inter, zero3 = summary["inter_node_bytes_per_step"], summary["zero3_inter_node_bytes_per_step"]
+    inter, zero3 = summary.inter_node_bytes_per_step, summary.zero3_inter_node_bytes_per_step
     if zero3:
         head.add_row("inter-node vs ZeRO-3", f"{_bytes(inter)} vs {_bytes(zero3)} ({inter / zero3:.2f}x)")
     console.print(head)
@@ -76,7 +77,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     ledger = Table(title="ledger: bytes sent per rank per step (mean over ranks)")
     for column in ("collective", "phase", "intra-node", "inter-node"):
         ledger.add_column(column, justify="right" if "node" in column else "left")
-    for op, phases in summary["ledger"].items():
+    for op, phases in summary.ledger.items():
         for phase, links in phases.items():
             ledger.add_row(op, phase, _bytes(links["intra"]), _bytes(links["inter"]))
     console.print(ledger)

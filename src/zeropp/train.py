@@ -6,7 +6,6 @@ Runs inside each rank (``zeropp train`` starts the ranks through torch.distribut
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -23,21 +22,16 @@ from zeropp.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from zeropp.comm.volume import zero3_step_bytes
-from zeropp.config import Config, ModelConfig
+from zeropp.comm.volume import STEP_PHASES, zero3_step_bytes
+from zeropp.config import Config
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
 from zeropp.memory import analytic_model_state_bytes, peak_memory_bytes
-from zeropp.models.gpt import GPT, PRESETS, GPTConfig
+from zeropp.models.gpt import GPT, gpt_config
+from zeropp.summary import RunSummary, ZeroppSwitches
 from zeropp.topology import init_topology
 
-STEP_PHASES = ("forward", "backward", "step")
 LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
-
-
-def gpt_config(model: ModelConfig) -> GPTConfig:
-    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
-    return dataclasses.replace(PRESETS[model.preset], **overrides)
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -155,7 +149,7 @@ class Trainer:
             self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
         return out.view(self.topology.world_size, len(values)).tolist()
 
-    def run(self, progress: Any = None) -> dict[str, Any]:
+    def run(self, progress: Any = None) -> RunSummary:
         steps, interval = self.config.train.steps, self.config.checkpoint.save_interval
         train_loss = float("nan")
         val_loss = float("nan")
@@ -176,7 +170,9 @@ class Trainer:
         tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
         return self.summary(train_loss, val_loss, tokens_per_s)
 
-    def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> dict[str, Any]:
+    def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:
+        """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step], and the
+        ledger's bytes per step as the mean over ranks ({op: {phase: {link}}}, nonzero entries)."""
         engine, topo = self.engine, self.topology
         ledger = engine.comm.ledger
         steps = max(1, ledger.steps)
@@ -202,30 +198,31 @@ class Trainer:
             value = sum(r[4 + i] for r in rows) / n
             if value:
                 mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
+        return [r[:4] for r in rows], mean_ledger
+
+    def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> RunSummary:
+        engine, topo = self.engine, self.topology
+        rows, mean_ledger = self.gathered_ledger()
+        n = len(rows)
         zero = self.config.zero
-        zero3 = zero3_step_bytes(
-            [(unit.layout.padded_numel, unit.resident) for unit in engine.units],
-            topo.layout,
-            compute_bytes=engine.compute_dtype.itemsize,
-            grad_bytes=engine.grad_dtype.itemsize,
-            accumulation=zero.gradient_accumulation_steps,
-        )
-        return {
-            "final_train_loss": train_loss,
-            "final_val_loss": val_loss,
-            "tokens_per_s": tokens_per_s,
-            "median_step_time_s": statistics.median(self.step_times[1:] or self.step_times or [0.0]),
-            "world_size": topo.world_size,
-            "nodes": topo.nodes,
-            "stage": zero.stage,
-            "precision": zero.precision,
-            "steps": self.config.train.steps,
-            "start_step": self.start_step,
-            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-            "train_losses": self.losses,
-            "param_count": engine.param_count,
-            "model_state_bytes_per_rank": [int(r[0]) for r in rows],
-            "analytic_model_state_bytes_per_rank": analytic_model_state_bytes(
+        units = [(unit.layout.padded_numel, unit.resident) for unit in engine.units]
+        zero3 = zero3_step_bytes(units, topo.layout, zero)
+        return RunSummary(
+            final_train_loss=train_loss,
+            final_val_loss=val_loss,
+            tokens_per_s=tokens_per_s,
+            median_step_time_s=statistics.median(self.step_times[1:] or self.step_times or [0.0]),
+            world_size=topo.world_size,
+            nodes=topo.nodes,
+            stage=zero.stage,
+            precision=zero.precision,
+            steps=self.config.train.steps,
+            start_step=self.start_step,
+            resumed_from=None if self.resumed_from is None else str(self.resumed_from),
+            train_losses=self.losses,
+            param_count=engine.param_count,
+            model_state_bytes_per_rank=[int(r[0]) for r in rows],
+            analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
                 engine.param_count,
                 topo.world_size,
                 zero.stage,
@@ -233,23 +230,19 @@ class Trainer:
                 zero.grad_dtype,
                 hpz_group_size=engine.hpz_group_size,
             ),
-            "peak_memory_bytes_per_rank": [int(r[1]) for r in rows],
-            "intra_node_bytes_per_step": sum(r[2] for r in rows) / n,
-            "inter_node_bytes_per_step": sum(r[3] for r in rows) / n,
-            "intra_node_bytes_per_step_by_rank": [r[2] for r in rows],
-            "inter_node_bytes_per_step_by_rank": [r[3] for r in rows],
-            "zero3_intra_node_bytes_per_step": sum(zero3[p]["intra"] for p in STEP_PHASES),
-            "zero3_inter_node_bytes_per_step": sum(zero3[p]["inter"] for p in STEP_PHASES),
-            "zeropp": {
-                "quantized_weights": zero.quantized_weights,
-                "hpz_group_size": engine.hpz_group_size,
-                "quantized_gradients": zero.quantized_gradients,
-            },
-            "ledger": mean_ledger,
-            "config": self.config.to_dict(),
-        }
+            peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
+            intra_node_bytes_per_step=sum(r[2] for r in rows) / n,
+            inter_node_bytes_per_step=sum(r[3] for r in rows) / n,
+            intra_node_bytes_per_step_by_rank=[r[2] for r in rows],
+            inter_node_bytes_per_step_by_rank=[r[3] for r in rows],
+            zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
+            zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
+            zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
+            ledger=mean_ledger,
+            config=self.config.to_dict(),
+        )
 
 
-def write_summary(summary: dict[str, Any], path: Path) -> None:
+def write_summary(summary: RunSummary, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    path.write_text(summary.to_json())

@@ -1,4 +1,4 @@
-"""``zeropp bench cluster``: zeropp beside DDP, FSDP2 and DeepSpeed on an emulated 2-node cluster.
+"""``zeropp bench cluster``: zeropp beside DDP, FSDP2 and DeepSpeed on an emulated 2-node cluster (root).
 
 Every configuration trains the embedded GPT (same init, data and AdamW, fp32, one sequence per rank:
 the paper's small-batch regime) on 2 emulated nodes x 2 ranks (``zeropp.cluster``), at each
@@ -24,38 +24,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp.benchmarks.peers import PeerSummary
+from zeropp.benchmarks.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS
 from zeropp.cluster import run_cluster
+from zeropp.flags import as_flags
+from zeropp.summary import RunSummary
 
-ZEROPP_OFF = ["--no-quantized-weights", "--hpz-partition-size", "1", "--no-quantized-gradients"]
 ZEROPP = {
     "zeropp ZeRO-1": ["--stage", "1"],
     "zeropp ZeRO-2": ["--stage", "2"],
-    "zeropp ZeRO-3": ["--stage", "3", *ZEROPP_OFF],
-    "zeropp ZeRO-3 + qwZ": [
-        "--stage",
-        "3",
-        "--quantized-weights",
-        "--hpz-partition-size",
-        "1",
-        "--no-quantized-gradients",
-    ],
-    "zeropp ZeRO-3 + hpZ": [
-        "--stage",
-        "3",
-        "--no-quantized-weights",
-        "--hpz-partition-size",
-        "0",
-        "--no-quantized-gradients",
-    ],
-    "zeropp ZeRO-3 + qgZ": [
-        "--stage",
-        "3",
-        "--no-quantized-weights",
-        "--hpz-partition-size",
-        "1",
-        "--quantized-gradients",
-    ],
-    "zeropp ZeRO++": ["--stage", "3", "--quantized-weights", "--hpz-partition-size", "0", "--quantized-gradients"],
+    "zeropp ZeRO-3": ["--stage", "3", *ZEROPP_OFF_FLAGS],
+    "zeropp ZeRO-3 + qwZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_weights": True})],
+    "zeropp ZeRO-3 + hpZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"hpz_partition_size": 0})],
+    "zeropp ZeRO-3 + qgZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_gradients": True})],
+    "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
 }
 PEERS = {
     "DDP": "ddp",
@@ -89,14 +71,15 @@ def run_one(name: str, bandwidth: str, preset: str, steps: int) -> dict[str, Any
         reason = lines[-1] if lines else ""
         row["error"] = reason.strip()[-200:] or f"exit status {result.returncode}"
         return row
-    s = result.summary
+    s = result.summary if isinstance(result.summary, RunSummary) else PeerSummary.from_dict(result.summary)
+    ledger = s.inter_node_bytes_per_step if isinstance(s, RunSummary) else 0  # peers have no ledger
     row.update(
-        median_step_time_s=s["median_step_time_s"],
-        tokens_per_s=s["tokens_per_s"],
+        median_step_time_s=s.median_step_time_s,
+        tokens_per_s=s.tokens_per_s,
         wire_bytes_per_step=sum(result.wire_bytes.values()) / steps,
-        ledger_inter_bytes_per_step=s.get("inter_node_bytes_per_step", 0) * NODES * RANKS_PER_NODE or None,
-        peak_memory_bytes=max(s["peak_memory_bytes_per_rank"]),
-        final_train_loss=s["final_train_loss"],
+        ledger_inter_bytes_per_step=ledger * NODES * RANKS_PER_NODE or None,
+        peak_memory_bytes=max(s.peak_memory_bytes_per_rank),
+        final_train_loss=s.final_train_loss,
     )
     return row
 

@@ -1,4 +1,4 @@
-"""Quantization kernel benchmark: the Triton kernels against a device-to-device copy and the torch reference.
+"""``zeropp bench kernels``: the Triton quantization kernels against a device copy and the torch reference (CUDA).
 
 For each kernel and buffer size (the bytes of the fp32 input, 1 MiB to 1 GiB): the median device
 time of several calls, each after a 256 MiB write that evicts the L2 cache and a GPU-side sleep
@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from zeropp.quant import Quantized, QuantSpec, reference
+from zeropp.quant import QuantKernels, Quantized, QuantSpec, reference
 
 SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 ROW = 4096  # elements a row of the benchmarked buffers
@@ -61,21 +60,21 @@ def _codes(spec: QuantSpec, lead: tuple[int, ...], n: int, device: torch.device)
     return Quantized(data if spec.bits == 8 else data.view(torch.uint8), scales, n, spec)
 
 
-def _quantize(fast: ModuleType, bits: int, elements: int, device: torch.device) -> Case:
+def _quantize(fast: QuantKernels, bits: int, elements: int, device: torch.device) -> Case:
     spec, x = QuantSpec(bits, BLOCK), torch.randn(elements // ROW, ROW, device=device)
     written = spec.row_bytes(ROW) * (elements // ROW) + 4 * elements // BLOCK
     return Case(f"quantize int{bits}", 4 * elements + written, lambda: fast.quantize(x, spec),
                 lambda: reference.quantize(x, spec))  # fmt: skip
 
 
-def _dequantize(fast: ModuleType, bits: int, elements: int, device: torch.device) -> Case:
+def _dequantize(fast: QuantKernels, bits: int, elements: int, device: torch.device) -> Case:
     spec = QuantSpec(bits, BLOCK)
     q = _codes(spec, (elements // ROW,), ROW, device)
     return Case(f"dequantize int{bits}", q.nbytes + 4 * elements, lambda: fast.dequantize(q, torch.float32),
                 lambda: reference.dequantize(q, torch.float32))  # fmt: skip
 
 
-def _reorder_quantize(fast: ModuleType, elements: int, device: torch.device) -> Case:
+def _reorder_quantize(fast: QuantKernels, elements: int, device: torch.device) -> Case:
     """qgZ's first hop: a column slice of the [W, S] gradient view, its rows quantized in another order."""
     spec, full = QuantSpec(8, BLOCK), torch.randn(NODES, 2 * elements // NODES, device=device)
     x, order = full[:, : elements // NODES], torch.randperm(NODES, device=device)
@@ -84,7 +83,7 @@ def _reorder_quantize(fast: ModuleType, elements: int, device: torch.device) -> 
                 lambda: reference.quantize(x, spec, row_order=order))  # fmt: skip
 
 
-def _reduce_quantize(fast: ModuleType, elements: int, device: torch.device) -> Case:
+def _reduce_quantize(fast: QuantKernels, elements: int, device: torch.device) -> Case:
     spec = QuantSpec(8, BLOCK)
     q = _codes(spec, (SOURCES, elements // ROW), ROW, device)
     return Case("dequantize_reduce_quantize", q.nbytes + q[0].nbytes,
@@ -92,14 +91,14 @@ def _reduce_quantize(fast: ModuleType, elements: int, device: torch.device) -> C
                 lambda: reference.dequantize_reduce_quantize(q, spec))  # fmt: skip
 
 
-def _reduce(fast: ModuleType, elements: int, device: torch.device) -> Case:
+def _reduce(fast: QuantKernels, elements: int, device: torch.device) -> Case:
     q = _codes(QuantSpec(8, BLOCK), (SOURCES, elements // ROW), ROW, device)
     return Case("dequantize_reduce", q.nbytes + 4 * elements,
                 lambda: fast.dequantize_reduce(q, torch.float32, divisor=SOURCES),
                 lambda: reference.dequantize_reduce(q, torch.float32, divisor=SOURCES))  # fmt: skip
 
 
-def _cases(fast: ModuleType, elements: int, device: torch.device) -> Iterator[Case]:
+def _cases(fast: QuantKernels, elements: int, device: torch.device) -> Iterator[Case]:
     """The benchmarked calls on buffers of `elements` fp32 values, built one at a time to bound memory."""
     for bits in (8, 4):
         yield _quantize(fast, bits, elements, device)
@@ -130,7 +129,7 @@ def median_ms(
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def run(fast: ModuleType, sizes_mib: Sequence[int], device: torch.device) -> tuple[dict[int, float], list[Row]]:
+def run(fast: QuantKernels, sizes_mib: Sequence[int], device: torch.device) -> tuple[dict[int, float], list[Row]]:
     """Copy bandwidth (GB/s) by size, and a row per kernel and size for the kernels module `fast`."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     copy_gbps, rows = {}, []

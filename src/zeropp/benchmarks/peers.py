@@ -5,7 +5,7 @@ mesh; ``reshard_after_forward=<ranks per node>``, FSDP2's closest analogue of hp
 ZeRO-3 + hpZ and ZeRO++ (qwZ + hpZ + qgZ, which DeepSpeed implements for CUDA only).
 
 Run one process per rank under torchrun (``python -m zeropp.benchmarks.peers --peer fsdp2 ...``);
-rank 0 writes a JSON summary with the same keys as ``zeropp train``'s where they apply. Peers have
+rank 0 writes a :class:`PeerSummary` as JSON: ``zeropp train``'s keys where they apply. Peers have
 no ledger: their bytes are what the emulated cluster counts on the wire.
 """
 
@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,9 +26,8 @@ from zeropp.comm import Communicator
 from zeropp.config import ModelConfig, TopologyConfig
 from zeropp.data import Batches
 from zeropp.memory import peak_memory_bytes
-from zeropp.models.gpt import GPT
+from zeropp.models.gpt import GPT, gpt_config
 from zeropp.topology import init_topology, shutdown
-from zeropp.train import gpt_config
 
 PEERS = (
     "ddp",
@@ -38,6 +38,25 @@ PEERS = (
     "deepspeed-hpz",
     "deepspeed-zeropp",
 )
+
+
+@dataclass
+class PeerSummary:
+    """A peer's run summary: the fields it shares with :class:`~zeropp.summary.RunSummary`, and its name."""
+
+    peer: str
+    final_train_loss: float
+    train_losses: list[float]
+    tokens_per_s: float
+    median_step_time_s: float
+    world_size: int
+    nodes: int
+    steps: int
+    peak_memory_bytes_per_rank: list[int]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PeerSummary:
+        return cls(**data)
 
 
 def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_batch: int, lr: float):
@@ -123,18 +142,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm.all_gather(peaks, peak, topology.world, bucket_numel=1)
     if rank == 0 and args.summary_json is not None:
         tokens = args.micro_batch_size * config.block_size * world * len(times)
-        summary = {
-            "peer": args.peer,
-            "final_train_loss": losses[-1],
-            "train_losses": losses,
-            "tokens_per_s": tokens / sum(times),
-            "median_step_time_s": statistics.median(times[1:] or times),
-            "world_size": world,
-            "nodes": world // ranks_per_node,
-            "steps": args.steps,
-            "peak_memory_bytes_per_rank": [int(p.item()) for p in peaks],
-        }
-        args.summary_json.write_text(json.dumps(summary, indent=2))
+        summary = PeerSummary(
+            peer=args.peer,
+            final_train_loss=losses[-1],
+            train_losses=losses,
+            tokens_per_s=tokens / sum(times),
+            median_step_time_s=statistics.median(times[1:] or times),
+            world_size=world,
+            nodes=world // ranks_per_node,
+            steps=args.steps,
+            peak_memory_bytes_per_rank=[int(p.item()) for p in peaks],
+        )
+        args.summary_json.write_text(json.dumps(asdict(summary), indent=2))
     comm.barrier(topology.world)
     shutdown()
     return 0

@@ -1,42 +1,149 @@
-"""Bytes per optimizer step that plain ZeRO would record in the ledger, computed without running it.
+"""Bytes of one optimizer step, per collective, without running it: the one traffic model.
 
-The baseline ZeRO++ is measured against (``zeropp train`` prints it beside the ledger). Per rank,
-averaged over ranks, with the ledger's ring model (comm/ledger.py): a collective over the world
-sends ``(W-1)/W * B`` per rank, and a rank's bytes cross nodes when its ring successor is on
-another node, which holds for ``nodes`` of the W ranks (none on one node).
+Every collective the engine issues in a step (engine.py, units.py), priced with the ledger's byte
+model (comm/ledger.py), so what it predicts is what the ledger records, unit for unit.
+``zeropp estimate`` prices a whole step with it (:func:`step_transfers`); ``zeropp train`` prints
+plain ZeRO-3's bytes on its own units beside the ledger (:func:`zero3_step_bytes`, the baseline
+ZeRO++ is measured against). It lives here, beside the ledger, rather than in the estimate package
+so that train.py imports it without the estimator's command line.
+
+Units are given as (padded numel, resident): padded as :class:`~zeropp.partition.FlatLayout` pads
+them for the world, resident when the unit is not gathered per use (stages 0-2, or small enough:
+:meth:`~zeropp.stages.StagePolicy.keeps_resident`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from zeropp.comm.ledger import ring_bytes
+from zeropp.config import ZeroConfig
+from zeropp.memory import BYTES
+from zeropp.partition import column_chunks
+from zeropp.quant import QuantSpec
 from zeropp.topology import Layout
 
+STEP_PHASES = ("forward", "backward", "step")
+SCALE_BYTES = 4  # one fp32 scale per quantization block
 
-def zero3_step_bytes(
-    units: Iterable[tuple[int, bool]],
-    layout: Layout,
-    *,
-    compute_bytes: int,
-    grad_bytes: int,
-    accumulation: int = 1,
-) -> dict[str, dict[str, float]]:
-    """{phase: {'intra', 'inter'}} for ZeRO-3 over units given as (padded numel, resident).
+UnitSize = tuple[int, bool]  # (padded numel, resident)
 
-    Sharded units gather their weights in forward and again in backward and reduce-scatter their
-    gradients, every micro-batch; resident units only reduce-scatter, then all-gather the updated
-    weights in the step.
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective call as one rank sees it: `sent` bytes under the ledger's byte model.
+
+    `crossing` is the share of ranks whose bytes leave their node. A ring over consecutive ranks
+    crosses at the last rank of each node it spans (the node's *edge* rank): (nodes spanned) / (group
+    size), or 0 inside one node. An all-to-all hop is 0 (inside a node) or 1 (between nodes).
     """
-    world = layout.world_size
-    crossing = layout.nodes / world if layout.nodes > 1 else 0.0
-    sent = {"forward": 0, "backward": 0, "step": 0}
+
+    op: str
+    phase: str
+    sent: int
+    crossing: float
+
+    def crosses(self, rank: int, ranks_per_node: int) -> bool:
+        return self.crossing == 1 or (self.crossing > 0 and rank % ranks_per_node == ranks_per_node - 1)
+
+
+def ring_crossing(group_size: int, ranks_per_node: int) -> float:
+    """Share of a ring's ranks (consecutive, node-major) whose successor lives on another node."""
+    spanned = group_size // ranks_per_node if group_size > ranks_per_node else 1
+    return spanned / group_size if spanned > 1 else 0.0
+
+
+def step_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
+    """The engine's collectives in one step: :func:`unit_transfers`, then the step's scalars (the
+    gradient norm over the shards, and fp16's overflow check: one fp32 all-reduce each)."""
+    yield from unit_transfers(units, layout, zero, hpz)
+    if zero.stage >= 1:
+        for _ in range(2 if zero.precision == "fp16" else 1):
+            yield Transfer("all_reduce", "step", ring_bytes(4, layout.world_size, 2), _world_crossing(layout))
+
+
+def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
+    """Every unit's collectives in one step, `hpz` the secondary group size (1: off).
+
+    Stage 0 all-reduces gradients once per step; stage 1 reduce-scatters them once per step and stage 2
+    and 3 every micro-batch; resident units all-gather the updated weights in the step. A sharded unit
+    gathers in forward and backward of every micro-batch: over the world (qwZ: quantized), or, with hpZ,
+    inside its secondary group in the compute dtype once the step's first forward has cut the copy.
+    """
+    world, per_node = layout.world_size, layout.ranks_per_node
+    compute, grad = BYTES[zero.precision], BYTES[zero.grad_dtype or zero.precision]
+    micro = zero.gradient_accumulation_steps
+    across_world = _world_crossing(layout)
     for padded, resident in units:
-        gather, reduce = ring_bytes(padded * compute_bytes, world), ring_bytes(padded * grad_bytes, world)
-        sent["backward"] += accumulation * reduce
+        if zero.stage == 0:
+            yield Transfer("all_reduce", "backward", ring_bytes(padded * grad, world, 2), across_world)
+            continue
+        for _ in range(micro if zero.stage >= 2 else 1):
+            yield from _reduce_gradients(padded, grad, layout, zero)
         if resident:
-            sent["step"] += gather
-        else:
-            sent["forward"] += accumulation * gather
-            sent["backward"] += accumulation * gather
+            yield Transfer("all_gather", "step", ring_bytes(padded * compute, world), across_world)
+            continue
+        for index in range(micro):
+            for phase in ("forward", "backward"):
+                if hpz > 1 and (index, phase) != (0, "forward"):
+                    yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, per_node))
+                else:
+                    yield from _gather_weights(padded, compute, phase, world, across_world, zero)
+
+
+def zero3_step_bytes(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> dict[str, dict[str, float]]:
+    """{phase: {'intra', 'inter'}}: what plain ZeRO-3 (every ZeRO++ switch off) would send per rank,
+    mean over ranks, on these units under `zero`'s precision and accumulation.
+
+    :func:`unit_transfers` at stage 3 without qwZ, hpZ or qgZ; the step's scalar all-reduces are left
+    out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring over the world, so a phase's
+    bytes split by the world ring's crossing share.
+    """
+    plain = dataclasses.replace(zero, stage=3, quantized_weights=False, quantized_gradients=False)
+    sent = dict.fromkeys(STEP_PHASES, 0)
+    for transfer in unit_transfers(units, layout, plain, hpz=1):
+        sent[transfer.phase] += transfer.sent
+    crossing = _world_crossing(layout)
     return {phase: {"intra": b * (1 - crossing), "inter": b * crossing} for phase, b in sent.items()}
+
+
+def _world_crossing(layout: Layout) -> float:
+    return ring_crossing(layout.world_size, layout.ranks_per_node)
+
+
+def _gather_weights(
+    padded: int, compute: int, phase: str, world: int, crossing: float, zero: ZeroConfig
+) -> Iterator[Transfer]:
+    """All-gather of a unit's weights over the world; qwZ gathers int8/int4 data and fp32 scales, each
+    rank's shard quantized as one row."""
+    if not zero.quantized_weights:
+        yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
+        return
+    block = zero.weight_block_size if zero.weight_quantization == "block" else None
+    spec, shard = QuantSpec(zero.weight_bits, block), padded // world
+    for row in (spec.row_bytes(shard), SCALE_BYTES * spec.blocks(shard)):
+        yield Transfer("all_gather", phase, ring_bytes(world * row, world), crossing)
+
+
+def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) -> Iterator[Transfer]:
+    """Reduce-scatter of a unit's gradients: a ring over the world, or qgZ's two all-to-all hops.
+
+    qgZ (comm/quantized.py) cuts the shard's columns into chunks; per chunk of c columns, hop 1 sends
+    (X-1)/X of the W quantized rows inside the node and hop 2 sends (Y-1)/Y of the Y re-quantized
+    partial sums to the other nodes (X ranks per node, Y nodes, W = XY); data and scales separately.
+    """
+    world, per_node, nodes = layout.world_size, layout.ranks_per_node, layout.nodes
+    if not zero.quantized_gradients:
+        yield Transfer("reduce_scatter", "backward", ring_bytes(padded * grad, world), _world_crossing(layout))
+        return
+    spec, shard = QuantSpec(zero.gradient_bits, zero.gradient_block_size), padded // world
+    pieces = math.ceil(shard / zero.reduce_bucket_numel) * zero.qgz_pipeline_chunks
+    for start, stop in column_chunks(shard, pieces):
+        for row in (spec.row_bytes(stop - start), SCALE_BYTES * spec.blocks(stop - start)):
+            if per_node > 1:
+                yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * row, 0.0)
+            if nodes > 1:
+                yield Transfer("all_to_all", "backward", (nodes - 1) * row, 1.0)

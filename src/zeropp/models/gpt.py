@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zeropp.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,12 @@ PRESETS = {
     "small": GPTConfig(block_size=128, n_layer=4, n_head=4, d_model=192),
     "medium": GPTConfig(block_size=256, n_layer=8, n_head=8, d_model=384),
 }
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    """The GPT a config's model keys describe: the preset, with every key that is set overriding it."""
+    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
+    return dataclasses.replace(PRESETS[model.preset], **overrides)
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,7 +1,9 @@
-"""Benchmark: step time and tokens/s of ZeRO stages 0-3 on the embedded GPT at world 4 (2 simulated
-nodes x 2, gloo), and the overhead of stage 3 at world 1 over plain PyTorch on the same model.
+"""``zeropp bench stages``: step time and tokens/s of ZeRO stages 0-3, and stage 3's overhead at world 1.
 
-    python bench/bench_stages.py [--steps 30] [--preset small] [--out results/bench_stages.json]
+Stages 0-3 train the embedded GPT with ``zeropp train`` at world 4 (2 simulated nodes x 2, gloo);
+at world 1, plain PyTorch and zeropp stage 3 time the same model on the same batches in this process.
+
+    zeropp bench stages [--steps 30] [--preset small] [--out results/bench_stages.json]
 
 Prints a markdown table and writes the numbers as JSON.
 """
@@ -12,39 +14,29 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from zeropp.benchmarks.runs import train_summary
 
-def world4_stage(stage: int, steps: int, preset: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "summary.json"
-        cmd = [
-            "zeropp",
-            "train",
-            "--stage",
-            str(stage),
-            "--steps",
-            str(steps),
-            "--preset",
-            preset,
-            "--eval-interval",
-            str(steps + 1),
-            "--eval-batches",
-            "1",
-            "--summary-json",
-            str(out),
-        ]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+ROW_FIELDS = (
+    "stage", "median_step_time_s", "tokens_per_s", "param_count", "intra_node_bytes_per_step",
+    "inter_node_bytes_per_step",
+)  # fmt: skip
 
 
-def world1_overhead(steps: int, preset: str) -> dict:
+def world4_stage(stage: int, steps: int, preset: str) -> dict[str, Any]:
+    """One row of the table: `stage` at world 4, from its run summary."""
+    flags = ["--stage", str(stage), "--steps", str(steps), "--preset", preset]
+    s = train_summary([*flags, "--eval-interval", str(steps + 1), "--eval-batches", "1"])
+    return {k: getattr(s, k) for k in ROW_FIELDS} | {"model_state_bytes_per_rank": s.model_state_bytes_per_rank[0]}
+
+
+def world1_overhead(steps: int, preset: str) -> dict[str, float]:
     """Median step time of plain PyTorch vs zeropp stage 3 on one process, same model and batches."""
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
@@ -88,30 +80,16 @@ def world1_overhead(steps: int, preset: str) -> dict:
     return {"plain_pytorch_step_s": plain_s, "zeropp_stage3_step_s": zero_s, "ratio": zero_s / plain_s}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="zeropp bench stages", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--out", type=Path, default=Path("results/bench_stages.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    rows = []
-    for stage in range(4):
-        s = world4_stage(stage, args.steps, args.preset)
-        rows.append(
-            {
-                k: s[k]
-                for k in (
-                    "stage",
-                    "median_step_time_s",
-                    "tokens_per_s",
-                    "param_count",
-                    "intra_node_bytes_per_step",
-                    "inter_node_bytes_per_step",
-                )
-            }
-            | {"model_state_bytes_per_rank": s["model_state_bytes_per_rank"][0]}
-        )
+    rows = [world4_stage(stage, args.steps, args.preset) for stage in range(4)]
     overhead = world1_overhead(args.steps, args.preset)
     results = {
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo",
@@ -141,7 +119,8 @@ def main() -> None:
         f"{o['zeropp_stage3_step_s'] * 1e3:.1f} ms/step, ratio {o['ratio']:.3f} (goal <= 1.15)"
     )
     print(f"\nwritten to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

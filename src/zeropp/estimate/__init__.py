@@ -1,0 +1,45 @@
+"""``zeropp estimate``: per-rank memory of model states and per-step communication, without running anything.
+
+Three models (derivations, paper references and the reproduced tables: docs/estimate.md):
+
+- **Memory** of model states per rank: :func:`zeropp.memory.analytic_model_state_bytes` (ZeRO Table 1,
+  hpZ's secondary copy), per unit, on the padded unit sizes the engine allocates.
+- **Communication**: every collective the engine issues in one optimizer step, priced with the ledger's
+  byte model (comm/ledger.py), so the estimate is what the ledger records: exactly, unit for unit
+  (:mod:`zeropp.comm.volume`, the same model ``zeropp train`` prices its ZeRO-3 baseline with). The
+  model is given as Ψ (one flat unit) or as the numel of every unit; padding follows
+  :class:`~zeropp.partition.FlatLayout`. Left out: the one-off broadcast of the initial weights,
+  evaluation, and fp16 steps skipped for overflow (they gather no updated weights).
+- **Time**: intra-node bytes of the busiest rank / intra-node bandwidth + bytes leaving one node /
+  inter-node bandwidth, summed over the step's collectives with no overlap (neither between collectives
+  nor between the two kinds of link). The inter-node bandwidth is a node's (its ranks share it), the
+  intra-node one a rank's.
+
+Modules: ``model`` (units, :class:`Estimate`, :func:`estimate`), ``papers`` (the papers' tables),
+``show`` (printing), ``cli`` (``zeropp estimate``'s flags and :func:`main`).
+"""
+
+from zeropp.comm.volume import Transfer, ring_crossing
+from zeropp.config import ZEROPP_SWITCHES
+from zeropp.estimate.cli import build_parser, main
+from zeropp.estimate.model import Estimate, Unit, estimate, gpt_unit_numels
+from zeropp.estimate.papers import ZERO_TABLE_DP, hpz_example, paper_gb, zero_table, zeropp_table
+from zeropp.rates import parse_bandwidth
+
+__all__ = [
+    "ZERO_TABLE_DP",
+    "ZEROPP_SWITCHES",
+    "Estimate",
+    "Transfer",
+    "Unit",
+    "build_parser",
+    "estimate",
+    "gpt_unit_numels",
+    "hpz_example",
+    "main",
+    "paper_gb",
+    "parse_bandwidth",
+    "ring_crossing",
+    "zero_table",
+    "zeropp_table",
+]

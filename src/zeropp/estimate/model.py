@@ -1,0 +1,166 @@
+"""The estimator's model of one optimizer step: units, memory of model states, bytes and time.
+
+Memory per rank is :func:`zeropp.memory.analytic_model_state_bytes` per unit (ZeRO Table 1, hpZ's
+secondary copy) on the padded unit sizes the engine allocates; bytes are :mod:`zeropp.comm.volume`'s
+transfers (what the ledger records); time is the busiest link of each kind without overlap
+(docs/estimate.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zeropp.comm.ledger import Ledger
+from zeropp.comm.volume import STEP_PHASES, Transfer, step_transfers, zero3_step_bytes
+from zeropp.config import ModelConfig, ZeroConfig
+from zeropp.memory import analytic_model_state_bytes
+from zeropp.partition import FlatLayout
+from zeropp.stages import StagePolicy
+from zeropp.topology import Layout
+
+
+@dataclass(frozen=True)
+class Unit:
+    numel: int
+    padded: int
+    resident: bool  # not gathered per use: stages 0-2, or at most zero.persistence_threshold elements
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One optimizer step of a model on a cluster under a ZeroConfig (built by :func:`estimate`)."""
+
+    units: tuple[Unit, ...]
+    layout: Layout
+    zero: ZeroConfig
+    hpz_group_size: int
+    optimizer_bytes: int
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def psi(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_psi(self) -> int:
+        return sum(u.padded for u in self.units)
+
+    @property
+    def model_state_bytes(self) -> float:
+        """Per rank. A resident unit at stage 3 keeps whole weights and no secondary copy: stage 2's formula."""
+        zero, world = self.zero, self.layout.world_size
+        return sum(
+            analytic_model_state_bytes(
+                u.padded,
+                world,
+                2 if zero.stage == 3 and u.resident else zero.stage,
+                zero.precision,
+                zero.grad_dtype,
+                self.optimizer_bytes,
+                1 if u.resident else self.hpz_group_size,
+            )
+            for u in self.units
+        )
+
+    def ledger(self, rank: int | None = None) -> Ledger:
+        """Bytes per optimizer step as the engine's ledger records them: `rank`'s, or the mean over ranks."""
+        ledger, per_node = Ledger(steps=1), self.layout.ranks_per_node
+        for t in self.transfers:
+            with ledger.in_phase(t.phase):
+                if rank is None:
+                    ledger.record(t.op, t.sent * (1 - t.crossing), t.sent * t.crossing)
+                elif t.crosses(rank, per_node):
+                    ledger.record(t.op, 0, t.sent)
+                else:
+                    ledger.record(t.op, t.sent, 0)
+        return ledger
+
+    def node_inter_bytes(self) -> float:
+        """Bytes leaving one node per step (every node sends the same)."""
+        return self.layout.ranks_per_node * self.ledger().total(link="inter")
+
+    def busiest_intra_bytes(self) -> int:
+        """Intra-node bytes per step of the rank that sends the most inside its node."""
+        per_node = self.layout.ranks_per_node
+        return max(self.ledger(rank).total(link="intra") for rank in {0, per_node - 1})
+
+    def seconds(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, float]:
+        intra = 8 * self.busiest_intra_bytes() / intra_bits_per_s
+        inter = 8 * self.node_inter_bytes() / inter_bits_per_s
+        return {"intra": intra, "inter": inter, "total": intra + inter}
+
+    def zero3_bytes(self) -> dict[str, dict[str, float]]:
+        """What plain ZeRO-3 would send on the same units ({phase: {link: mean bytes per rank}})."""
+        return zero3_step_bytes([(u.padded, u.resident) for u in self.units], self.layout, self.zero)
+
+    def as_dict(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, Any]:
+        mean, zero3 = self.ledger(), self.zero3_bytes()
+        return {
+            "params": self.psi,
+            "padded_params": self.padded_psi,
+            "unit_numels": [u.numel for u in self.units],
+            "world_size": self.layout.world_size,
+            "nodes": self.layout.nodes,
+            "ranks_per_node": self.layout.ranks_per_node,
+            "zero": dataclasses.asdict(self.zero),
+            "hpz_group_size": self.hpz_group_size,
+            "optimizer_state_bytes": self.optimizer_bytes,
+            "model_state_bytes_per_rank": self.model_state_bytes,
+            "bytes_per_step": {
+                phase: {link: mean.total(phase=phase, link=link) for link in ("intra", "inter")}
+                for phase in STEP_PHASES
+            },
+            "intra_node_bytes_per_step": mean.total(link="intra"),
+            "inter_node_bytes_per_step": mean.total(link="inter"),
+            "ledger": mean.as_dict(),
+            "node_inter_node_bytes_per_step": self.node_inter_bytes(),
+            "busiest_rank_intra_node_bytes_per_step": self.busiest_intra_bytes(),
+            "zero3_inter_node_bytes_per_step": sum(zero3[p]["inter"] for p in STEP_PHASES),
+            "bandwidth_bits_per_s": {"intra": intra_bits_per_s, "inter": inter_bits_per_s},
+            "predicted_comm_seconds_per_step": self.seconds(intra_bits_per_s, inter_bits_per_s),
+        }
+
+
+def estimate(
+    model: int | Sequence[int],
+    world: int,
+    nodes: int = 1,
+    zero: ZeroConfig | None = None,
+    *,
+    optimizer_bytes: int = 8,
+) -> Estimate:
+    """Estimate one optimizer step of `model` (Ψ as one flat unit, or every unit's numel) on `world`
+    ranks over `nodes` nodes under `zero` (ZeroConfig's defaults when None). `optimizer_bytes`: optimizer
+    state per parameter beside the fp32 master (Adam: 8). Raises ConfigError for a bad combination."""
+    zero = zero or ZeroConfig()
+    zero.validate()
+    layout = Layout(world, nodes)
+    hpz = layout.hpz_group_size(zero.hpz_partition_size)
+    numels = [model] if isinstance(model, int) else list(model)
+    shard_world = world if zero.stage >= 1 else 1
+    policy = StagePolicy.for_stage(zero.stage)
+    units = tuple(
+        Unit(
+            n,
+            FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel,
+            policy.keeps_resident(n, zero.persistence_threshold),
+        )
+        for n in numels
+    )
+    transfers = step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz)
+    return Estimate(units, layout, zero, hpz, optimizer_bytes, tuple(transfers))
+
+
+def gpt_unit_numels(model: ModelConfig) -> list[int]:
+    """The numel of every unit the engine makes of the embedded GPT (its blocks, then the root)."""
+    import torch
+
+    from zeropp.models.gpt import GPT, gpt_config
+    from zeropp.grouping import group_parameters, repeated_blocks
+
+    with torch.device("meta"):
+        gpt = GPT(gpt_config(model))
+    return [sum(p.numel() for _, p in params) for _, params in group_parameters(gpt, repeated_blocks(gpt))]

@@ -1,0 +1,68 @@
+"""The run summary of ``zeropp train``: what rank 0 prints, writes with ``--summary-json``, and what
+``zeropp cluster`` and the benchmarks read back.
+
+Its JSON (:meth:`RunSummary.to_json`) has one key per field, in field order, and
+:meth:`RunSummary.from_json` reads such a file back. Bytes are per rank and per optimizer step
+(mean over ranks unless the name says ``by_rank`` / ``per_rank``); ``ledger`` is the mean over ranks
+as ``{op: {phase: {'intra', 'inter'}}}``; ``config`` is the run's ``Config.to_dict()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ZeroppSwitches:
+    """The ZeRO++ switches a run had: qwZ, hpZ's secondary group size (1: off), qgZ."""
+
+    quantized_weights: bool
+    hpz_group_size: int
+    quantized_gradients: bool
+
+
+@dataclass
+class RunSummary:
+    final_train_loss: float
+    final_val_loss: float
+    tokens_per_s: float
+    median_step_time_s: float
+    world_size: int
+    nodes: int
+    stage: int
+    precision: str
+    steps: int
+    start_step: int
+    resumed_from: str | None
+    train_losses: list[float]
+    param_count: int
+    model_state_bytes_per_rank: list[int]
+    analytic_model_state_bytes_per_rank: float
+    peak_memory_bytes_per_rank: list[int]
+    intra_node_bytes_per_step: float
+    inter_node_bytes_per_step: float
+    intra_node_bytes_per_step_by_rank: list[float]
+    inter_node_bytes_per_step_by_rank: list[float]
+    zero3_intra_node_bytes_per_step: float  # what plain ZeRO-3 would send on the same units
+    zero3_inter_node_bytes_per_step: float
+    zeropp: ZeroppSwitches
+    ledger: dict[str, dict[str, dict[str, float]]]
+    config: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
+        """Raises TypeError where a key is missing or unknown (not a zeropp train summary)."""
+        return cls(**{**data, "zeropp": ZeroppSwitches(**data.get("zeropp", {}))})
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSummary:
+        return cls.from_dict(json.loads(text))
