@@ -236,8 +236,8 @@ class ZeroEngine:
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""
         tensors = [t for unit in self.units for t in unit.state_tensors()]
-        for state in self.optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for per_param in self.optimizer.state.values():
+            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         seen, total = set(), 0
         for t in tensors:
             storage = t.untyped_storage()

@@ -107,59 +107,75 @@ def reduce_scatter_quantized(
     runs the rest.
     """
     x, y = groups.intra_node.size, groups.inter_node.size
-    world = x * y
-    assert world == groups.shard.size, (x, y, groups.shard.size)
-    width = shard.numel()
-    assert full.numel() == world * width, (full.numel(), world, width)
-    slices = full.view(world, width)
-    send_order = _send_order(x, y, full.device)
-    columns = column_chunks(width, math.ceil(width / bucket_numel) * chunks)
-
-    def exchange(q: Quantized, group: Group) -> tuple[Pending, Quantized]:
-        received = Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), q.n, q.spec)
-        data = comm.all_to_all(received.data, q.data, group, async_op=True)
-        return Pending([data, comm.all_to_all(received.scales, q.scales, group, async_op=True)]), received
-
-    # hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j
-    intra = [
-        exchange(kernels.quantize(slices[:, start:stop], spec, row_order=send_order), groups.intra_node)
-        for start, stop in columns
-    ]
+    assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
+    reduction = _QgzReduction(comm, shard, spec, kernels, groups, math.ceil(shard.numel() / bucket_numel) * chunks)
+    reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
-
-        def land_one_node() -> None:
-            for (start, stop), (pending, received) in zip(columns, intra, strict=True):
-                pending.wait()
-                kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop].view(1, -1))
-
-        return Pending([], land_one_node)
-
-    inter: list[tuple[Pending, Quantized]] = []
+        return Pending([], reduction.land_one_node)
     # Inter-node hops may start early only on a group no other collective uses (every rank must
     # issue a group's collectives in the same order); with one rank per node it is the shard group.
     may_start_early = groups.inter_node.ranks != groups.shard.ranks
+    return Pending([], reduction.land, start_hops=(lambda: reduction.start_inter(block=False)) if may_start_early else None)
 
-    def start_inter(block: bool) -> bool:
+
+class _QgzReduction:
+    """One qgZ reduction in flight: its column chunks and each chunk's hops."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        shard: torch.Tensor,
+        spec: QuantSpec,
+        kernels: QuantKernels,
+        groups: ShardGroups,
+        pieces: int,
+    ) -> None:
+        self.comm, self.shard, self.spec, self.kernels, self.groups = comm, shard, spec, kernels, groups
+        self.columns = column_chunks(shard.numel(), pieces)
+        self.intra: list[tuple[Pending, Quantized] | None] = []
+        self.inter: list[tuple[Pending, Quantized]] = []
+
+    def _exchange(self, q: Quantized, group: Group) -> tuple[Pending, Quantized]:
+        received = Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), q.n, q.spec)
+        data = self.comm.all_to_all(received.data, q.data, group, async_op=True)
+        return Pending([data, self.comm.all_to_all(received.scales, q.scales, group, async_op=True)]), received
+
+    def start_intra(self, slices: torch.Tensor) -> None:
+        """Hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j."""
+        x, y = self.groups.intra_node.size, self.groups.inter_node.size
+        order = _send_order(x, y, slices.device)
+        for start, stop in self.columns:
+            quantized = self.kernels.quantize(slices[:, start:stop], self.spec, row_order=order)
+            self.intra.append(self._exchange(quantized, self.groups.intra_node))
+
+    def start_inter(self, block: bool) -> bool:
         """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
         `block`; return whether all have started."""
-        while len(inter) < len(columns):
-            pending, received = intra[len(inter)]
+        x, y = self.groups.intra_node.size, self.groups.inter_node.size
+        while len(self.inter) < len(self.columns):
+            pending, received = self.intra[len(self.inter)]
             if not block and not pending.is_completed():
                 return False
             pending.wait()
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
-            partial = kernels.dequantize_reduce_quantize(received.reshape(x, y), spec)
-            intra[len(inter)] = None  # the received chunk is no longer needed
-            inter.append(exchange(partial, groups.inter_node))
+            partial = self.kernels.dequantize_reduce_quantize(received.reshape(x, y), self.spec)
+            self.intra[len(self.inter)] = None  # the received chunk is no longer needed
+            self.inter.append(self._exchange(partial, self.groups.inter_node))
         return True
 
-    def land() -> None:
-        start_inter(block=True)
-        for (start, stop), (pending, received) in zip(columns, inter, strict=True):
+    def land(self) -> None:
+        self.start_inter(block=True)
+        for (start, stop), (pending, received) in zip(self.columns, self.inter, strict=True):
             pending.wait()
-            kernels.dequantize_reduce(received, shard.dtype, divisor=world, out=shard[start:stop])
+            self._reduce_into(received, self.shard[start:stop])
 
-    return Pending([], land, start_hops=(lambda: start_inter(block=False)) if may_start_early else None)
+    def land_one_node(self) -> None:
+        for (start, stop), (pending, received) in zip(self.columns, self.intra, strict=True):
+            pending.wait()
+            self._reduce_into(received, self.shard[start:stop].view(1, -1))
+
+    def _reduce_into(self, received: Quantized, out: torch.Tensor) -> None:
+        self.kernels.dequantize_reduce(received, out.dtype, divisor=self.groups.shard.size, out=out)
 
 
 @functools.lru_cache(maxsize=8)
