@@ -45,8 +45,27 @@ class CheckpointedGPT(GPT):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def hf_model(kind: str) -> nn.Module:
+    """A tiny Hugging Face GPT-2 or Llama built from a config (no download), on the current device."""
+    import transformers
+
+    if kind == "hf-gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=256, n_positions=GPT_TEST.block_size, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no randomness after init
+        )
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=GPT_TEST.block_size, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind.startswith("hf-"):
+        return hf_model(kind)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 13), nn.ReLU(), nn.Linear(13, 3))
     if kind == "gpt":
@@ -61,7 +80,7 @@ def make_model(kind: str) -> nn.Module:
 def global_batch(kind: str, step: int, micro: int, world: int, per_rank: int = 2):
     g = torch.Generator().manual_seed(1000 * step + micro)
     n = world * per_rank
-    if kind.startswith("gpt"):
+    if kind.startswith(("gpt", "hf-")):
         tokens = torch.randint(0, 256, (n, GPT_TEST.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     width = 7 if kind == "mlp" else 8
@@ -73,6 +92,8 @@ def rows(batch, rank: int, per_rank: int = 2):
 
 
 def loss_of(kind: str, model, x, y) -> torch.Tensor:
+    if kind.startswith("hf-"):  # Hugging Face shifts the labels itself
+        return model(input_ids=x, labels=x).loss
     return model(x, y) if kind.startswith("gpt") else ((model(x) - y) ** 2).mean()
 
 
@@ -84,9 +105,10 @@ def reference_state(
     max_norm: float | None,
     optim_kwargs: dict,
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    model: nn.Module | None = None,
 ):
-    """One process on the whole global batch (all micro-batches at once)."""
-    model = make_model(kind)
+    """One process on the whole global batch (all micro-batches at once), from `model` (default: make_model)."""
+    model = make_model(kind) if model is None else model
     optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], **optim_kwargs)
     for step in range(steps):
         batches = [global_batch(kind, step, m, world) for m in range(accumulation)]

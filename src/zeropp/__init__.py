@@ -3,6 +3,7 @@
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import Config, ConfigError, ZeroConfig, load_config
 from zeropp.engine import ZeroEngine
+from zeropp.pretrained import load_pretrained
 from zeropp.topology import Topology, init_topology
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "ZeroEngine",
     "init_topology",
     "load_config",
+    "load_pretrained",
 ]

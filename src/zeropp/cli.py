@@ -23,6 +23,8 @@ from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout
 from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
 from zeropp.flags import add_config_flags
+from zeropp.materialize import MaterializeError
+from zeropp.pretrained import PretrainedError
 from zeropp.topology import Layout
 from zeropp.train import preflight
 
@@ -149,8 +151,9 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
             if summary_json is not None:
                 write_summary(summary, summary_json)
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
-    except (CheckpointError, CollectiveTimeout) as error:  # say it in one line
-        print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
+    except (CheckpointError, CollectiveTimeout, MaterializeError, PretrainedError) as error:  # one line a problem
+        for line in str(error).removeprefix("zeropp: ").splitlines():
+            print(f"zeropp: error: {line}", file=sys.stderr)
         status = 1
     finally:
         shutdown()

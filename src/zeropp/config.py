@@ -184,8 +184,14 @@ class TrainConfig:
     seed: int = 0
     eval_interval: int = 50
     eval_batches: int = 8
+    # "meta": build the model on the meta device, each rank initializes it one unit at a time (seeded
+    # per unit); "eager": build it whole on every rank and synchronize it from rank 0
+    init: Literal["meta", "eager"] = "meta"
+    # start from these weights (a safetensors file, or a folder with model.safetensors or its index)
+    init_from: str | None = None
 
     def validate(self) -> None:
+        _check_choices(self, "train")
         for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "an integer >= 1")

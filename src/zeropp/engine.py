@@ -24,10 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map_only
 
-from zeropp import state
+from zeropp import materialize, state
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
 from zeropp.grouping import group_parameters, repeated_blocks
+from zeropp.materialize import InitFn
 from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for
 from zeropp.runtime import Runtime
@@ -49,7 +50,15 @@ class ZeroEngine:
         *,
         units: Iterable[nn.Module] | None = None,
         ledger: Ledger | None = None,
+        init_fn: InitFn | None = None,
+        seed: int = 0,
     ) -> None:
+        """Wrap `model` (built for real, or on the meta device) and build the optimizer on its shards.
+
+        The model is brought onto the ranks one unit at a time (:mod:`zeropp.materialize`): a
+        meta-device model is initialized unit by unit under per-unit seeds derived from `seed`
+        (with `init_fn(module)` when given), a materialized one is synchronized from rank 0.
+        `units`: the modules to flatten and shard together (default: the repeated blocks)."""
         from zeropp.topology import init_topology
 
         self.config = config or ZeroConfig()
@@ -64,13 +73,8 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
-        self.module = model.to(self.topology.device)
-        self._cast_unmanaged(model)
-        self._sync_initial_weights(model)
-
-        grouped = group_parameters(model, repeated_blocks(model) if units is None else units)
-        options = self._unit_options()
-        self.units = [FlatUnit(module, params, self.comm, self.groups, self.policy, options) for module, params in grouped]
+        self.module = model
+        self.units = self._build_units(model, repeated_blocks(model) if units is None else list(units), init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
@@ -107,20 +111,30 @@ class ZeroEngine:
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
         )
 
-    def _cast_unmanaged(self, model: nn.Module) -> None:
-        """Frozen parameters and floating buffers run in the compute dtype, like the managed ones."""
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(self.compute_dtype)
-        for module in model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point():
-                    setattr(module, name, buf.to(self.compute_dtype))
-
-    def _sync_initial_weights(self, model: nn.Module) -> None:
-        """Every rank starts from rank 0's weights, as with DistributedDataParallel."""
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self.comm.broadcast(tensor.data, self.topology.world, src=0)
+    def _build_units(
+        self, model: nn.Module, unit_modules: list[nn.Module], init_fn: InitFn | None, seed: int
+    ) -> list[FlatUnit]:
+        """Materialize, flatten and shard one unit at a time (root last)."""
+        meta = materialize.is_meta(model)
+        grouped = dict((id(m), params) for m, params in group_parameters(model, unit_modules))
+        managed = {id(p) for params in grouped.values() for _, p in params}
+        scopes = materialize.unit_scopes(model, unit_modules)
+        options, world = self._unit_options(), self.topology.world
+        built = []
+        for module in [*(m for m in unit_modules if m is not model), model]:
+            scope = scopes.get(id(module), [])
+            if meta:
+                materialize.initialize_scope(scope, model, seed, init_fn)
+            materialize.place_fixed(
+                scope, managed, self.topology.device, self.compute_dtype, self.comm, None if meta else world
+            )
+            if id(module) in grouped:
+                params = grouped[id(module)]
+                unit = FlatUnit(
+                    module, params, self.comm, self.groups, self.policy, options, broadcast_initial=not meta
+                )
+                built.append(unit)
+        return built
 
     # -- forward ---------------------------------------------------------------------------------
 

@@ -47,6 +47,61 @@ def analytic_model_state_bytes(
     return params + grads + states + secondary
 
 
+class PeakMeter:
+    """Peak memory in use since a reset, above what was in use when the meter was made (the
+    baseline: e.g. the process before the model was built).
+
+    CUDA: the caching allocator's allocated bytes (``reset_peak_memory_stats``,
+    ``max_memory_allocated``). CPU: the process's resident set, whose high-water mark (``VmHWM``)
+    Linux resets when 5 is written to ``/proc/self/clear_refs``. Large host tensors are mmapped by
+    the allocator and unmapped on free, so the resident set follows tensor memory closely; it also
+    counts what else the process touches (lazily loaded libraries, the Python heap), and glibc may
+    keep freed blocks resident once its dynamic mmap threshold has grown. Where the reset is
+    unavailable the meter reports the process's whole peak (``ru_maxrss``) above the baseline.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_bytes("VmRSS")
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._resettable = _reset_host_peak()
+
+    def peak(self) -> int:
+        """Peak bytes in use since the last reset, above the baseline."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._resettable:
+            peak = _status_bytes("VmHWM")
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, peak - self.baseline)
+
+
+def _reset_host_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmHWM") > 0
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated bytes on a CUDA device; on CPU the process's peak resident set size."""
     if device.type == "cuda":

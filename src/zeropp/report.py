@@ -64,6 +64,8 @@ def print_summary(summary: RunSummary) -> None:
     measured = ", ".join(_bytes(b) for b in summary.model_state_bytes_per_rank)
     head.add_row("model states per rank", f"measured {measured}; analytic {_bytes(analytic)}")
     head.add_row("peak memory per rank", ", ".join(_bytes(b) for b in summary.peak_memory_bytes_per_rank))
+    init, step = summary.init_peak_memory_bytes_per_rank, summary.step_peak_memory_bytes_per_rank
+    head.add_row("peak above start: init / steps", ", ".join(f"{_bytes(a)} / {_bytes(b)}" for a, b in zip(init, step)))
     head.add_row(
         "sent per rank per step",
         f"intra-node {_bytes(summary.intra_node_bytes_per_step)}, "

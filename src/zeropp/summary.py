@@ -51,6 +51,10 @@ class RunSummary:
     zeropp: ZeroppSwitches
     ledger: dict[str, dict[str, dict[str, float]]]
     config: dict[str, Any]
+    # peak memory above the process's before the model was built (zeropp.memory.PeakMeter): during
+    # model construction and engine set-up (and loading), and during the training steps
+    init_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
+    step_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

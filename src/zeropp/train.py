@@ -5,6 +5,7 @@ Runs inside each rank (``zeropp train`` starts the ranks through torch.distribut
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -26,8 +27,9 @@ from zeropp.comm.volume import STEP_PHASES, zero3_step_bytes
 from zeropp.config import Config
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
-from zeropp.memory import analytic_model_state_bytes, peak_memory_bytes
+from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
 from zeropp.models.gpt import GPT, gpt_config
+from zeropp.pretrained import load_pretrained
 from zeropp.summary import RunSummary, ZeroppSwitches
 from zeropp.topology import init_topology
 
@@ -77,22 +79,30 @@ class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.topology = init_topology(config.topology)
+        self.memory = PeakMeter(self.topology.device)  # from before the model exists
         torch.manual_seed(config.train.seed)
         self.gpt = gpt_config(config.model)
         optim = config.optim
+        with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
+            model = GPT(self.gpt)
         self.engine = ZeroEngine(
-            GPT(self.gpt),
+            model,
             torch.optim.AdamW,
             dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay),
             config.zero,
             self.topology,
+            seed=config.train.seed,
         )
+        if config.train.init_from is not None:
+            load_pretrained(self.engine, config.train.init_from)
         self.start_step = 0
         self.resumed_from = checkpoint_to_resume(config)
         if self.resumed_from is not None:
             meta = load_checkpoint(self.engine, self.resumed_from)
             self.start_step = meta["step"]
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
+        self.init_peak_memory = self.memory.peak()
+        self.step_peak_memory = 0
         world, rank = self.topology.world_size, self.topology.rank
         args = (self.gpt.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
         self.train_batches = Batches("train", *args)
@@ -115,6 +125,12 @@ class Trainer:
         )
 
     def train_step(self, step: int) -> float:
+        self.memory.reset_peak()
+        loss = self._train_step(step)
+        self.step_peak_memory = max(self.step_peak_memory, self.memory.peak())
+        return loss
+
+    def _train_step(self, step: int) -> float:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, step)
         losses = []
@@ -171,8 +187,8 @@ class Trainer:
         return self.summary(train_loss, val_loss, tokens_per_s)
 
     def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:
-        """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step], and the
-        ledger's bytes per step as the mean over ranks ({op: {phase: {link}}}, nonzero entries)."""
+        """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step, init peak, step
+        peak], and the ledger's bytes per step as the mean over ranks ({op: {phase: {link}}}, nonzero entries)."""
         engine, topo = self.engine, self.topology
         ledger = engine.comm.ledger
         steps = max(1, ledger.steps)
@@ -189,16 +205,18 @@ class Trainer:
                 peak_memory_bytes(topo.device),
                 step_bytes["intra"],
                 step_bytes["inter"],
+                self.init_peak_memory,
+                self.step_peak_memory,
                 *flat_ledger,
             ]
         )
         n = len(rows)
         mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
         for i, (o, p, k) in enumerate((o, p, k) for o in ops for p in STEP_PHASES for k in ("intra", "inter")):
-            value = sum(r[4 + i] for r in rows) / n
+            value = sum(r[6 + i] for r in rows) / n
             if value:
                 mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
-        return [r[:4] for r in rows], mean_ledger
+        return [r[:6] for r in rows], mean_ledger
 
     def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> RunSummary:
         engine, topo = self.engine, self.topology
@@ -240,6 +258,8 @@ class Trainer:
             zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
             ledger=mean_ledger,
             config=self.config.to_dict(),
+            init_peak_memory_bytes_per_rank=[int(r[4]) for r in rows],
+            step_peak_memory_bytes_per_rank=[int(r[5]) for r in rows],
         )
 
 

@@ -33,6 +33,9 @@ from zeropp.stages import StagePolicy
 from zeropp.topology import ShardGroups
 
 
+_RELEASED = torch.empty(0)
+
+
 class ShardState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
     GATHERING = "gathering"  # an all-gather into compute_flat is in flight
@@ -99,7 +102,11 @@ class FlatUnit:
         groups: ShardGroups,
         policy: StagePolicy,
         options: UnitOptions,
+        *,
+        broadcast_initial: bool = False,
     ) -> None:
+        """Flatten `named_params` (real tensors, anywhere) into this unit's buffers on the device;
+        with `broadcast_initial` every rank takes rank 0's values (one broadcast of the flat buffer)."""
         self.module = module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -116,6 +123,10 @@ class FlatUnit:
         device = options.device
 
         full32 = self.layout.join([p.detach() for p in self.params], torch.float32, device)
+        for p in self.params:  # the unit holds the values now: the caller's copies go (one unit at a time)
+            p.data = _RELEASED.to(p.dtype)
+        if broadcast_initial:  # the padding holds zeros everywhere already
+            comm.broadcast(full32[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
         if self.shard_world == 1:
             self.master = nn.Parameter(full32)
         else:
@@ -127,8 +138,9 @@ class FlatUnit:
         else:
             alias = compute_dtype == torch.float32
             self.compute_shard = self.master.data if alias else self.master.data.to(compute_dtype)
-            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         del full32
+        if not self.resident:  # holds memory only while gathered (storage freed by the reshard below)
+            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
             p.data = view
         self.grad_flat: torch.Tensor | None = None
@@ -354,8 +366,12 @@ class FlatUnit:
 
     def load_master(self, flat: torch.Tensor) -> None:
         """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
+        self.load_master_shard(self.shard_of(flat))
+
+    def load_master_shard(self, shard: torch.Tensor) -> None:
+        """Set this rank's fp32 master shard and make every copy of the weights follow it."""
         self.reshard()
-        self.master.data.copy_(self.shard_of(flat))
+        self.master.data.copy_(shard)
         self.publish_master()
 
     # -- after the optimizer step -----------------------------------------------------------------

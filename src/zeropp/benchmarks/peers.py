@@ -26,6 +26,8 @@ from zeropp.comm import Communicator
 from zeropp.config import ModelConfig, TopologyConfig
 from zeropp.data import Batches
 from zeropp.memory import peak_memory_bytes
+from zeropp.grouping import repeated_blocks
+from zeropp.materialize import initialize_model
 from zeropp.models.gpt import GPT, gpt_config
 from zeropp.topology import init_topology, shutdown
 
@@ -108,14 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     topology = init_topology(TopologyConfig(backend="gloo"))
     comm = Communicator(topology)  # the loss means and peak-memory gather: zeropp's own collectives
     rank, world, ranks_per_node = topology.rank, topology.world_size, topology.ranks_per_node
-    torch.manual_seed(0)
     config = gpt_config(ModelConfig(preset=args.preset))
+    with torch.device("meta"):  # the weights zeropp train starts from (train.seed 0, meta init)
+        gpt = GPT(config)
+    initialize_model(gpt, repeated_blocks(gpt), seed=0)
     if args.peer.startswith("deepspeed"):
-        engine = deepspeed_engine(GPT(config), args.peer, ranks_per_node, args.micro_batch_size, args.lr)
+        engine = deepspeed_engine(gpt, args.peer, ranks_per_node, args.micro_batch_size, args.lr)
         backward, update = engine.backward, engine.step
         model = engine
     else:
-        model = wrap(GPT(config), args.peer, world, ranks_per_node)
+        model = wrap(gpt, args.peer, world, ranks_per_node)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
         def backward(loss: torch.Tensor) -> None:

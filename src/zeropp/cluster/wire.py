@@ -51,8 +51,9 @@ def compare_to_ledger(
       r // nproc_per_node) times the steps run; the ledger counts training steps only;
     - gloo reduce-scatter: gloo runs reduce_scatter as an all-reduce (measured: 2x the ring's bytes),
       so each reduce-scatter's inter-node bytes count twice (ZeRO-1/2/3 gradients; qgZ has none);
-    - broadcast (outside the ledger): the initial weight broadcast from rank 0, fp32 parameters
-      (4 bytes each) times gloo_broadcast_crossings() (gloo's binomial tree, not the ledger's ring);
+    - broadcast (outside the ledger): with ``train.init = "eager"`` the initial weight broadcast from
+      rank 0, fp32 parameters (4 bytes each) times gloo_broadcast_crossings() (gloo's binomial tree,
+      not the ledger's ring); a meta-built model is initialized on every rank and broadcasts nothing;
     - eval (outside the ledger): at stage 3 each evaluation pass gathers the weights again: its
       first batch over the world (one forward gather), later batches from hpZ's secondary copy
       (inside a node: nothing) or over the world again (no hpZ); equal for every node (ring).
@@ -70,7 +71,8 @@ def compare_to_ledger(
         sum(by_rank[r] for r in range(n * nproc_per_node, (n + 1) * nproc_per_node)) * steps_run for n in range(nodes)
     ]
     reduce_scatter = sum(v.get("inter", 0.0) for v in summary.ledger.get("reduce_scatter", {}).values()) * world
-    param_bytes = 4 * summary.param_count
+    eager = summary.config.get("train", {}).get("init", "eager") == "eager"  # meta-built models broadcast nothing
+    param_bytes = 4 * summary.param_count if eager else 0
     parts = {
         "ledger_step_bytes": ledger_steps,
         "gloo_reduce_scatter_extra_bytes": [reduce_scatter * steps_run / nodes] * nodes,  # ring: all nodes alike
