@@ -48,6 +48,8 @@ needs_netns = pytest.mark.skipif(_namespaces_unavailable() is not None, reason=s
 
 # 2 nodes x 2 ranks, tiny GPT: ~8 s on 2 cores
 TINY = ["--preset", "tiny", "--eval-batches", "1", "--micro-batch-size", "1"]
+# eager construction: rank 0's weights are broadcast, which the wire comparison accounts for too
+TINY_EAGER = [*TINY, "--init", "eager"]
 
 # Tolerances, derived in docs/cluster.md ("How wire and ledger are compared"):
 # - the TCP payload (wire - 66 B of headers per counted packet) carries at least every byte the
@@ -174,10 +176,8 @@ def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cluster")
     links = root_links()
     tick = time.monotonic()
-    # eager construction: rank 0's weights are broadcast, which the wire comparison accounts for too
     result = run_cluster(
-        2, 2, "200mbit", [*TINY, "--init", "eager", "--steps", "3"], tmp / "summary.json", keep_logs=tmp / "logs",
-        timeout_s=240,
+        2, 2, "200mbit", [*TINY_EAGER, "--steps", "3"], tmp / "summary.json", keep_logs=tmp / "logs", timeout_s=240
     )
     return result, time.monotonic() - tick, leftovers(result.prefix, links), tmp
 
@@ -219,7 +219,7 @@ def test_wire_bytes_agree_with_the_ledger(tiny_run):
 def test_wire_bytes_per_step_agree_with_the_ledger(tiny_run, tmp_path):
     """Two runs that differ only in --steps: everything but the steps cancels in the difference."""
     short, _, _, _ = tiny_run
-    long = run_cluster(2, 2, "200mbit", [*TINY, "--steps", "9"], tmp_path / "s.json", timeout_s=240)
+    long = run_cluster(2, 2, "200mbit", [*TINY_EAGER, "--steps", "9"], tmp_path / "s.json", timeout_s=240)
     assert short.returncode == long.returncode == 0
     step = per_step_wire_bytes(short, long)
     assert PAYLOAD_BOUNDS[0] <= step["ratio"] <= PAYLOAD_BOUNDS[1], step
