@@ -95,6 +95,10 @@ class ZeroConfig:
     qgz_pipeline_chunks: int = 2
     # quantization kernels: "auto" (Triton on CUDA when available, else torch), or force one
     quant_backend: Literal["auto", "torch", "triton"] = "auto"
+    # ZeRO-Offload: "cpu" keeps the fp32 master shard and the optimizer state in host memory and runs
+    # the optimizer there; offload_params = "cpu" (stage 3) also keeps the compute-dtype shards there
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_params: Literal["none", "cpu"] = "none"
 
     def validate(self) -> None:
         _check_choices(self, "zero")
@@ -124,6 +128,14 @@ class ZeroConfig:
                 _require(
                     value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
                 )
+        if self.offload_params != "none":
+            _require(self.stage == 3, "zero.offload_params", self.offload_params, "'none' unless zero.stage = 3")
+            _require(
+                self.offload_optimizer != "none",
+                "zero.offload_params",
+                self.offload_params,
+                "'none' unless zero.offload_optimizer is 'cpu' too",
+            )
         self.loss_scale.validate()
 
 

@@ -109,6 +109,8 @@ class ZeroEngine:
             qgz_chunks=config.qgz_pipeline_chunks,
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
+            master_device=torch.device("cpu") if config.offload_optimizer == "cpu" else None,
+            compute_shard_device=torch.device("cpu") if config.offload_params == "cpu" else None,
         )
 
     def _build_units(
@@ -169,11 +171,14 @@ class ZeroEngine:
             unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.ledger.in_phase("step"):
-            grads = [unit.reduced_gradient() for unit in self.units]
+            # offloaded masters: every unit's copy to the host is issued before any is waited for
+            grads = [
+                unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
+            ]
+            if self.config.offload_optimizer != "none" and self.topology.device.type == "cuda":
+                torch.cuda.current_stream(self.topology.device).synchronize()
             for unit, grad in zip(self.units, grads, strict=True):
-                unit.master.grad = (
-                    grad.to(torch.float32).div_(self.scaler.scale) if self.scaler.enabled else grad.float()
-                )
+                unit.master.grad = grad.div_(self.scaler.scale) if self.scaler.enabled else grad
             overflow = self._any_overflow() if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:
@@ -206,12 +211,12 @@ class ZeroEngine:
         """Global gradient norm over all shards; clip to max_grad_norm like clip_grad_norm_."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         for unit in self.units:
-            squares += unit.master.grad.pow(2).sum()
+            squares += unit.master.grad.pow(2).sum().to(squares.device)
         norm = self._reduce_over_shards(squares, "sum").sqrt()
         if self.config.max_grad_norm is not None:
             coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
             for unit in self.units:
-                unit.master.grad.mul_(coefficient)
+                unit.master.grad.mul_(coefficient.to(unit.master.device))
         return float(norm.item())
 
     # -- modes, state, measurement ---------------------------------------------------------------

@@ -14,12 +14,16 @@ stage 3   pΨ/N + gΨ/N + KΨ/N
 With bf16/fp16 and Adam this is the paper's 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N. With fp32,
 stages 1 and 2 keep a separate fp32 master shard beside the full fp32 parameters (K = 12).
 hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary groups of H ranks
-(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16).
+(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16). ZeRO-Offload moves KΨ/N (the master and optimizer state;
+the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
+shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
+units being gathered.
 """
 
 from __future__ import annotations
 
 import resource
+from typing import Literal
 
 import torch
 
@@ -34,17 +38,25 @@ def analytic_model_state_bytes(
     grad_dtype: str | None = None,
     optimizer_bytes: int = 8,
     hpz_group_size: int = 1,
+    *,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    where: Literal["all", "device", "host"] = "all",
 ) -> float:
+    """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
+    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes."""
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
-    master_aliases_params = precision == "fp32" and stage in (0, 3)
+    master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
     k = optimizer_bytes + (0 if master_aliases_params else 4)
     n = world
     params = p * psi / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
     secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
-    return params + grads + states + secondary
+    host = (states if offload_optimizer else 0) + (params if offload_params else 0)
+    total = params + grads + states + secondary
+    return {"all": total, "device": total - host, "host": host}[where]
 
 
 class PeakMeter:

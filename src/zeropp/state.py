@@ -91,7 +91,7 @@ def sharded_state_template(
     no state yet."""
     state: dict[str, Any] = {}
     for unit in units:
-        device, group = unit.master.device, unit.groups.shard
+        device, group = unit.options.device, unit.groups.shard
         for name, numel in zip(unit.names, unit.layout.numels, strict=True):
             start, stop = chunk_range(numel, group.size, group.rank)
             local = stop - start
@@ -116,7 +116,7 @@ def load_sharded_state_dict(
             values = [state[optim_key(name, key)] for name in unit.names]
             if isinstance(values[0], DTensor):
                 flat = unit.flat_from_param_chunks([v.to_local() for v in values])
-                loaded[key] = unit.shard_of(flat).clone()
+                loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
             else:
                 loaded[key] = values[0]
         if loaded:

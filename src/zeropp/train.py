@@ -247,6 +247,8 @@ class Trainer:
                 zero.precision,
                 zero.grad_dtype,
                 hpz_group_size=engine.hpz_group_size,
+                offload_optimizer=zero.offload_optimizer != "none",
+                offload_params=zero.offload_params != "none",
             ),
             peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
             intra_node_bytes_per_step=sum(r[2] for r in rows) / n,

@@ -65,6 +65,14 @@ class UnitOptions:
     qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
     kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
     quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
+    master_device: torch.device | None = None  # ZeRO-Offload: the fp32 master's home (None: `device`)
+    compute_shard_device: torch.device | None = None  # offloaded parameters: the compute shard's home
+
+    def host_empty(self, numel: int, dtype: torch.dtype, where: torch.device | None) -> torch.Tensor:
+        """An empty tensor at `where` (default: the device); host memory is pinned when the device is CUDA."""
+        where = where or self.device
+        pin = where.type == "cpu" and self.device.type == "cuda"
+        return torch.empty(numel, dtype=dtype, device=where, pin_memory=pin)
 
 
 class FlatUnit:
@@ -127,17 +135,24 @@ class FlatUnit:
             p.data = _RELEASED.to(p.dtype)
         if broadcast_initial:  # the padding holds zeros everywhere already
             comm.broadcast(full32[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
-        if self.shard_world == 1:
+        offloaded = options.master_device is not None
+        if self.shard_world == 1 and not offloaded:
             self.master = nn.Parameter(full32)
         else:
-            self.master = nn.Parameter(self.shard_of(full32).clone())
+            mine = self.shard_of(full32)
+            self.master = nn.Parameter(options.host_empty(mine.numel(), torch.float32, options.master_device))
+            self.master.data.copy_(mine)
         self.compute_shard: torch.Tensor | None = None
         if self.resident:
-            alias = self.shard_world == 1 and compute_dtype == torch.float32
+            alias = self.shard_world == 1 and compute_dtype == torch.float32 and not offloaded
             self.compute_flat = self.master.data if alias else full32.to(compute_dtype)
         else:
-            alias = compute_dtype == torch.float32
-            self.compute_shard = self.master.data if alias else self.master.data.to(compute_dtype)
+            alias = compute_dtype == torch.float32 and not offloaded
+            if alias:
+                self.compute_shard = self.master.data
+            else:
+                numel, where = self.master.numel(), options.compute_shard_device
+                self.compute_shard = options.host_empty(numel, compute_dtype, where).copy_(self.master.data)
         del full32
         if not self.resident:  # holds memory only while gathered (storage freed by the reshard below)
             self.compute_flat = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
@@ -180,11 +195,12 @@ class FlatUnit:
             return self.comm.all_gather(
                 self.compute_flat, self.secondary_shard, self.groups.secondary, bucket_numel=bucket, async_op=True
             )
+        source = self.compute_shard.to(options.device, non_blocking=True)  # offloaded parameters: staged
         if options.weight_quant is not None:  # qwZ
             return all_gather_quantized(
                 self.comm,
                 self.compute_flat,
-                self.compute_shard,
+                source,
                 options.weight_quant,
                 self.groups.shard,
                 options.kernels,
@@ -192,9 +208,7 @@ class FlatUnit:
                 async_op=True,
                 stream=options.quant_stream,
             )
-        return self.comm.all_gather(
-            self.compute_flat, self.compute_shard, self.groups.shard, bucket_numel=bucket, async_op=True
-        )
+        return self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=bucket, async_op=True)
 
     @property
     def secondary_valid(self) -> bool:
@@ -267,7 +281,7 @@ class FlatUnit:
         With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
         """
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.master.device)
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.options.device)
         if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
         flat = self.grad_flat
@@ -307,7 +321,7 @@ class FlatUnit:
         """This rank's reduced gradient, aligned with ``master`` (zeros if none arrived)."""
         if self.policy.shard_gradients:
             if self.grad_shard is None:
-                self.grad_shard = torch.zeros_like(self.master, dtype=self.grad_dtype)
+                self.grad_shard = torch.zeros(self.master.numel(), dtype=self.grad_dtype, device=self.options.device)
             return self.grad_shard
         return self.shard_of(self.grad_flat)
 
@@ -322,6 +336,7 @@ class FlatUnit:
 
     def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """The whole padded flat buffer of which `shard` (aligned with ``master``) is this rank's piece."""
+        shard = shard.to(self.options.device)  # an offloaded one travels from the device
         if self.shard_world == 1:
             return shard
         flat = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
@@ -381,12 +396,12 @@ class FlatUnit:
         self.version += 1
         if not self.resident:
             if self.compute_shard.data_ptr() != self.master.data_ptr():
-                self.compute_shard.copy_(self.master.data)
+                self.compute_shard.copy_(self.master.data, non_blocking=True)
         elif self.shard_world == 1:
             if self.compute_flat.data_ptr() != self.master.data_ptr():
-                self.compute_flat.copy_(self.master.data)
+                self.compute_flat.copy_(self.master.data, non_blocking=True)
         else:
-            source = self.master.data.to(self.compute_dtype)
+            source = self.master.data.to(self.options.device, self.compute_dtype)
             self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=self.allgather_bucket)
 
     # -- bookkeeping -----------------------------------------------------------------------------
