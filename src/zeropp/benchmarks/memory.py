@@ -150,6 +150,7 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
         Path(args.fsdp2_worker).write_text(json.dumps({"init": max(g[0].item() for g in gathered),
                                                        "step": max(g[1].item() for g in gathered)}))  # fmt: skip
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads may abort an interpreter exit ("terminate called without an active exception")
 
 
 def _free_port() -> int:
@@ -201,9 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             peaks, floor = (_measure(a, world, name) for a in (args, floor_args))
             rows.append({"world": world, "variant": name, **peaks, **{f"{k}_floor": v for k, v in floor.items()}, **bounds})
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(rows, indent=2))  # after every row: a failure later keeps these
     print(markdown(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2))
     return 0
 
 
