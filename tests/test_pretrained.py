@@ -40,9 +40,20 @@ def load_into_shards(simulated_nodes: int, kind: str, folder: str) -> dict[str, 
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
 
+    import zeropp.pretrained as pretrained
+
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))
     expected = _reference(kind)
     errors = {}
+    read = pretrained._read_elements
+    counted = []
+
+    def counting(handle, key, start, stop):  # what this rank reads of the managed parameters
+        rows = read(handle, key, start, stop)
+        counted.append(rows.numel())
+        return rows
+
+    pretrained._read_elements = counting
     for stage in (1, 2, 3):
         with torch.device("meta"):
             model = make_model(kind)
@@ -51,6 +62,10 @@ def load_into_shards(simulated_nodes: int, kind: str, folder: str) -> dict[str, 
         loaded = engine.full_state_dict()
         errors[f"stage{stage}"] = max((loaded[k] - expected[k].float()).abs().max().item() for k in expected)
         errors[f"stage{stage}-keys"] = float(loaded.keys() != expected.keys())
+        # a rank reads its shard of the flat buffer: at most 1/world of the parameters (plus padding)
+        shards = sum(unit.master.numel() for unit in engine.units)
+        errors[f"stage{stage}-read-beyond-shard"] = float(sum(counted) > shards)
+        counted.clear()
     return errors
 
 
