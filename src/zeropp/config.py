@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -42,6 +43,7 @@ class LossScaleConfig:
     min_scale: float = 1.0
 
     def validate(self) -> None:
+        _check_finite(self, "zero.loss_scale")
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
         _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
         _require(
@@ -98,6 +100,7 @@ class ZeroConfig:
 
     def validate(self) -> None:
         _check_choices(self, "zero")
+        _check_finite(self, "zero")
         _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
@@ -138,6 +141,7 @@ class TopologyConfig:
 
     def validate(self) -> None:
         _check_choices(self, "topology")
+        _check_finite(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
@@ -170,6 +174,7 @@ class OptimConfig:
     warmup_steps: int = 20
 
     def validate(self) -> None:
+        _check_finite(self, "optim")
         _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
         _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
@@ -184,9 +189,11 @@ class TrainConfig:
     seed: int = 0
     eval_interval: int = 50
     eval_batches: int = 8
+    # fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients
+    max_consecutive_skipped_steps: int = 50
 
     def validate(self) -> None:
-        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches"):
+        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches", "max_consecutive_skipped_steps"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "an integer >= 1")
 
@@ -196,7 +203,8 @@ class CheckpointConfig:
     """Sharded checkpoints of `zeropp train` (see zeropp.checkpoint)."""
 
     checkpoint_dir: str | None = None
-    save_interval: int = 0  # save every this many steps, and after the last one (0: never)
+    # with checkpoint_dir: save every this many steps and after the last one (0: after the last one only)
+    save_interval: int = 0
     resume: str | None = None  # "auto": the latest checkpoint in checkpoint_dir, if any; or a checkpoint's path
     keep_last: int = 3  # published checkpoints to keep (0: all)
 
@@ -238,6 +246,14 @@ def _check_choices(section: Any, prefix: str) -> None:
                 if value not in allowed and not (value is None and type(None) in options):
                     expected = f"one of {', '.join(map(repr, allowed))}"
                     _require(False, f"{prefix}.{name}", value, expected)
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """Refuse inf and nan in every float key (``--lr inf`` parses, and would train to nan)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _require(False, f"{prefix}.{f.name}", value, "a finite number")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

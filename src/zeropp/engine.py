@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from zeropp import state
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
+from zeropp.fingerprint import check_same_model
 from zeropp.grouping import group_parameters, repeated_blocks
 from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for
@@ -66,6 +67,7 @@ class ZeroEngine:
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
+        units = check_same_model(self.comm, self.topology.world, model, units)  # before any broadcast
         self._sync_initial_weights(model)
 
         grouped = group_parameters(model, repeated_blocks(model) if units is None else units)
