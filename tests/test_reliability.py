@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -144,9 +143,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_taken_o
     folder, lock = tmp_path / "ckpt", tmp_path / "ckpt" / ".zeropp.lock"
     port = free_port()
     cmd = [sys.executable, "-m", "zeropp.cli", *TINY, "--steps", "5000", "--checkpoint-dir", str(folder)]
-    first = subprocess.Popen(
-        [*cmd, "--master-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    first = subprocess.Popen([*cmd, "--master-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while not lock.is_file() or not lock.read_text():
@@ -155,21 +152,23 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_taken_o
         second = tiny_run("--steps", "2", "--checkpoint-dir", str(folder))
         one_line_error(second, "is in use by another run", f"pid {first.pid}", f"port {port}")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(first.pid, signal.SIGKILL)  # the launcher and its ranks
+        first.terminate()  # torchrun's agent stops the ranks, then the launcher ends
         first.communicate(timeout=60)
-    # the kernel dropped the dead run's lock: its file is left, and the next run takes it over
+    # the kernel drops a lock when its process ends, however it ends: the file is left and taken over
     from zeropp.runlock import hold
 
     assert str(first.pid) in lock.read_text()
-    hold(folder)
-    assert str(os.getpid()) in lock.read_text()
-    holder = subprocess.run(
-        [sys.executable, "-c", f"from zeropp.runlock import hold; hold({str(folder)!r}, 1234)"],
+    dead = tmp_path / "dead"
+    killed = f"import os; from zeropp.runlock import hold; hold({str(dead)!r}, 1); os.kill(os.getpid(), 9)"
+    assert subprocess.run([sys.executable, "-c", killed], timeout=60).returncode == -9
+    hold(dead)
+    assert json.loads((dead / ".zeropp.lock").read_text())["pid"] == os.getpid()
+    hold(dead)  # this process again: a no-op, not a refusal
+    refused = subprocess.run(
+        [sys.executable, "-c", f"from zeropp.runlock import hold; hold({str(dead)!r}, 1234)"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert "is in use by another run" in holder.stderr and f"pid {os.getpid()}" in holder.stderr
-    hold(folder)  # this process again: a no-op, not a refusal
+    assert "is in use by another run" in refused.stderr and f"pid {os.getpid()}" in refused.stderr
 
 
 # -- 3. damaged checkpoints, 5. a finished run, 7. checkpoints said ------------------------------------
