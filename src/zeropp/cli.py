@@ -144,6 +144,8 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
 
     status = 0
     try:
+        if config.checkpoint.checkpoint_dir is not None and os.environ["RANK"] == "0":  # under torchrun itself
+            runlock.hold(config.checkpoint.checkpoint_dir, os.environ.get("MASTER_PORT"))
         trainer = Trainer(config)
         leader = trainer.topology.rank == 0
         with progress_bar(config.train.steps, enabled=leader and trainer.start_step < config.train.steps) as update:

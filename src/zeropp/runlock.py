@@ -1,10 +1,10 @@
-"""One run per checkpoint folder: an exclusive lock on ``<checkpoint_dir>/.zeropp.lock`` for the
-run's lifetime.
+"""One run of ``zeropp train`` per checkpoint folder: an exclusive lock on
+``<checkpoint_dir>/.zeropp.lock`` for the run's lifetime.
 
 Two runs writing one folder would delete each other's in-progress saves and prune each other's
 checkpoints. ``zeropp train``'s launcher (node rank 0) takes the lock before any rank starts and
-holds it across restarts; its ranks see :data:`ENV` and take nothing. A run started by torchrun
-directly takes it in rank 0. The lock is an ``fcntl.flock``, which the kernel drops when its
+holds it across restarts; its ranks see :data:`ENV` and take nothing. ``zeropp train`` started by
+torchrun directly takes it in rank 0. (The library's ``save_checkpoint`` takes no lock.) The lock is an ``fcntl.flock``, which the kernel drops when its
 process dies, so a dead run's lock file is simply taken over; the file says who holds it (host,
 pid, port, start time), for the refusal's message.
 """

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -15,7 +14,6 @@ from typing import Any
 
 import torch
 
-from zeropp import runlock
 from zeropp.checkpoint import (
     CheckpointError,
     check_writable,
@@ -86,8 +84,6 @@ class TrainingStopped(RuntimeError):
 class Trainer:
     def __init__(self, config: Config) -> None:
         self.config = config
-        if config.checkpoint.checkpoint_dir is not None and int(os.environ.get("RANK", "0")) == 0:
-            runlock.hold(config.checkpoint.checkpoint_dir, os.environ.get("MASTER_PORT"))
         self.topology = init_topology(config.topology)
         torch.manual_seed(config.train.seed)
         self.gpt = gpt_config(config.model)
