@@ -43,7 +43,6 @@ class LossScaleConfig:
     min_scale: float = 1.0
 
     def validate(self) -> None:
-        _check_finite(self, "zero.loss_scale")
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
         _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
         _require(
@@ -51,6 +50,7 @@ class LossScaleConfig:
         )
         _require(self.growth_interval >= 1, "zero.loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
         _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
+        _check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
 
 
 @dataclass
@@ -100,7 +100,6 @@ class ZeroConfig:
 
     def validate(self) -> None:
         _check_choices(self, "zero")
-        _check_finite(self, "zero")
         _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
@@ -127,6 +126,7 @@ class ZeroConfig:
                 _require(
                     value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
                 )
+        _check_finite(self, "zero")
         self.loss_scale.validate()
 
 
@@ -141,10 +141,10 @@ class TopologyConfig:
 
     def validate(self) -> None:
         _check_choices(self, "topology")
-        _check_finite(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
+        _check_finite(self, "topology")
 
 
 @dataclass
@@ -174,12 +174,12 @@ class OptimConfig:
     warmup_steps: int = 20
 
     def validate(self) -> None:
-        _check_finite(self, "optim")
         _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
         _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
         _require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check_finite(self, "optim")
 
 
 @dataclass
