@@ -108,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
             layout.hpz_group_size(config.zero.hpz_partition_size)
             preflight(config)
-            if args.node_rank == 0 and config.checkpoint.checkpoint_dir is not None:  # one run per folder
-                runlock.hold(config.checkpoint.checkpoint_dir, args.master_port, for_ranks=True)
+            if config.checkpoint.checkpoint_dir is not None:  # one run per folder
+                runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2

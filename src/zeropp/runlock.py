@@ -26,10 +26,17 @@ ENV = "ZEROPP_CHECKPOINT_LOCK"  # the folder whose lock the launcher holds for i
 _held: dict[str, int] = {}  # folder -> open file descriptor of its lock, for this process's lifetime
 
 
-def hold(directory: str | Path, port: int | str | None = None, *, for_ranks: bool = False) -> None:
+def hold_for_ranks(directory: str | Path, port: int, node_rank: int) -> None:
+    """The launcher's part: node rank 0's launcher takes the lock; every launcher tells its ranks
+    (whichever node global rank 0 lands on) that their run holds it."""
+    if node_rank == 0:
+        hold(directory, port)
+    os.environ[ENV] = str(Path(directory).resolve())
+
+
+def hold(directory: str | Path, port: int | str | None = None) -> None:
     """Take `directory`'s lock until this process exits (a no-op if this process or its launcher holds
-    it); refuse in one line, naming the holder, if another run has it. `for_ranks`: tell the ranks
-    this process launches that their run holds it."""
+    it); refuse in one line, naming the holder, if another run has it."""
     directory = Path(directory)
     key = str(directory.resolve())
     if key in _held or os.environ.get(ENV) == key:
@@ -52,8 +59,6 @@ def hold(directory: str | Path, port: int | str | None = None, *, for_ranks: boo
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     _held[key] = fd
-    if for_ranks:
-        os.environ[ENV] = key
 
 
 def _describe(raw: bytes) -> str:

@@ -155,12 +155,11 @@ class Trainer:
                 )
             return
         self.skipped_in_a_row = 0
+        hint = "lower --lr" + (" or set --max-grad-norm" if self.config.zero.max_grad_norm is None else "")
+        saved = "; no checkpoint of this step was written" if self.config.checkpoint.checkpoint_dir else ""
         for what, value in (("loss", loss), ("gradient norm", engine.last_grad_norm)):
             if value is not None and not math.isfinite(value):
-                raise TrainingStopped(
-                    f"step {steps_done}: the {what} is {value}, training diverged (lower --lr or set "
-                    "--max-grad-norm); no checkpoint of this step was written"
-                )
+                raise TrainingStopped(f"step {steps_done}: the {what} is {value}, training diverged ({hint}){saved}")
 
     @property
     def tokens_per_step(self) -> int:
