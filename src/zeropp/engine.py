@@ -67,7 +67,7 @@ class ZeroEngine:
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model.to(self.topology.device)
         self._cast_unmanaged(model)
-        units = check_same_model(self.comm, self.topology.world, model, units)  # before any broadcast
+        units = check_same_model(self.topology, model, units)  # every rank built this model; before any broadcast
         self._sync_initial_weights(model)
 
         grouped = group_parameters(model, repeated_blocks(model) if units is None else units)

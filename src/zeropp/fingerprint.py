@@ -4,7 +4,7 @@ A rank that builds another model (another config, another code version on one no
 wrong weights silently when the shapes happen to agree. The fingerprint describes the model as
 lines: each module's class and plain attributes (``n_head``, ``eps``, ...), each parameter's and
 buffer's name, shape, dtype and trainability, and the unit layout (which parameters form each
-unit). Ranks all-gather a 32-byte digest of it through the engine's communicator; only when digests
+unit). Ranks all-gather a 32-byte digest of it through a Communicator; only when digests
 differ do they gather the descriptions, to name the first line that differs.
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zeropp.comm import Communicator
+from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError
 from zeropp.grouping import group_parameters, repeated_blocks
-from zeropp.topology import Group
+from zeropp.topology import Group, Topology
 
 _PLAIN = (bool, int, float, str, tuple)
 
@@ -45,12 +45,15 @@ def describe(model: nn.Module, unit_modules: list[nn.Module]) -> list[str]:
 
 
 def check_same_model(
-    comm: Communicator, group: Group, model: nn.Module, units: Iterable[nn.Module] | None
+    topology: Topology, model: nn.Module, units: Iterable[nn.Module] | None
 ) -> list[nn.Module] | None:
-    """Refuse (ModelMismatch, on every rank) when the ranks of `group` built different models.
+    """Refuse (ModelMismatch, on every rank) when the ranks of the world built different models.
 
-    Collective. Returns `units` as a list (it may be a one-pass iterable), None staying None.
+    Collective, through a Communicator with a ledger of its own: the engine's ledger holds the
+    model's traffic (at construction, the initial broadcast only). Returns `units` as a list (it may
+    be a one-pass iterable), None staying None.
     """
+    comm, group = Communicator(topology, Ledger()), topology.world
     unit_modules = None if units is None else list(units)
     lines = describe(model, repeated_blocks(model) if unit_modules is None else unit_modules)
     text = "\n".join(lines).encode()
