@@ -173,6 +173,23 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_taken_o
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert "is in use by another run" in refused.stderr and f"pid {os.getpid()}" in refused.stderr
+    # zeropp train under torchrun itself: rank 0 takes the lock, and is refused in one line
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", f"--master-port={free_port()}"]
+    direct = subprocess.run(
+        [*torchrun, "-m", "zeropp.cli", *TINY[:3], "--steps", "1", "--checkpoint-dir", str(dead)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert direct.returncode != 0 and len(error_lines(direct)) == 1, direct.stderr[-2000:]
+    assert "is in use by another run" in error_lines(direct)[0]
+
+
+def test_every_launcher_tells_its_ranks_and_only_node_rank_0_takes_the_lock(tmp_path, monkeypatch):
+    from zeropp.runlock import ENV, hold_for_ranks
+
+    monkeypatch.delenv(ENV, raising=False)
+    hold_for_ranks(tmp_path / "ckpt", 29500, node_rank=1)  # global rank 0 may run on this node
+    assert os.environ[ENV] == str((tmp_path / "ckpt").resolve())
+    assert not (tmp_path / "ckpt" / ".zeropp.lock").exists()
 
 
 # -- 3. damaged checkpoints, 5. a finished run, 7. checkpoints said ------------------------------------
