@@ -212,6 +212,9 @@ def test_checkpoint_dir_without_interval_saves_at_the_end_and_says_so(finished_r
     assert len(said) == 1 and "step-00000002" in said[0] and "MiB" in said[0], result.stdout
     [record] = summary["checkpoints"]
     assert record["step"] == 2 and record["path"].endswith("step-00000002") and record["bytes"] > 0
+    from zeropp.summary import RunSummary
+
+    assert RunSummary.from_dict(summary).checkpoints[0].bytes == record["bytes"]  # reads back typed
     assert "checkpoints" in result.stdout and "1 published" in result.stdout
 
 
