@@ -8,7 +8,11 @@ A checkpoint is a directory ``step-00000120`` holding
   ``fixed.<name>``: a layout that does not depend on how the run was sharded, see
   :mod:`zeropp.state`; each rank writes its pieces) and ``rng.rank<r>``, each rank's RNG state.
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
-  loss-scaler state, what the caller adds (the run config), and the world it was saved from.
+  loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
+  sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.
+
+A save refuses weights that hold nan or inf (before writing anything), so a diverged run never
+publishes a checkpoint, nor prunes a good one.
 
 Atomic publish: ranks write into ``.step-00000120.partial``; once every rank has written, rank 0
 adds zeropp.json and renames the folder to ``step-00000120``, an atomic rename on one file system
@@ -27,6 +31,7 @@ written), so any run loads any checkpoint of the same model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -86,6 +91,18 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
+    """Check every file of a checkpoint against the sha256 recorded when it was published; a
+    one-line CheckpointError names the first missing or damaged file."""
+    path = Path(path)
+    for name, digest in meta.get("files", {}).items():  # checkpoints from before checksums have none
+        problem = "is missing" if not (path / name).is_file() else None
+        if problem is None and _sha256(path / name) != digest:
+            problem = "is damaged (its sha256 differs from the one recorded at save)"
+        if problem:
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name!r} {problem}")
+
+
 def check_writable(directory: str | Path) -> None:
     """Refuse a checkpoint directory that cannot be created or written (call before any collective)."""
     directory = Path(directory)
@@ -112,6 +129,7 @@ def save_checkpoint(
     final = directory / checkpoint_name(step)
     partial = directory / f".{final.name}.partial"
     rank = engine.topology.rank
+    _refuse_non_finite(engine, final)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
@@ -127,6 +145,7 @@ def save_checkpoint(
         raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
     if rank == 0:
         meta = {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}}
+        meta["files"] = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
         (partial / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # the same step saved again (e.g. after a restart): replace it
             shutil.rmtree(final)
@@ -138,6 +157,19 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
     return final
+
+
+def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
+    """Refuse to save weights holding nan or inf (collective: one flag all-reduced over the world)."""
+    bad = torch.zeros(1, device=engine.topology.device)
+    if not all(bool(torch.isfinite(unit.master).all()) for unit in engine.units):
+        bad.fill_(1.0)
+    with engine.comm.ledger.in_phase("other"):
+        engine.comm.all_reduce(bad, engine.topology.world, reduce="max")
+    if bad.item():
+        raise CheckpointError(
+            f"not writing checkpoint {str(final)!r}: the weights hold nan or inf; the ones already there are kept"
+        )
 
 
 def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
@@ -175,6 +207,7 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
     Collective. The checkpoint is checked against the engine before anything is read.
     """
     meta = read_meta(path)
+    verify_files(path, meta)
     _check_compatible(engine, meta, path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     optimizer_keys = {}
@@ -239,6 +272,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     meta = read_meta(path)
+    verify_files(path, meta)
     out = Path(out)
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise CheckpointError(f"cannot write {str(out)!r}: its folder does not exist or is not writable")
@@ -269,6 +303,14 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
 
 def _empty_like_saved(metadata: Any) -> torch.Tensor:
     return torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -18,15 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropp import runlock
 from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout
 from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
+from zeropp.fingerprint import ModelMismatch
 from zeropp.flags import add_config_flags
 from zeropp.materialize import MaterializeError
 from zeropp.pretrained import PretrainedError
 from zeropp.topology import Layout
-from zeropp.train import preflight
+from zeropp.train import TrainingStopped, preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.items()}
@@ -108,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
             layout.hpz_group_size(config.zero.hpz_partition_size)
             preflight(config)
+            if config.checkpoint.checkpoint_dir is not None:  # one run per folder
+                runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
@@ -142,18 +146,21 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
 
     status = 0
     try:
+        if config.checkpoint.checkpoint_dir is not None and os.environ["RANK"] == "0":  # under torchrun itself
+            runlock.hold(config.checkpoint.checkpoint_dir, os.environ.get("MASTER_PORT"))
         trainer = Trainer(config)
         leader = trainer.topology.rank == 0
-        with progress_bar(config.train.steps, enabled=leader) as update:
+        with progress_bar(config.train.steps, enabled=leader and trainer.start_step < config.train.steps) as update:
             summary = trainer.run(update)
-        if leader:
+        if leader and summary is not None:
             print_summary(summary)
             if summary_json is not None:
                 write_summary(summary, summary_json)
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
-    except (CheckpointError, CollectiveTimeout, MaterializeError, PretrainedError) as error:  # one line a problem
-        for line in str(error).removeprefix("zeropp: ").splitlines():
-            print(f"zeropp: error: {line}", file=sys.stderr)
+    except (CheckpointError, CollectiveTimeout, ConfigError, TrainingStopped, MaterializeError, PretrainedError) as error:
+        if not isinstance(error, (TrainingStopped, ModelMismatch)) or os.environ["RANK"] == "0":  # once if alike
+            for line in str(error).removeprefix("zeropp: ").splitlines():  # one line a problem
+                print(f"zeropp: error: {line}", file=sys.stderr)
         status = 1
     finally:
         shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ class LossScaleConfig:
         )
         _require(self.growth_interval >= 1, "zero.loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
         _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
+        _check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
 
 
 @dataclass
@@ -136,6 +138,7 @@ class ZeroConfig:
                 self.offload_params,
                 "'none' unless zero.offload_optimizer is 'cpu' too",
             )
+        _check_finite(self, "zero")
         self.loss_scale.validate()
 
 
@@ -153,6 +156,7 @@ class TopologyConfig:
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
+        _check_finite(self, "topology")
 
 
 @dataclass
@@ -187,6 +191,7 @@ class OptimConfig:
         _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
         _require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        _check_finite(self, "optim")
 
 
 @dataclass
@@ -202,9 +207,12 @@ class TrainConfig:
     # start from these weights (a safetensors file, or a folder with model.safetensors or its index)
     init_from: str | None = None
 
+    # fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients
+    max_consecutive_skipped_steps: int = 50
+
     def validate(self) -> None:
         _check_choices(self, "train")
-        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches"):
+        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches", "max_consecutive_skipped_steps"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", value, "an integer >= 1")
 
@@ -214,7 +222,8 @@ class CheckpointConfig:
     """Sharded checkpoints of `zeropp train` (see zeropp.checkpoint)."""
 
     checkpoint_dir: str | None = None
-    save_interval: int = 0  # save every this many steps, and after the last one (0: never)
+    # with checkpoint_dir: save every this many steps and after the last one (0: after the last one only)
+    save_interval: int = 0
     resume: str | None = None  # "auto": the latest checkpoint in checkpoint_dir, if any; or a checkpoint's path
     keep_last: int = 3  # published checkpoints to keep (0: all)
 
@@ -256,6 +265,14 @@ def _check_choices(section: Any, prefix: str) -> None:
                 if value not in allowed and not (value is None and type(None) in options):
                     expected = f"one of {', '.join(map(repr, allowed))}"
                     _require(False, f"{prefix}.{name}", value, expected)
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """Refuse inf and nan in every float key (``--lr inf`` parses, and would train to nan)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _require(False, f"{prefix}.{f.name}", value, "a finite number")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from zeropp import materialize, state
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
+from zeropp.fingerprint import check_same_model
 from zeropp.grouping import group_parameters, repeated_blocks
 from zeropp.materialize import InitFn
 from zeropp.precision import DTYPES, LossScaler
@@ -74,7 +75,9 @@ class ZeroEngine:
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model
-        self.units = self._build_units(model, repeated_blocks(model) if units is None else list(units), init_fn, seed)
+        unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
+        unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
+        self.units = self._build_units(model, unit_modules, init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")

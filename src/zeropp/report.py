@@ -15,8 +15,9 @@ console = Console()
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int, float, float, float], None] | None]:
-    """Yield update(step, train_loss, val_loss, tokens_per_s), or None where disabled (ranks > 0)."""
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[..., None] | None]:
+    """Yield update(step, train_loss, val_loss, tokens_per_s, skipped=0), or None where disabled (ranks > 0);
+    `skipped`: fp16 steps skipped so far, shown once there is one."""
     if not enabled:
         yield None
         return
@@ -25,13 +26,15 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int, float, fl
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TextColumn("{task.fields[skipped]}"),
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, loss=float("nan"), val=float("nan"), tps=0.0)
+        task = progress.add_task("train", total=total, loss=float("nan"), val=float("nan"), tps=0.0, skipped="")
 
-        def update(step: int, loss: float, val: float, tokens_per_s: float) -> None:
-            progress.update(task, completed=step, loss=loss, val=val, tps=tokens_per_s)
+        def update(step: int, loss: float, val: float, tokens_per_s: float, skipped: int = 0) -> None:
+            note = f"{skipped} skipped" if skipped else ""
+            progress.update(task, completed=step, loss=loss, val=val, tps=tokens_per_s, skipped=note)
 
         yield update
 
@@ -74,6 +77,14 @@ def print_summary(summary: RunSummary) -> None:
     inter, zero3 = summary.inter_node_bytes_per_step, summary.zero3_inter_node_bytes_per_step
     if zero3:
         head.add_row("inter-node vs ZeRO-3", f"{_bytes(inter)} vs {_bytes(zero3)} ({inter / zero3:.2f}x)")
+    if summary.skipped_steps or summary.precision == "fp16":
+        head.add_row("skipped steps (fp16 overflow)", f"{summary.skipped_steps} of {summary.steps - summary.start_step}")
+    if summary.checkpoints:
+        last = summary.checkpoints[-1]
+        head.add_row(
+            "checkpoints",
+            f"{len(summary.checkpoints)} published; last: step {last.step}, {last.path} ({_bytes(last.bytes)})",
+        )
     console.print(head)
 
     ledger = Table(title="ledger: bytes sent per rank per step (mean over ranks)")

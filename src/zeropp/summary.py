@@ -4,14 +4,15 @@
 Its JSON (:meth:`RunSummary.to_json`) has one key per field, in field order, and
 :meth:`RunSummary.from_json` reads such a file back. Bytes are per rank and per optimizer step
 (mean over ranks unless the name says ``by_rank`` / ``per_rank``); ``ledger`` is the mean over ranks
-as ``{op: {phase: {'intra', 'inter'}}}``; ``config`` is the run's ``Config.to_dict()``.
+as ``{op: {phase: {'intra', 'inter'}}}``; ``config`` is the run's ``Config.to_dict()``;
+``checkpoints`` lists what the run published (step, path, bytes, seconds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -22,6 +23,16 @@ class ZeroppSwitches:
     quantized_weights: bool
     hpz_group_size: int
     quantized_gradients: bool
+
+
+@dataclass
+class CheckpointRecord:
+    """A checkpoint the run published: its step, folder, size on disk and the seconds the save took."""
+
+    step: int
+    path: str
+    bytes: int
+    seconds: float
 
 
 @dataclass
@@ -51,6 +62,8 @@ class RunSummary:
     zeropp: ZeroppSwitches
     ledger: dict[str, dict[str, dict[str, float]]]
     config: dict[str, Any]
+    skipped_steps: int = 0  # fp16: optimizer steps skipped for overflowing gradients
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)  # published by this run, in order
     # peak memory above the process's before the model was built (zeropp.memory.PeakMeter): during
     # model construction and engine set-up (and loading), and during the training steps
     init_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
@@ -65,7 +78,8 @@ class RunSummary:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSummary:
         """Raises TypeError where a key is missing or unknown (not a zeropp train summary)."""
-        return cls(**{**data, "zeropp": ZeroppSwitches(**data.get("zeropp", {}))})
+        checkpoints = [CheckpointRecord(**c) for c in data.get("checkpoints", [])]
+        return cls(**{**data, "zeropp": ZeroppSwitches(**data.get("zeropp", {})), "checkpoints": checkpoints})
 
     @classmethod
     def from_json(cls, text: str) -> RunSummary:

@@ -22,15 +22,16 @@ from zeropp.checkpoint import (
     load_checkpoint,
     read_meta,
     save_checkpoint,
+    verify_files,
 )
-from zeropp.comm.volume import STEP_PHASES, zero3_step_bytes
+from zeropp.comm.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.config import Config
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
 from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
 from zeropp.models.gpt import GPT, gpt_config
 from zeropp.pretrained import load_pretrained
-from zeropp.summary import RunSummary, ZeroppSwitches
+from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
 from zeropp.topology import init_topology
 
 LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
@@ -69,10 +70,17 @@ def checkpoint_to_resume(config: Config) -> Path | None:
 
 
 def preflight(config: Config) -> None:
-    """Checks that need no process group: the checkpoint folder is writable, the resume point readable."""
-    if config.checkpoint.save_interval:
+    """Checks that need no process group: the checkpoint folder is writable, the resume point readable
+    and undamaged."""
+    if config.checkpoint.checkpoint_dir is not None:
         check_writable(config.checkpoint.checkpoint_dir)
-    checkpoint_to_resume(config)
+    path = checkpoint_to_resume(config)
+    if path is not None:
+        verify_files(path, read_meta(path))
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient norm, too many skipped fp16 steps). One line."""
 
 
 class Trainer:
@@ -82,27 +90,21 @@ class Trainer:
         self.memory = PeakMeter(self.topology.device)  # from before the model exists
         torch.manual_seed(config.train.seed)
         self.gpt = gpt_config(config.model)
-        optim = config.optim
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = GPT(self.gpt)
-        # on the host, the fused AdamW kernel is several times faster than foreach and allocates no
-        # shard-sized temporaries (zeropp bench optimizer)
-        on_host = self.topology.device.type == "cpu" or config.zero.offload_optimizer == "cpu"
         self.engine = ZeroEngine(
-            model,
-            torch.optim.AdamW,
-            dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay, fused=on_host),
-            config.zero,
-            self.topology,
-            seed=config.train.seed,
+            model, torch.optim.AdamW, self.hyperparameters(), config.zero, self.topology, seed=config.train.seed
         )
         if config.train.init_from is not None:
             load_pretrained(self.engine, config.train.init_from)
         self.start_step = 0
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.checkpoints: list[CheckpointRecord] = []
         self.resumed_from = checkpoint_to_resume(config)
         if self.resumed_from is not None:
             meta = load_checkpoint(self.engine, self.resumed_from)
             self.start_step = meta["step"]
+            self.keep_run_hyperparameters()
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = 0
@@ -111,11 +113,68 @@ class Trainer:
         self.train_batches = Batches("train", *args)
         self.val_batches = Batches("val", *args)
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """AdamW's settings; where it steps on the host, its fused kernel, several times faster than
+        foreach and without shard-sized temporaries (zeropp bench optimizer)."""
+        optim, zero = self.config.optim, self.config.zero
+        on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
+        betas = (optim.beta1, optim.beta2)
+        return dict(lr=optim.lr, betas=betas, weight_decay=optim.weight_decay, fused=on_host)
+
+    def keep_run_hyperparameters(self) -> None:
+        """After a resume the run's own optim config wins over the checkpoint's (lr follows the
+        schedule every step anyway); say which saved values it replaces."""
+        ours = {k: v for k, v in self.hyperparameters().items() if k != "lr"}
+        group = self.engine.optimizer.param_groups[0]
+        changed = [f"{k} = {v!r} (the checkpoint has {group[k]!r})" for k, v in ours.items() if group[k] != v]
+        for group in self.engine.optimizer.param_groups:
+            group.update(ours)
+        if changed:
+            self.say(f"resuming with this run's {', '.join(changed)}")
+
+    def say(self, text: str) -> None:
+        """One line on rank 0."""
+        if self.topology.rank == 0:
+            print(text, flush=True)
+
     def save(self, steps_done: int) -> None:
         c = self.config.checkpoint
         extra = {"config": self.config.to_dict()}
+        tick = time.perf_counter()
         with self.engine.comm.ledger.in_phase("other"):
-            save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
+            path = save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
+        seconds = time.perf_counter() - tick
+        size = sum(f.stat().st_size for f in path.iterdir())
+        self.checkpoints.append(CheckpointRecord(steps_done, str(path), size, seconds))
+        self.say(f"checkpoint of step {steps_done} published: {path} ({size / 2**20:,.1f} MiB, {seconds:.1f} s)")
+
+    def saves_after(self, steps_done: int) -> bool:
+        """With a checkpoint folder: save every save_interval steps and after the last step."""
+        c = self.config.checkpoint
+        if c.checkpoint_dir is None:
+            return False
+        return steps_done == self.config.train.steps or bool(c.save_interval and steps_done % c.save_interval == 0)
+
+    def check_step(self, steps_done: int, loss: float) -> None:
+        """Stop on a non-finite loss or gradient norm (before the step can be saved); count fp16's
+        skipped steps and stop after train.max_consecutive_skipped_steps in a row."""
+        engine = self.engine
+        if engine.last_step_skipped:
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            limit = self.config.train.max_consecutive_skipped_steps
+            if self.skipped_in_a_row >= limit:
+                raise TrainingStopped(
+                    f"step {steps_done}: {limit} optimizer steps in a row skipped for overflowing fp16 gradients "
+                    f"(loss scale now {engine.scaler.scale:g}; train.max_consecutive_skipped_steps = {limit})"
+                )
+            return
+        self.skipped_in_a_row = 0
+        hint = "lower --lr" + (" or set --max-grad-norm" if self.config.zero.max_grad_norm is None else "")
+        saved = "; no checkpoint of this step was written" if self.config.checkpoint.checkpoint_dir else ""
+        for what, value in (("loss", loss), ("gradient norm", engine.last_grad_norm)):
+            if value is not None and not math.isfinite(value):
+                raise TrainingStopped(f"step {steps_done}: the {what} is {value}, training diverged ({hint}){saved}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -168,8 +227,12 @@ class Trainer:
             self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
         return out.view(self.topology.world_size, len(values)).tolist()
 
-    def run(self, progress: Any = None) -> RunSummary:
-        steps, interval = self.config.train.steps, self.config.checkpoint.save_interval
+    def run(self, progress: Any = None) -> RunSummary | None:
+        """Train from start_step to train.steps; None (and a line on rank 0) when nothing is left."""
+        steps = self.config.train.steps
+        if self.start_step >= steps:
+            self.say(f"checkpoint already at step {self.start_step} (>= --steps {steps}): nothing to train")
+            return None
         train_loss = float("nan")
         val_loss = float("nan")
         self.step_times, self.losses = [], []
@@ -178,13 +241,14 @@ class Trainer:
             train_loss = self.train_step(step)
             self.step_times.append(time.perf_counter() - tick)
             self.losses.append(train_loss)
+            self.check_step(step + 1, train_loss)
             if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
                 val_loss = self.evaluate()
-            if interval and ((step + 1) % interval == 0 or step + 1 == steps):
+            if self.saves_after(step + 1):
                 self.save(step + 1)
             if progress is not None:
                 tokens_per_s = self.tokens_per_step * len(self.step_times) / sum(self.step_times)
-                progress(step + 1, train_loss, val_loss, tokens_per_s)
+                progress(step + 1, train_loss, val_loss, tokens_per_s, skipped=self.skipped_steps)
         val_loss = self.evaluate()
         tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
         return self.summary(train_loss, val_loss, tokens_per_s)
@@ -226,8 +290,7 @@ class Trainer:
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
-        units = [(unit.layout.padded_numel, unit.resident) for unit in engine.units]
-        zero3 = zero3_step_bytes(units, topo.layout, zero)
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), topo.layout, zero), topo.layout, zero)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
@@ -263,6 +326,8 @@ class Trainer:
             zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
             ledger=mean_ledger,
             config=self.config.to_dict(),
+            skipped_steps=self.skipped_steps,
+            checkpoints=self.checkpoints,
             init_peak_memory_bytes_per_rank=[int(r[4]) for r in rows],
             step_peak_memory_bytes_per_rank=[int(r[5]) for r in rows],
         )

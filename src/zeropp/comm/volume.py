@@ -3,9 +3,10 @@
 Every collective the engine issues in a step (engine.py, units.py), priced with the ledger's byte
 model (comm/ledger.py), so what it predicts is what the ledger records, unit for unit.
 ``zeropp estimate`` prices a whole step with it (:func:`step_transfers`); ``zeropp train`` prints
-plain ZeRO-3's bytes on its own units beside the ledger (:func:`zero3_step_bytes`, the baseline
-ZeRO++ is measured against). It lives here, beside the ledger, rather than in the estimate package
-so that train.py imports it without the estimator's command line.
+plain ZeRO-3's bytes on its own units, laid out as ZeRO-3 would (:func:`zero3_units`), beside the
+ledger (:func:`zero3_step_bytes`, the baseline ZeRO++ and stages 1-2 are measured against). It
+lives here, beside the ledger, rather than in the estimate package so that train.py imports it
+without the estimator's command line.
 
 Units are given as (padded numel, resident): padded as :class:`~zeropp.partition.FlatLayout` pads
 them for the world, resident when the unit is not gathered per use (stages 0-2, or small enough:
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 from zeropp.comm.ledger import ring_bytes
 from zeropp.config import ZeroConfig
 from zeropp.memory import BYTES
-from zeropp.partition import column_chunks
+from zeropp.partition import FlatLayout, column_chunks
 from zeropp.quant import QuantSpec
+from zeropp.stages import StagePolicy
 from zeropp.topology import Layout
 
 STEP_PHASES = ("forward", "backward", "step")
@@ -92,6 +94,18 @@ def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, 
                     yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, per_node))
                 else:
                     yield from _gather_weights(padded, compute, phase, world, across_world, zero)
+
+
+def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig) -> list[UnitSize]:
+    """Units as ZeRO-3 would lay them out, whatever stage they run at: padded for the world, sharded
+    unless under the persistence threshold (at stages 0-2 every unit is resident, and stage 0 pads
+    for one rank)."""
+    stage3 = StagePolicy.for_stage(3)
+    threshold = zero.persistence_threshold
+    return [
+        (dataclasses.replace(f, world=layout.world_size).padded_numel, stage3.keeps_resident(f.numel, threshold))
+        for f in layouts
+    ]
 
 
 def zero3_step_bytes(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> dict[str, dict[str, float]]:
