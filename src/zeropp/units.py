@@ -130,9 +130,10 @@ class FlatUnit:
         self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
         device = options.device
 
-        full32 = self.layout.join([p.detach() for p in self.params], torch.float32, device)
-        for p in self.params:  # the unit holds the values now: the caller's copies go (one unit at a time)
-            p.data = _RELEASED.to(p.dtype)
+        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for p, view in zip(self.params, self.layout.split(full32), strict=True):
+            view.copy_(p.detach())
+            p.data = _RELEASED.to(p.dtype)  # the unit holds the values now: each copy goes as soon as taken
         if broadcast_initial:  # the padding holds zeros everywhere already
             comm.broadcast(full32[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
         offloaded = options.master_device is not None

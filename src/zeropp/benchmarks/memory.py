@@ -188,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "FSDP2 meta"], default=[*VARIANTS, "FSDP2 meta"])
     parser.add_argument("--out", type=Path, default=Path("results/bench_memory.json"))
     parser.add_argument("--fsdp2-worker", help=argparse.SUPPRESS)  # internal: one FSDP2 rank
     args = parser.parse_args(argv)
@@ -198,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for world in args.worlds:
         bounds = formulas(args, world)
-        for name in [*VARIANTS, "FSDP2 meta"]:
+        for name in args.variants:
             peaks, floor = (_measure(a, world, name) for a in (args, floor_args))
             rows.append({"world": world, "variant": name, **peaks, **{f"{k}_floor": v for k, v in floor.items()}, **bounds})
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
