@@ -92,6 +92,18 @@ class ZeroEngine:
 
     # -- construction ----------------------------------------------------------------------------
 
+    def _host_flat(
+        self, params: list[tuple[str, nn.Parameter]], options: UnitOptions
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """A unit's fp32 flat buffer on the host and its per-parameter views, for meta fp32 parameters
+        (others are initialized in their own dtype and flattened afterwards)."""
+        tensors = [p for _, p in params]
+        if not tensors or not all(p.is_meta and p.dtype == torch.float32 for p in tensors):
+            return None
+        layout = FlatUnit.layout_of(tensors, self.groups, self.policy, options)
+        flat = torch.zeros(layout.padded_numel, dtype=torch.float32)
+        return flat, layout.split(flat)
+
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
         weight_block = config.weight_block_size if config.weight_quantization == "block" else None
@@ -127,18 +139,27 @@ class ZeroEngine:
         options, world = self._unit_options(), self.topology.world
         built = []
         for module in [*(m for m in unit_modules if m is not model), model]:
-            scope = scopes.get(id(module), [])
-            if meta:
-                materialize.initialize_scope(scope, model, seed, init_fn)
+            scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
+            flat = self._host_flat(params, options) if meta else None
+            if meta:  # the unit's fp32 parameters are initialized straight into its flat buffer
+                storage = {} if flat is None else dict(zip((id(p) for _, p in params), flat[1], strict=True))
+                materialize.initialize_scope(scope, model, seed, init_fn, storage)
             materialize.place_fixed(
                 scope, managed, self.topology.device, self.compute_dtype, self.comm, None if meta else world
             )
-            if id(module) in grouped:
-                params = grouped[id(module)]
+            if params:
                 unit = FlatUnit(
-                    module, params, self.comm, self.groups, self.policy, options, broadcast_initial=not meta
+                    module,
+                    params,
+                    self.comm,
+                    self.groups,
+                    self.policy,
+                    options,
+                    broadcast_initial=not meta,
+                    initial_flat=None if flat is None else flat[0],
                 )
                 built.append(unit)
+                del flat
         return built
 
     # -- forward ---------------------------------------------------------------------------------

@@ -73,9 +73,17 @@ def unit_seed(seed: int, unit_name: str) -> int:
 
 
 def initialize_scope(
-    scope: list[tuple[str, nn.Module]], root: nn.Module, seed: int, init_fn: InitFn | None
+    scope: list[tuple[str, nn.Module]],
+    root: nn.Module,
+    seed: int,
+    init_fn: InitFn | None,
+    storage: dict[int, torch.Tensor] | None = None,
 ) -> None:
-    """Allocate the scope's meta tensors on the host and initialize them (see the module docstring)."""
+    """Allocate the scope's meta tensors on the host and initialize them (see the module docstring).
+
+    `storage` maps id(tensor) to host memory to initialize it in (the unit's flat buffer, so the
+    unit needs no second copy); other tensors get memory of their own."""
+    storage = storage or {}
     fresh: dict[int, tuple[str, torch.Tensor]] = {}
     initializable = []
     for name, module in scope:
@@ -84,7 +92,7 @@ def initialize_scope(
             initializable.append(module)
         for key, tensor in tensors:
             if tensor.is_meta:
-                _swap_to_host(tensor)
+                _swap_to_host(tensor, storage.get(id(tensor)))
                 fresh[id(tensor)] = (f"{name}.{key}" if name else key, tensor)
     if not fresh:
         return
@@ -101,9 +109,11 @@ def initialize_scope(
             )
 
 
-def _swap_to_host(tensor: torch.Tensor) -> None:
-    """Give a meta tensor host storage in place (same object: tied weights and hooks stay)."""
-    host = torch.full(tensor.shape, _sentinel(tensor.dtype), dtype=tensor.dtype)
+def _swap_to_host(tensor: torch.Tensor, memory: torch.Tensor | None = None) -> None:
+    """Give a meta tensor host storage in place (same object: tied weights and hooks stay), in
+    `memory` when given (a view of its shape and dtype)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype) if memory is None else memory
+    host.fill_(_sentinel(tensor.dtype))
     if isinstance(tensor, nn.Parameter):
         host = nn.Parameter(host, requires_grad=tensor.requires_grad)
     torch.utils.swap_tensors(tensor, host)

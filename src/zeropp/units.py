@@ -112,9 +112,12 @@ class FlatUnit:
         options: UnitOptions,
         *,
         broadcast_initial: bool = False,
+        initial_flat: torch.Tensor | None = None,
     ) -> None:
         """Flatten `named_params` (real tensors, anywhere) into this unit's buffers on the device;
-        with `broadcast_initial` every rank takes rank 0's values (one broadcast of the flat buffer)."""
+        with `broadcast_initial` every rank takes rank 0's values (one broadcast of the flat buffer).
+        `initial_flat`: an fp32 flat buffer of :meth:`layout_of` that already holds the parameters
+        (they are views of it), taken as it is where it already lives on the device."""
         self.module = module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -126,14 +129,23 @@ class FlatUnit:
         grad_dtype = self.grad_dtype = options.grad_dtype
         self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
         self.shard_world = groups.shard.size if policy.shard_optimizer else 1
-        self.layout = FlatLayout(tuple(tuple(p.shape) for p in self.params), self.shard_world, options.alignment)
+        self.layout = self.layout_of(self.params, groups, policy, options)
         self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
         device = options.device
 
-        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-        for p, view in zip(self.params, self.layout.split(full32), strict=True):
-            view.copy_(p.detach())
-            p.data = _RELEASED.to(p.dtype)  # the unit holds the values now: each copy goes as soon as taken
+        if initial_flat is not None:
+            for p, view in zip(self.params, self.layout.split(initial_flat), strict=True):
+                if p.data_ptr() != view.data_ptr():  # set elsewhere (a parameter shared with another scope)
+                    view.copy_(p.detach())
+            full32 = initial_flat.to(device)
+        else:
+            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+            for p, view in zip(self.params, self.layout.split(full32), strict=True):
+                view.copy_(p.detach())
+                p.data = _RELEASED.to(p.dtype)  # the unit holds the values now: each copy goes as soon as taken
+        for p in self.params:
+            p.data = _RELEASED.to(p.dtype)
+        del initial_flat
         if broadcast_initial:  # the padding holds zeros everywhere already
             comm.broadcast(full32[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
         offloaded = options.master_device is not None
@@ -176,6 +188,14 @@ class FlatUnit:
             self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
             size = self._secondary_range[1] - self._secondary_range[0]
             self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
+
+    @staticmethod
+    def layout_of(
+        params: list[nn.Parameter], groups: ShardGroups, policy: StagePolicy, options: UnitOptions
+    ) -> FlatLayout:
+        """The flat layout a unit of `params` gets (padded for the ranks its optimizer state spans)."""
+        shard_world = groups.shard.size if policy.shard_optimizer else 1
+        return FlatLayout(tuple(tuple(p.shape) for p in params), shard_world, options.alignment)
 
     # -- parameters ------------------------------------------------------------------------------
 
