@@ -14,7 +14,9 @@ built: ``init`` covers construction and set-up, ``step`` the training steps. The
 init <= 1.1 x (this rank's fp32 master shards 4Ψ/N + the largest unit in fp32) and
 step <= 1.1 x (16Ψ/N + two gathered units in fp32 + activations), with activations the bytes autograd
 saves for backward in one micro-batch (measured here, in this process, with saved-tensor hooks).
-Each variant is also run on a GPT of one layer of width 64 (the *floor*: what the process itself
+Every run gets ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise raises its mmap threshold as large
+blocks are freed and then keeps freed blocks of that size resident, which the resident set would
+count as if they were tensors. Each variant is also run on a GPT of one layer of width 64 (the *floor*: what the process itself
 touches while constructing and stepping, such as libraries loaded on first use and thread pools); the
 bounds are compared with the peaks above that floor.
 
@@ -195,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fsdp2_worker:
         fsdp2_worker(args)
         return 0
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # inherited by every run (see the docstring)
     floor_args = argparse.Namespace(**{**vars(args), "n_layer": 1, "d_model": 64})
     rows = []
     for world in args.worlds:
