@@ -116,3 +116,40 @@ def test_environment_that_contradicts_the_flags_is_refused():
         result = zeropp("train", "--nproc-per-node", "2", env={**base, **extra})
         lines = error_lines(result)
         assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, result.stderr[-2000:])
+
+
+def test_missing_nodes_are_announced_and_given_up_on_after_the_join_timeout():
+    port = free_port()
+    result = zeropp(
+        "train", "--preset", "tiny", "--nnodes", "2", "--nproc-per-node", "1", "--join-timeout-s", "2",
+        "--master-port", str(port), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert error_lines(result) == [
+        f"zeropp: waiting up to 2 s for 2 nodes at 127.0.0.1:{port} (this is node 0)",
+        f"zeropp: error: not every node of --nnodes 2 joined at 127.0.0.1:{port} within 2 s (--join-timeout-s); "
+        "start zeropp train with its --node-rank on each node",
+    ]
+
+
+def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
+    from zeropp.comm import CollectiveTimeout, Pending, PeerLost
+
+    class Failing:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def wait(self) -> None:
+            raise RuntimeError(self.text)
+
+    cases = [
+        ("[pair.cc:598] Application timeout caused pair closure", CollectiveTimeout),
+        ("[pair.cc:537] Read error [127.0.0.1]:4264: Connection reset by peer. GLHF!", PeerLost),
+    ]
+    for text, kind in cases:
+        try:
+            Pending([Failing(text)]).wait()
+        except CollectiveTimeout as error:
+            assert type(error) is kind and "\n" not in str(error)
+        else:
+            raise AssertionError("no error")

@@ -172,7 +172,7 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
         print(f"zeropp: error: stopped by {error.sigval.name}", file=sys.stderr)
         return 128 + error.sigval
     except Exception as error:  # torchrun's ChildFailedError: a rank's own error is printed above
-        print(f"zeropp: error: {describe_failure(error)}", file=sys.stderr)
+        print(f"zeropp: error: {describe_failure(error, args)}", file=sys.stderr)
         return 1
     return 0
 

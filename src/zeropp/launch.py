@@ -148,14 +148,17 @@ def _check_port_free(addr: str, port: int) -> None:
             ) from None
 
 
-def describe_failure(error: BaseException) -> str:
+def describe_failure(error: BaseException, args: argparse.Namespace) -> str:
     """One line for the launcher: which ranks failed and how (torchrun's ChildFailedError), or the error."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    if isinstance(error, RendezvousTimeoutError):
+        return (
+            f"not every node of --nnodes {args.nnodes} joined at {args.master_addr}:{args.master_port} within "
+            f"{args.join_timeout_s} s (--join-timeout-s); start zeropp train with its --node-rank on each node"
+        )
     failures = getattr(error, "failures", None)
     if not failures:
-        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
-
-        if isinstance(error, RendezvousTimeoutError):
-            return "not every node joined within --join-timeout-s; start zeropp train on each node"
         return f"training failed: {type(error).__name__}"
     # ranks that stopped because another one failed (SIGTERM from the agent, a lost peer) are not the cause
     consequences = (-signal.SIGTERM, PEER_LOST_STATUS)
