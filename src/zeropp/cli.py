@@ -38,7 +38,8 @@ from zeropp.launch import (
     resolve,
     waiting_note,
 )
-from zeropp.topology import Layout
+from zeropp.models.gpt import gpt_config
+from zeropp.topology import Layout, resolve_backend
 from zeropp.train import preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
@@ -129,6 +130,8 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
     else:
         layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
         layout.hpz_group_size(config.zero.hpz_partition_size)
+        resolve_backend(config.topology)
+        gpt_config(config.model)
         preflight(config)
         if args.summary_json is not None:
             _check_summary_path(args.summary_json)
@@ -197,7 +200,7 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
         if LAUNCHER_PID not in os.environ:
             print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
         status = PEER_LOST_STATUS
-    except (CheckpointError, CollectiveTimeout) as error:  # say it in one line
+    except (ConfigError, CheckpointError, CollectiveTimeout) as error:  # say it in one line
         print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
         status = 1
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says "interrupted" once

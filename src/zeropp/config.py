@@ -26,6 +26,9 @@ class ConfigError(ValueError):
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
+MAX_TIMEOUT_S = 1e7  # ~115 days; torch.distributed's timeouts overflow far above
+MAX_SHARD_ALIGNMENT = 2**16  # elements; padding costs up to world size x this per unit
+
 # ZeroConfig keys that turn on all three ZeRO++ switches (qwZ, hpZ over each node, qgZ): zeropp train's
 # default at stage 3, the estimator's ZeRO++ column, the benchmarks' "ZeRO++" configuration
 ZEROPP_SWITCHES: dict[str, Any] = {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}
@@ -102,6 +105,12 @@ class ZeroConfig:
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
             _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        _require(
+            self.shard_alignment <= MAX_SHARD_ALIGNMENT,
+            "zero.shard_alignment",
+            self.shard_alignment,
+            f"an integer from 1 to {MAX_SHARD_ALIGNMENT} (every shard is padded to a multiple of it)",
+        )
         for key in ("prefetch", "persistence_threshold"):
             value = getattr(self, key)
             _require(value >= 0, f"zero.{key}", value, "an integer >= 0")
@@ -140,7 +149,12 @@ class TopologyConfig:
         _check_choices(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
-        _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
+        _require(
+            0 < self.timeout_s <= MAX_TIMEOUT_S,
+            "topology.timeout_s",
+            self.timeout_s,
+            f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}",
+        )
 
 
 @dataclass
@@ -303,14 +317,7 @@ def load_config(
     elif isinstance(source, Mapping):
         data = _deep_copy(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; expected a .toml or .json file")
-        text = path.read_text()
-        try:
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"config file {str(path)!r} does not parse: {error}") from None
+        data = _read_config_file(Path(source))
     for dotted, value in (defaults or {}).items():
         *sections, leaf = dotted.split(".")
         node = data
@@ -327,6 +334,25 @@ def load_config(
                 raise ConfigError(f"override {dotted!r} goes through {where} = {node!r}, which is not a table")
         node[leaf] = value
     return from_dict(Config, data).validate()
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A TOML or JSON config file's contents; every way it can be unreadable is one ConfigError."""
+    where = f"config file {str(path)!r}"
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"{where} is not allowed; expected a .toml or .json file")
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{where} {what}; expected a .toml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as error:
+        raise ConfigError(f"{where} cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); expected UTF-8") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{where} does not parse: {error}") from None
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

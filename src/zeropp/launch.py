@@ -66,7 +66,7 @@ def resolve(args: argparse.Namespace) -> int:
             setattr(args, name, default)
     nodes = _nodes(args.nnodes)
     _check_positive("--nproc-per-node", args.nproc_per_node)
-    _check_positive("--join-timeout-s", args.join_timeout_s, below=1e9)
+    _check_positive("--join-timeout-s", args.join_timeout_s)
     if not 0 <= args.node_rank < nodes:
         raise ConfigError(f"--node-rank {args.node_rank} is not allowed; expected 0 to {nodes - 1} (--nnodes {nodes})")
     if is_rank():
@@ -91,10 +91,9 @@ def _nodes(nnodes: str) -> int:
     return values[-1]
 
 
-def _check_positive(flag: str, value: float, below: float = float("inf")) -> None:
-    if not 0 < value < below:
-        limit = "" if below == float("inf") else f" and < {below:g}"
-        raise ConfigError(f"{flag} {value} is not allowed; expected a number > 0{limit}")
+def _check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{flag} {value} is not allowed; expected an integer >= 1")
 
 
 def _check_launcher_env() -> None:

@@ -199,9 +199,7 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     config.validate()
     rank, world_size, env_nodes = read_world_from_env()
     layout = Layout(world_size, config.nodes or env_nodes or 1)
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(config)
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -217,6 +215,16 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
     return build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
+
+
+def resolve_backend(config: TopologyConfig) -> str:
+    """topology.backend made concrete ("auto": NCCL where CUDA is available, else gloo); refuses NCCL
+    without CUDA (ConfigError)."""
+    if config.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if config.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("topology.backend = 'nccl' is not allowed here: no CUDA device; expected 'gloo' or 'auto'")
+    return config.backend
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
