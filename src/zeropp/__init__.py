@@ -3,7 +3,7 @@
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import Config, ConfigError, ZeroConfig, load_config
 from zeropp.engine import ZeroEngine
-from zeropp.topology import Topology, init_topology
+from zeropp.topology import Topology, init_topology, shutdown
 
 __all__ = [
     "Communicator",
@@ -15,4 +15,5 @@ __all__ = [
     "ZeroEngine",
     "init_topology",
     "load_config",
+    "shutdown",
 ]

@@ -206,7 +206,7 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says "interrupted" once
         status = 130
     finally:
-        shutdown()
+        shutdown(wait_for_others=False)  # the ranks met in the barrier above, or one failed
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
     sys.stdout.flush()
