@@ -1,11 +1,11 @@
-"""Command line: ``zeropp train``, ``export``, ``estimate``, ``cluster`` and ``bench``.
+"""Command line: zeropp train, export, estimate, cluster and bench.
 
-``zeropp train`` run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
+zeropp train run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
-environment. On one machine the ranks are split into 2 simulated nodes unless ``--nodes`` says
-otherwise. Every config key is a flag of its own name (``--stage 3 --precision bf16``).
+environment. On one machine the ranks are split into 2 simulated nodes unless --nodes says
+otherwise. Every config key is a flag of its own name (--stage 3 --precision bf16).
 At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); turn each off with
-``--no-quantized-weights``, ``--hpz-partition-size 1``, ``--no-quantized-gradients``.
+--no-quantized-weights, --hpz-partition-size 1, --no-quantized-gradients.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from importlib.metadata import version
 from typing import Any
 
 from zeropp.benchmarks import available
@@ -53,17 +54,23 @@ SUBPROGRAMS = {
 
 def _train_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("config keys (override --config)")
-    add_config_flags(group)
+    add_config_flags(group, stage3_defaults=ZEROPP_TRAIN_DEFAULTS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"zeropp {version('zeropp')}")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train the embedded GPT on the embedded corpus")
-    train.add_argument("--config", type=Path, help="TOML or JSON file of config keys")
-    train.add_argument("--summary-json", type=Path, help="write the run summary as JSON here")
+    train = commands.add_parser(
+        "train",
+        help="train the embedded GPT on the embedded corpus",
+        description="Train the embedded byte-level GPT on the embedded corpus on local ranks (or several "
+        "machines), with a progress bar and a summary. Flags override --config, which overrides the defaults.",
+    )
+    train.add_argument("--config", type=Path, help="TOML or JSON file of config keys (default: none)")
+    train.add_argument("--summary-json", type=Path, help="also write the run summary as JSON here (default: none)")
     add_launch_flags(train)
     _train_config_flags(train)
     export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")

@@ -47,7 +47,8 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launcher (torchrun's flags; given, they must agree with a rank's environment)")
     for name, (default, kind, text) in LAUNCH_FLAGS.items():
         shown = "" if default is None else f" (default: {default})"
-        launch.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text + shown)
+        metavar = "N|MIN:MAX" if name == "nnodes" else kind.__name__.upper()
+        launch.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text + shown, metavar=metavar)
 
 
 def is_rank() -> bool:
