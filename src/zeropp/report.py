@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
@@ -16,24 +17,45 @@ console = Console()
 
 @contextlib.contextmanager
 def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int, float, float, float], None] | None]:
-    """Yield update(step, train_loss, val_loss, tokens_per_s), or None where disabled (ranks > 0)."""
+    """Yield update(step, train_loss, val_loss, tokens_per_s), or None where disabled (ranks > 0).
+
+    tokens_per_s counts every rank's tokens; val_loss is NaN until the first evaluation. Where the
+    output is not a terminal, a line is printed every tenth of the run (and for the last update)."""
     if not enabled:
         yield None
+        return
+    if not console.is_terminal:
+        yield _progress_lines(total)
         return
     columns = [
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TextColumn("{task.fields[text]}"),
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, loss=float("nan"), val=float("nan"), tps=0.0)
+        task = progress.add_task("train", total=total, text=_progress_text(float("nan"), float("nan"), 0.0))
 
         def update(step: int, loss: float, val: float, tokens_per_s: float) -> None:
-            progress.update(task, completed=step, loss=loss, val=val, tps=tokens_per_s)
+            progress.update(task, completed=step, text=_progress_text(loss, val, tokens_per_s))
 
         yield update
+
+
+def _progress_text(loss: float, val: float, tokens_per_s: float) -> str:
+    val_text = "-" if math.isnan(val) else f"{val:.4f}"
+    return f"loss {loss:.4f}  val {val_text}  {tokens_per_s:,.0f} tok/s (all ranks)"
+
+
+def _progress_lines(total: int) -> Callable[[int, float, float, float], None]:
+    every = max(1, total // 10)
+
+    def update(step: int, loss: float, val: float, tokens_per_s: float) -> None:
+        if step % every == 0 or step >= total:
+            console.print(f"step {step}/{total}  {_progress_text(loss, val, tokens_per_s)}", highlight=False)
+
+    return update
 
 
 def _bytes(n: float) -> str:
@@ -59,7 +81,7 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("world / nodes", f"{summary.world_size} ranks on {summary.nodes} node(s)")
     head.add_row("parameters", f"{summary.param_count:,}")
     head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
-    head.add_row("tokens/s", f"{summary.tokens_per_s:,.0f}")
+    head.add_row("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}")
     analytic = summary.analytic_model_state_bytes_per_rank
     measured = ", ".join(_bytes(b) for b in summary.model_state_bytes_per_rank)
     head.add_row("model states per rank", f"measured {measured}; analytic {_bytes(analytic)}")
