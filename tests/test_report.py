@@ -26,3 +26,10 @@ def test_progress_lines_without_a_terminal(monkeypatch):
 def test_disabled_progress_is_none():
     with report.progress_bar(5, enabled=False) as update:
         assert update is None
+
+
+def test_train_and_estimate_print_bytes_alike():
+    from zeropp.estimate import show
+
+    assert report.si is show.si  # one formatter: decimal prefixes (GB = 1e9 bytes)
+    assert report.si(61_234) == "61.2 kB" and report.si(1.88e9) == "1.88 GB"

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from zeropp.rates import si
 from zeropp.summary import RunSummary
 
 console = Console()
@@ -58,14 +59,6 @@ def _progress_lines(total: int) -> Callable[[int, float, float, float], None]:
     return update
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
-        n /= 1024
-    raise AssertionError
-
-
 def print_summary(summary: RunSummary) -> None:
     head = Table(title="zeropp train: summary", show_header=False)
     head.add_row("stage / precision", f"{summary.stage} / {summary.precision}")
@@ -83,17 +76,17 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
     head.add_row("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}")
     analytic = summary.analytic_model_state_bytes_per_rank
-    measured = ", ".join(_bytes(b) for b in summary.model_state_bytes_per_rank)
-    head.add_row("model states per rank", f"measured {measured}; analytic {_bytes(analytic)}")
-    head.add_row("peak memory per rank", ", ".join(_bytes(b) for b in summary.peak_memory_bytes_per_rank))
+    measured = ", ".join(si(b) for b in summary.model_state_bytes_per_rank)
+    head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}")
+    head.add_row("peak memory per rank", ", ".join(si(b) for b in summary.peak_memory_bytes_per_rank))
     head.add_row(
         "sent per rank per step",
-        f"intra-node {_bytes(summary.intra_node_bytes_per_step)}, "
-        f"inter-node {_bytes(summary.inter_node_bytes_per_step)}",
+        f"intra-node {si(summary.intra_node_bytes_per_step)}, "
+        f"inter-node {si(summary.inter_node_bytes_per_step)}",
     )
     inter, zero3 = summary.inter_node_bytes_per_step, summary.zero3_inter_node_bytes_per_step
     if zero3:
-        head.add_row("inter-node vs ZeRO-3", f"{_bytes(inter)} vs {_bytes(zero3)} ({inter / zero3:.2f}x)")
+        head.add_row("inter-node vs ZeRO-3", f"{si(inter)} vs {si(zero3)} ({inter / zero3:.2f}x)")
     console.print(head)
 
     ledger = Table(title="ledger: bytes sent per rank per step (mean over ranks)")
@@ -101,5 +94,5 @@ def print_summary(summary: RunSummary) -> None:
         ledger.add_column(column, justify="right" if "node" in column else "left")
     for op, phases in summary.ledger.items():
         for phase, links in phases.items():
-            ledger.add_row(op, phase, _bytes(links["intra"]), _bytes(links["inter"]))
+            ledger.add_row(op, phase, si(links["intra"]), si(links["inter"]))
     console.print(ledger)
