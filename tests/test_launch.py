@@ -153,3 +153,15 @@ def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
             assert type(error) is kind and "\n" not in str(error)
         else:
             raise AssertionError("no error")
+
+
+def test_ctrl_c_says_interrupted_once():
+    command = [sys.executable, "-m", "zeropp.cli", *LONG_RUN, "--master-port", str(free_port())]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    ranks = wait_for_ranks(launcher, 2)
+    os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    _, stderr = launcher.communicate(timeout=60)
+    assert [line for line in stderr.splitlines() if line.strip()] == ["zeropp: interrupted"], stderr[-3000:]
+    assert launcher.returncode == 130 and not any(alive(r) for r in ranks)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import importlib
 import os
 import signal
@@ -32,10 +31,12 @@ from zeropp.launch import (
     LAUNCH_FLAGS,
     LAUNCHER_PID,
     PEER_LOST_STATUS,
+    RANK_ENTRY,
     add_launch_flags,
     describe_failure,
     follow_launcher,
     is_rank,
+    quiet_torchrun,
     resolve,
     waiting_note,
 )
@@ -167,13 +168,14 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     # node 0 hosts the store even where its hostname does not resolve to master_addr
     host = ",is_host=true" if args.node_rank == 0 else ""
     launcher_argv.append(f"--rdzv-conf=join_timeout={args.join_timeout_s}{host}")
-    torchrun_args = get_args_parser().parse_args([*launcher_argv, "-m", "zeropp.cli", *argv])
+    rank_command = ["--no-python", sys.executable, "-u", "-c", RANK_ENTRY, *argv]
+    torchrun_args = get_args_parser().parse_args([*launcher_argv, *rank_command])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     os.environ[LAUNCHER_PID] = str(os.getpid())
     note = waiting_note(args, nodes)
     if note:
         print(note, file=sys.stderr, flush=True)
-    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)  # we say it once
+    quiet_torchrun()
     try:
         run(torchrun_args)
     except SignalException as error:  # the agent turns SIGINT / SIGTERM into this

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import logging
 import os
 import signal
 import socket
@@ -25,6 +26,10 @@ DEFAULT_PORT = 29511  # several nodes must agree on one port; one node picks a f
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
+# How the launcher starts a rank: ignoring SIGINT from its first line. Ctrl-C reaches every process of
+# the terminal's group, also ranks still importing torch; the launcher stops the ranks itself and says
+# "interrupted" once.
+RANK_ENTRY = "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from zeropp.cli import main; sys.exit(main())"
 PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
 
 # torchrun flag -> (default, type, help); None: decided at launch (see resolve)
@@ -185,6 +190,15 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def quiet_torchrun() -> None:
+    """Silence torchrun's own warnings about failures and signals: the launcher says them once.
+
+    Each of its modules' loggers has a level of its own (torch.distributed.elastic.utils.logging)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL if ".multiprocessing" in name else logging.ERROR)
 
 
 def waiting_note(args: argparse.Namespace, nodes: int) -> str | None:
