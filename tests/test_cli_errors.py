@@ -105,3 +105,17 @@ def test_bench_cluster_without_root_refuses_before_creating_its_folder(tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("zeropp bench cluster: error: needs root")
     assert not out.exists()
+
+
+def test_config_file_without_read_permission(tmp_path, monkeypatch):
+    from zeropp.config import ConfigError, load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nsteps = 3\n")
+
+    def denied(self, *args, **kwargs):  # as root, chmod 000 would not stop the read
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(ConfigError, match=r"config file '.*run.toml' cannot be read \(Permission denied\)"):
+        load_config(path)
