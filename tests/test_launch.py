@@ -75,7 +75,7 @@ def test_a_killed_rank_is_named_in_one_line():
     os.kill(max(ranks), signal.SIGKILL)  # torchrun starts local rank 1 second
     _, stderr = launcher.communicate(timeout=60)
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines == ["zeropp: error: training failed: rank 1 died (SIGKILL)"], stderr[-3000:]
+    assert lines == ["zeropp: error: training failed (ChildFailedError): rank 1 died (SIGKILL)"], stderr[-3000:]
 
 
 def test_a_busy_port_is_named_with_the_flag_to_change_it():

@@ -79,10 +79,13 @@ def resolve(args: argparse.Namespace) -> int:
         _check_rank_env(args, given, nodes)
     else:
         _check_launcher_env()
-        if args.master_port is None:
-            args.master_port = _free_port() if nodes == 1 else DEFAULT_PORT
-        elif args.node_rank == 0:
-            _check_port_free(args.master_addr, args.master_port)
+        if args.master_port is None and nodes == 1:
+            args.master_port = _free_port()
+        else:
+            if args.master_port is None:
+                args.master_port = DEFAULT_PORT
+            if args.node_rank == 0:  # node 0 hosts the rendezvous on it
+                _check_port_free(args.master_port)
     return nodes
 
 
@@ -138,7 +141,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_port_free(addr: str, port: int) -> None:
+def _check_port_free(port: int) -> None:
     if not 0 < port < 65536:
         raise ConfigError(f"--master-port {port} is not allowed; expected 1 to 65535")
     with socket.socket() as s:
@@ -172,7 +175,7 @@ def describe_failure(error: BaseException, args: argparse.Namespace) -> str:
     for rank, failure in sorted(causes.items(), key=lambda item: (item[1].timestamp, item[0])):
         code = failure.exitcode
         parts.append(f"rank {rank} died ({failure.signal_name()})" if code < 0 else f"rank {rank} exited with {code}")
-    return "training failed: " + "; ".join(parts)
+    return f"training failed ({type(error).__name__}): " + "; ".join(parts)
 
 
 def follow_launcher() -> None:
