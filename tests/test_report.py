@@ -23,11 +23,6 @@ def test_progress_lines_without_a_terminal(monkeypatch):
     assert "nan" not in out.getvalue()
 
 
-def test_disabled_progress_is_none():
-    with report.progress_bar(5, enabled=False) as update:
-        assert update is None
-
-
 def test_train_and_estimate_print_bytes_alike():
     from zeropp.estimate import show
 
