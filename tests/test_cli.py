@@ -50,6 +50,9 @@ def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_p
     # fp32 run: int8 weights (1/4) forward, nothing backward, int4 gradients (1/8 per hop)
     assert 0 < summary["inter_node_bytes_per_step"] <= 0.25 * summary["zero3_inter_node_bytes_per_step"]
     assert "summary" in result.stdout and "ZeRO-3" in result.stdout
+    # not a terminal: progress lines; the last shows the summary's validation loss
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert progress[-1].startswith("step 4/4") and f"val {summary['final_val_loss']:.4f}" in progress[-1]
 
 
 def test_deepspeed_flag_names_and_zeropp_opt_out_parse():

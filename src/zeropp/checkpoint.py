@@ -269,11 +269,14 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
 
     Runs in one process, whatever world size saved it. Returns the checkpoint's zeropp.json.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     meta = read_meta(path)
     verify_files(path, meta)
     out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"cannot write {str(out)!r}: it is a directory; expected a file name")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise CheckpointError(f"cannot write {str(out)!r}: its folder does not exist or is not writable")
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -293,8 +296,8 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
         tensors[name] = value.float() if value.is_floating_point() else value
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
-    except OSError as error:
-        raise CheckpointError(f"could not write {str(out)!r} ({error.strerror})") from None
+    except (OSError, SafetensorError) as error:  # safetensors reports I/O errors as SafetensorError
+        raise CheckpointError(f"could not write {str(out)!r} ({_reason(error)})") from None
     return meta
 
 
@@ -327,7 +330,12 @@ def _reason(error: BaseException) -> str:
     if causes:
         error = next(iter(causes.values()))
         error = getattr(error, "exc", error) if not isinstance(error, BaseException) else error
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
     text = str(error).strip().splitlines()
+    rust_io = re.search(r'message: "([^"]+)"', text[0]) if text else None  # safetensors: IoError(Os {..})
+    if rust_io:
+        return rust_io.group(1)
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 

@@ -1,33 +1,51 @@
-"""Command line: ``zeropp train``, ``export``, ``estimate``, ``cluster`` and ``bench``.
+"""Command line: zeropp train, export, estimate, cluster and bench.
 
-``zeropp train`` run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
+zeropp train run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
-environment. On one machine the ranks are split into 2 simulated nodes unless ``--nodes`` says
-otherwise. Every config key is a flag of its own name (``--stage 3 --precision bf16``).
+environment. On one machine the ranks are split into 2 simulated nodes unless --nodes says
+otherwise. Every config key is a flag of its own name (--stage 3 --precision bf16).
 At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); turn each off with
-``--no-quantized-weights``, ``--hpz-partition-size 1``, ``--no-quantized-gradients``.
+--no-quantized-weights, --hpz-partition-size 1, --no-quantized-gradients.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
+import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from importlib.metadata import version
 from typing import Any
 
 from zeropp import runlock
 from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
-from zeropp.comm import CollectiveTimeout
+from zeropp.comm import CollectiveTimeout, PeerLost
 from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
 from zeropp.fingerprint import ModelMismatch
 from zeropp.flags import add_config_flags
+from zeropp.launch import (
+    LAUNCH_FLAGS,
+    LAUNCHER_PID,
+    PEER_LOST_STATUS,
+    RANK_ENTRY,
+    add_launch_flags,
+    describe_failure,
+    follow_launcher,
+    is_rank,
+    quiet_torchrun,
+    resolve,
+    waiting_note,
+)
 from zeropp.materialize import MaterializeError
+from zeropp.models.gpt import gpt_config
 from zeropp.pretrained import PretrainedError
-from zeropp.topology import Layout
+from zeropp.topology import Layout, resolve_backend
 from zeropp.train import TrainingStopped, preflight
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
@@ -39,32 +57,26 @@ SUBPROGRAMS = {
     "cluster": "run zeropp train on emulated nodes joined by shaped links, as root (zeropp cluster --help)",
 }
 
-LAUNCH_FLAGS = {  # torchrun flag -> default
-    "nproc_per_node": 4,
-    "nnodes": "1",
-    "node_rank": 0,
-    "master_addr": "127.0.0.1",
-    "master_port": 29511,
-    "max_restarts": 0,
-}
-
-
 def _train_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("config keys (override --config)")
-    add_config_flags(group)
+    add_config_flags(group, stage3_defaults=ZEROPP_TRAIN_DEFAULTS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"zeropp {version('zeropp')}")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train the embedded GPT on the embedded corpus")
-    train.add_argument("--config", type=Path, help="TOML or JSON file of config keys")
-    train.add_argument("--summary-json", type=Path, help="write the run summary as JSON here")
-    launch = train.add_argument_group("launcher (torchrun's flags)")
-    for name, default in LAUNCH_FLAGS.items():
-        launch.add_argument("--" + name.replace("_", "-"), dest=name, default=default, type=type(default))
+    train = commands.add_parser(
+        "train",
+        help="train the embedded GPT on the embedded corpus",
+        description="Train the embedded byte-level GPT on the embedded corpus on local ranks (or several "
+        "machines), with a progress bar and a summary. Flags override --config, which overrides the defaults.",
+    )
+    train.add_argument("--config", type=Path, help="TOML or JSON file of config keys (default: none)")
+    train.add_argument("--summary-json", type=Path, help="also write the run summary as JSON here (default: none)")
+    add_launch_flags(train)
     _train_config_flags(train)
     export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
@@ -86,7 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C: one word from the launcher, none from the ranks
+        if not is_rank():
+            print("zeropp: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in SUBPROGRAMS:
         return importlib.import_module(f"zeropp.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -94,47 +114,83 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export(args.checkpoint, args.out)
     if args.command == "bench":
         return importlib.import_module(f"zeropp.benchmarks.{args.what}").main(args.options)
-    overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
-    if "RANK" not in os.environ and args.nnodes == "1" and "topology.nodes" not in overrides:
-        simulated = 2 if args.nproc_per_node % 2 == 0 else 1
-        overrides["topology.nodes"] = simulated
-        argv += ["--nodes", str(simulated)]
+    if is_rank():
+        follow_launcher()
     try:
-        config = load_config(args.config, overrides)
-        if config.zero.stage == 3:
-            config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
-        if "RANK" in os.environ:
-            Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
-        else:
-            nodes = int(args.nnodes.split(":")[-1])
-            layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
-            layout.hpz_group_size(config.zero.hpz_partition_size)
-            preflight(config)
-            if config.checkpoint.checkpoint_dir is not None:  # one run per folder
-                runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
+        config, nodes = _train_config(args, argv)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
-    if "RANK" not in os.environ:
-        return _launch(args, argv)
+    if not is_rank():
+        return _launch(args, argv, nodes)
     return _run_rank(config, args.summary_json)
 
 
-def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
+    """The run's config, checked against the launcher flags and the environment (ConfigError)."""
+    nodes = resolve(args)
+    overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    if not is_rank() and nodes == 1 and "topology.nodes" not in overrides:
+        simulated = 2 if args.nproc_per_node % 2 == 0 else 1
+        overrides["topology.nodes"] = simulated
+        argv += ["--nodes", str(simulated)]
+    config = load_config(args.config, overrides)
+    if config.zero.stage == 3:
+        config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
+    if is_rank():
+        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
+    else:
+        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
+        layout.hpz_group_size(config.zero.hpz_partition_size)
+        resolve_backend(config.topology)
+        gpt_config(config.model)
+        preflight(config)
+        if args.summary_json is not None:
+            _check_summary_path(args.summary_json)
+        if config.checkpoint.checkpoint_dir is not None:  # one run per folder
+            runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
+    return config, nodes
+
+
+def _check_summary_path(path: Path) -> None:
+    """Refuse a summary file that could not be written, before training rather than after it."""
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as error:
+        raise ConfigError(f"--summary-json {str(path)!r} cannot be written ({error.strerror})") from None
+
+
+def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS]
+    launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS if k != "join_timeout_s"]
     # c10d rendezvous: each restart (--max-restarts) meets under a fresh key prefix; the static one
     # would hand restarted ranks the addresses of the ranks it just killed
     launcher_argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.master_addr}:{args.master_port}"]
-    if args.node_rank == 0:  # node 0 hosts the store even where its hostname does not resolve to master_addr
-        launcher_argv.append("--rdzv-conf=is_host=true")
-    torchrun_args = get_args_parser().parse_args([*launcher_argv, "-m", "zeropp.cli", *argv])
+    # node 0 hosts the store even where its hostname does not resolve to master_addr
+    host = ",is_host=true" if args.node_rank == 0 else ""
+    launcher_argv.append(f"--rdzv-conf=join_timeout={args.join_timeout_s}{host}")
+    rank_command = ["--no-python", sys.executable, "-u", "-c", RANK_ENTRY, *argv]
+    torchrun_args = get_args_parser().parse_args([*launcher_argv, *rank_command])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    note = waiting_note(args, nodes)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    quiet_torchrun()
     try:
         run(torchrun_args)
-    except Exception as error:  # torchrun's ChildFailedError already printed the rank's traceback
-        print(f"zeropp: error: training failed: {type(error).__name__}", file=sys.stderr)
+    except SignalException as error:  # the agent turns SIGINT / SIGTERM into this
+        if error.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        print(f"zeropp: error: stopped by {error.sigval.name}", file=sys.stderr)
+        return 128 + error.sigval
+    except Exception as error:  # torchrun's ChildFailedError: a rank's own error is printed above
+        print(f"zeropp: error: {describe_failure(error, args)}", file=sys.stderr)
         return 1
     return 0
 
@@ -157,13 +213,19 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
             if summary_json is not None:
                 write_summary(summary, summary_json)
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
+    except PeerLost as error:  # under zeropp train the launcher names the rank that died
+        if LAUNCHER_PID not in os.environ:
+            print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
+        status = PEER_LOST_STATUS
     except (CheckpointError, CollectiveTimeout, ConfigError, TrainingStopped, MaterializeError, PretrainedError) as error:
         if not isinstance(error, (TrainingStopped, ModelMismatch)) or os.environ["RANK"] == "0":  # once if alike
             for line in str(error).removeprefix("zeropp: ").splitlines():  # one line a problem
                 print(f"zeropp: error: {line}", file=sys.stderr)
         status = 1
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says "interrupted" once
+        status = 130
     finally:
-        shutdown()
+        shutdown(wait_for_others=False)  # the ranks met in the barrier above, or one failed
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
     sys.stdout.flush()

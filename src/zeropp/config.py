@@ -27,20 +27,28 @@ class ConfigError(ValueError):
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
+MAX_TIMEOUT_S = 1e7  # ~115 days; torch.distributed's timeouts overflow far above
+MAX_SHARD_ALIGNMENT = 2**16  # elements; padding costs up to world size x this per unit
+
 # ZeroConfig keys that turn on all three ZeRO++ switches (qwZ, hpZ over each node, qgZ): zeropp train's
 # default at stage 3, the estimator's ZeRO++ column, the benchmarks' "ZeRO++" configuration
 ZEROPP_SWITCHES: dict[str, Any] = {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}
+
+
+def setting(default: Any, meaning: str) -> Any:
+    """A config key: its default and its one-line meaning (the flag's help, ``leaf_keys``)."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored for fp32 and bf16)."""
 
-    initial_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    min_scale: float = 1.0
+    initial_scale: float = setting(2.0**16, "fp16 loss scale to start from")
+    growth_factor: float = setting(2.0, "multiply the scale by this after growth_interval steps without overflow")
+    backoff_factor: float = setting(0.5, "multiply the scale by this after an overflow (the step is skipped)")
+    growth_interval: int = setting(1000, "steps without overflow before the scale grows")
+    min_scale: float = setting(1.0, "the scale never falls below this")
 
     def validate(self) -> None:
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
@@ -65,42 +73,43 @@ class ZeroConfig:
         "qgz_pipeline_stages": "qgz_pipeline_chunks",
     }
 
-    stage: int = 3
-    precision: Precision = "fp32"
-    # dtype gradients are reduced and accumulated in; None means the compute dtype (the ZeRO paper's 2 bytes)
-    grad_dtype: Precision | None = None
-    # largest number of elements per rank in one reduce-scatter / all-gather call (constant-size buffers)
-    reduce_bucket_numel: int = 2**24
-    allgather_bucket_numel: int = 2**24
-    # stage 3: how many units ahead (in recorded execution order) to all-gather asynchronously
-    prefetch: int = 1
-    # stage 3: units with at most this many elements stay gathered (not re-gathered every forward/backward)
-    persistence_threshold: int = 0
-    # every rank's shard is a multiple of this many elements
-    shard_alignment: int = 32
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float | None = None
+    stage: int = setting(3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights")
+    precision: Precision = setting("fp32", "compute dtype of weights and activations (masters stay fp32)")
+    grad_dtype: Precision | None = setting(
+        None, "dtype gradients are reduced and accumulated in; unset: the compute dtype (the ZeRO paper's 2 bytes)"
+    )
+    reduce_bucket_numel: int = setting(2**24, "most elements per rank in one reduce-scatter call (constant-size buffers)")
+    allgather_bucket_numel: int = setting(2**24, "most elements per rank in one all-gather call")
+    prefetch: int = setting(1, "stage 3: how many units ahead, in recorded execution order, to all-gather asynchronously")
+    persistence_threshold: int = setting(
+        0, "stage 3: units of at most this many elements stay gathered (not re-gathered every pass)"
+    )
+    shard_alignment: int = setting(32, "every rank's shard is a multiple of this many elements")
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
+    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; unset: no clipping")
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    # ZeRO++ (stage 3 only). qwZ: all-gather weights over the world block-quantized
-    quantized_weights: bool = False
-    weight_bits: Literal[8, 4] = 8
-    weight_block_size: int = 256
-    # "block": one scale per weight_block_size elements; "tensor": one scale per shard (comparison baseline)
-    weight_quantization: Literal["block", "tensor"] = "block"
-    # hpZ: secondary weight partition over groups of this many consecutive ranks (1: off, 0: the ranks of one node)
-    hpz_partition_size: int = 1
-    # qgZ: reduce gradients by quantized two-hop all-to-all, pipelined in this many chunks per bucket
-    # (the paper's pipeline stages; ``qgz_pipeline_stages`` is accepted as an alias)
-    quantized_gradients: bool = False
-    gradient_bits: Literal[4, 8] = 4
-    gradient_block_size: int = 256
-    qgz_pipeline_chunks: int = 2
-    # quantization kernels: "auto" (Triton on CUDA when available, else torch), or force one
-    quant_backend: Literal["auto", "torch", "triton"] = "auto"
-    # ZeRO-Offload: "cpu" keeps the fp32 master shard and the optimizer state in host memory and runs
-    # the optimizer there; offload_params = "cpu" (stage 3) also keeps the compute-dtype shards there
-    offload_optimizer: Literal["none", "cpu"] = "none"
-    offload_params: Literal["none", "cpu"] = "none"
+    quantized_weights: bool = setting(False, "qwZ (ZeRO++, stage 3): all-gather weights block-quantized")
+    weight_bits: Literal[8, 4] = setting(8, "qwZ: bits per quantized weight")
+    weight_block_size: int = setting(256, "qwZ: weights per quantization block (one scale each)")
+    weight_quantization: Literal["block", "tensor"] = setting(
+        "block", "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline)"
+    )
+    hpz_partition_size: int = setting(
+        1, "hpZ (ZeRO++): secondary weight partition over groups of this many consecutive ranks (1: off, 0: a node)"
+    )
+    quantized_gradients: bool = setting(False, "qgZ (ZeRO++, stage 3): reduce gradients by a quantized two-hop all-to-all")
+    gradient_bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
+    gradient_block_size: int = setting(256, "qgZ: gradients per quantization block")
+    qgz_pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
+    quant_backend: Literal["auto", "torch", "triton"] = setting(
+        "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
+    )
+    offload_optimizer: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there"
+    )
+    offload_params: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
+    )
 
     def validate(self) -> None:
         _check_choices(self, "zero")
@@ -108,6 +117,12 @@ class ZeroConfig:
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
             _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        _require(
+            self.shard_alignment <= MAX_SHARD_ALIGNMENT,
+            "zero.shard_alignment",
+            self.shard_alignment,
+            f"an integer from 1 to {MAX_SHARD_ALIGNMENT} (every shard is padded to a multiple of it)",
+        )
         for key in ("prefetch", "persistence_threshold"):
             value = getattr(self, key)
             _require(value >= 0, f"zero.{key}", value, "an integer >= 0")
@@ -146,16 +161,22 @@ class ZeroConfig:
 class TopologyConfig:
     """How ranks map to nodes. Real nodes come from torchrun; `nodes` simulates them on one machine."""
 
-    # simulate this many nodes on one machine (consecutive ranks share a node); None: use torchrun's nodes
-    nodes: int | None = None
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = 300.0
+    nodes: int | None = setting(
+        None, "simulate this many nodes on one machine (consecutive ranks share a node); unset: torchrun's nodes"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = setting("auto", "collective backend; auto: NCCL with CUDA, else gloo")
+    timeout_s: float = setting(300.0, "seconds a collective may wait for the other ranks before a one-line error")
 
     def validate(self) -> None:
         _check_choices(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
-        _require(self.timeout_s > 0, "topology.timeout_s", self.timeout_s, "a number of seconds > 0")
+        _require(
+            0 < self.timeout_s <= MAX_TIMEOUT_S,
+            "topology.timeout_s",
+            self.timeout_s,
+            f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}",
+        )
         _check_finite(self, "topology")
 
 
@@ -163,11 +184,11 @@ class TopologyConfig:
 class ModelConfig:
     """The embedded byte-level GPT (see zeropp.models.gpt)."""
 
-    preset: Literal["tiny", "small", "medium"] = "small"
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    block_size: int | None = None
+    preset: Literal["tiny", "small", "medium"] = setting("small", "model size; the keys below override its values")
+    n_layer: int | None = setting(None, "transformer blocks; unset: the preset's")
+    n_head: int | None = setting(None, "attention heads, a divisor of d_model; unset: the preset's")
+    d_model: int | None = setting(None, "width; unset: the preset's")
+    block_size: int | None = setting(None, "context length in bytes; unset: the preset's")
 
     def validate(self) -> None:
         _check_choices(self, "model")
@@ -179,11 +200,11 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    warmup_steps: int = 20
+    lr: float = setting(3e-3, "peak learning rate (linear warm-up, then cosine decay to a tenth)")
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
+    beta1: float = setting(0.9, "AdamW's first-moment decay")
+    beta2: float = setting(0.95, "AdamW's second-moment decay")
+    warmup_steps: int = setting(20, "steps of linear learning-rate warm-up")
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
@@ -196,19 +217,21 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    micro_batch_size: int = 4  # sequences per rank per micro-batch
-    seed: int = 0
-    eval_interval: int = 50
-    eval_batches: int = 8
-    # "meta": build the model on the meta device, each rank initializes it one unit at a time (seeded
-    # per unit); "eager": build it whole on every rank and synchronize it from rank 0
-    init: Literal["meta", "eager"] = "meta"
-    # start from these weights (a safetensors file, or a folder with model.safetensors or its index)
-    init_from: str | None = None
-
-    # fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients
-    max_consecutive_skipped_steps: int = 50
+    steps: int = setting(200, "optimizer steps to train")
+    micro_batch_size: int = setting(4, "sequences per rank per micro-batch")
+    seed: int = setting(0, "seed of the weights and the data order")
+    eval_interval: int = setting(50, "evaluate the validation loss every this many steps, and after the last")
+    eval_batches: int = setting(8, "validation micro-batches per evaluation, per rank")
+    init: Literal["meta", "eager"] = setting(
+        "meta", "meta: build the model on the meta device, each rank initializes it unit by unit (seeded per unit); "
+        "eager: build it whole on every rank and synchronize it from rank 0"
+    )
+    init_from: str | None = setting(
+        None, "start from these weights: a safetensors file, or a folder with model.safetensors or its index"
+    )
+    max_consecutive_skipped_steps: int = setting(
+        50, "fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients"
+    )
 
     def validate(self) -> None:
         _check_choices(self, "train")
@@ -221,11 +244,14 @@ class TrainConfig:
 class CheckpointConfig:
     """Sharded checkpoints of `zeropp train` (see zeropp.checkpoint)."""
 
-    checkpoint_dir: str | None = None
-    # with checkpoint_dir: save every this many steps and after the last one (0: after the last one only)
-    save_interval: int = 0
-    resume: str | None = None  # "auto": the latest checkpoint in checkpoint_dir, if any; or a checkpoint's path
-    keep_last: int = 3  # published checkpoints to keep (0: all)
+    checkpoint_dir: str | None = setting(None, "folder of the sharded checkpoints (step-NNNNNNNN)")
+    save_interval: int = setting(
+        0, "with checkpoint_dir: save every this many steps and after the last one (0: after the last one only)"
+    )
+    resume: str | None = setting(
+        None, "auto: the latest checkpoint in checkpoint_dir, or a fresh start if none; PATH: that checkpoint"
+    )
+    keep_last: int = setting(3, "published checkpoints to keep (0: all)")
 
     def validate(self) -> None:
         for key in ("save_interval", "keep_last"):
@@ -338,14 +364,7 @@ def load_config(
     elif isinstance(source, Mapping):
         data = _deep_copy(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; expected a .toml or .json file")
-        text = path.read_text()
-        try:
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"config file {str(path)!r} does not parse: {error}") from None
+        data = _read_config_file(Path(source))
     for dotted, value in (defaults or {}).items():
         *sections, leaf = dotted.split(".")
         node = data
@@ -364,17 +383,45 @@ def load_config(
     return from_dict(Config, data).validate()
 
 
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A TOML or JSON config file's contents; every way it can be unreadable is one ConfigError."""
+    where = f"config file {str(path)!r}"
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"{where} is not allowed; expected a .toml or .json file")
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{where} {what}; expected a .toml or .json file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as error:
+        raise ConfigError(f"{where} cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); expected UTF-8") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{where} does not parse: {error}") from None
+
+
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
-def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]]:
-    """Map each leaf field name to (dotted key, type hint): the CLI's flags mirror these names."""
-    out: dict[str, tuple[str, Any]] = {}
+class Key(typing.NamedTuple):
+    """A leaf config key as the command line shows it."""
+
+    dotted: str  # zero.stage
+    hint: Any  # its type
+    meaning: str  # one line
+    default: Any
+
+
+def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, Key]:
+    """Map each leaf field name to its Key: the CLI's flags mirror these names."""
+    out: dict[str, Key] = {}
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(hint):
             out.update(leaf_keys(hint, f"{prefix}{f.name}."))
         else:
-            out[f.name] = (f"{prefix}{f.name}", hint)
+            out[f.name] = Key(f"{prefix}{f.name}", hint, f.metadata.get("help", ""), f.default)
     return out

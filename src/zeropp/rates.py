@@ -1,4 +1,6 @@
-"""Link bandwidths as text: the one parser behind ``zeropp estimate`` and ``zeropp cluster``.
+"""Link bandwidths as text: the one parser behind ``zeropp estimate`` and ``zeropp cluster``; and
+:func:`si`, the one way byte counts and rates are printed (decimal prefixes, ``zeropp train`` and
+``zeropp estimate`` alike).
 
 Units (case-insensitive, decimal prefixes, an optional ``/s``), accepted everywhere:
 
@@ -35,3 +37,12 @@ def parse_bandwidth(text: str, *, tc_syntax: bool = False) -> float:
         allowed = TC_ALLOWED if tc_syntax else ALLOWED
         raise RateError(f"{text!r} is not allowed; expected a rate > 0 with a unit: {allowed}, e.g. 200mbit")
     return float(match[1]) * units[match[2]]
+
+
+def si(n: float, unit: str = "B") -> str:
+    """3 significant digits with a decimal prefix (GB = 1e9 bytes, as the papers count)."""
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(n) < 999.5 or prefix == "P":
+            return f"{n:.3g} {prefix}{unit}" if prefix or unit != "B" else f"{n:,.0f} B"
+        n /= 1000
+    raise AssertionError

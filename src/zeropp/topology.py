@@ -19,8 +19,10 @@ Units and collectives receive these as :class:`ShardGroups` and never look at wo
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +100,31 @@ class Layout:
         return [ranks[i : i + size] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), size)]
 
 
+GLOO_DRAIN_S = 0.1  # see shutdown()
+
+# The process groups zeropp built, by handle. Groups refer to them through here so that shutdown() can
+# drop the last references: a subgroup's gloo worker threads live as long as its Python object, and a
+# thread still running at interpreter exit aborts the process.
+_PROCESS_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _register(pg: dist.ProcessGroup) -> int:
+    handle = len(_PROCESS_GROUPS)
+    _PROCESS_GROUPS[handle] = pg
+    return handle
+
+
 @dataclass(frozen=True)
 class Group:
     """A process group: the global ranks it spans in group-rank order, and this process's place in it."""
 
-    pg: dist.ProcessGroup | None
+    handle: int | None  # in _PROCESS_GROUPS; None: a group of one rank, which needs no process group
     ranks: tuple[int, ...]
     rank: int  # this process's index in `ranks`
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return None if self.handle is None else _PROCESS_GROUPS[self.handle]
 
     @property
     def size(self) -> int:
@@ -138,6 +158,12 @@ class Topology:
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     _built: dict[str, Group] = field(default_factory=dict)
 
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        shutdown(wait_for_others=kind is None)
+
     @property
     def world_size(self) -> int:
         return self.layout.world_size
@@ -165,8 +191,8 @@ class Topology:
                 if ranks == self.world.ranks:
                     group = self.world
                 else:
-                    pg = dist.new_group(list(ranks), timeout=self.timeout) if len(ranks) > 1 else None
-                    group = Group(pg, tuple(ranks), ranks.index(self.rank) if self.rank in ranks else -1)
+                    handle = _register(dist.new_group(list(ranks), timeout=self.timeout)) if len(ranks) > 1 else None
+                    group = Group(handle, tuple(ranks), ranks.index(self.rank) if self.rank in ranks else -1)
                 if self.rank in ranks:
                     mine = group
             assert mine is not None, f"rank {self.rank} is in no group of {name}"
@@ -199,9 +225,7 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     config.validate()
     rank, world_size, env_nodes = read_world_from_env()
     layout = Layout(world_size, config.nodes or env_nodes or 1)
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(config)
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -216,7 +240,18 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
+        atexit.register(shutdown, wait_for_others=False)  # an exit without shutdown() must not leave gloo's threads to the C++ runtime
     return build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
+
+
+def resolve_backend(config: TopologyConfig) -> str:
+    """topology.backend made concrete ("auto": NCCL where CUDA is available, else gloo); refuses NCCL
+    without CUDA (ConfigError)."""
+    if config.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if config.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("topology.backend = 'nccl' is not allowed here: no CUDA device; expected 'gloo' or 'auto'")
+    return config.backend
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -242,7 +277,7 @@ def build_topology(
 ) -> Topology:
     """Build the mesh's groups: data-parallel, intra-node, inter-node (collective: every rank calls it
     identically)."""
-    world = Group(dist.group.WORLD, tuple(range(layout.world_size)), rank)
+    world = Group(_register(dist.group.WORLD), tuple(range(layout.world_size)), rank)
     topo = Topology(layout, rank, device, world, world, world, world, timeout)
     topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
     topo.intra_node = topo.subgroups("intra_node", layout.intra_node_groups())
@@ -250,13 +285,26 @@ def build_topology(
     return topo
 
 
-def shutdown() -> None:
+def shutdown(wait_for_others: bool = True) -> None:
     """Destroy the process groups (gloo's worker threads must be joined before the interpreter exits).
 
-    Ranks that end normally meet in a barrier first (through comm, like every collective); a
-    failing rank calls this directly, since it cannot count on the others arriving."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    ``zeropp.shutdown()``; leaving ``with zeropp.init_topology() as topology:`` calls it, and so does
+    an exit without either (an atexit hook, which does not wait), since gloo's threads abort a
+    process whose groups outlive the interpreter ("terminate called without an active exception").
+
+    With `wait_for_others`, the ranks first meet in a barrier (within topology.timeout_s): a rank that
+    tears its connections down while another still reads from them aborts. A failing rank passes
+    False, since it cannot count on the others arriving. (The one collective outside comm.)"""
+    if not dist.is_initialized():
+        return
+    if wait_for_others:
+        dist.barrier()
+    dist.destroy_process_group()
+    _PROCESS_GROUPS.clear()  # our references: gloo joins a group's worker threads once none is left
+    # A gloo worker thread frees the last collective's work (and its tensors, which takes the GIL) just
+    # after the collective completes; torch may still hold a group past this point, so give those
+    # threads the GIL before the interpreter finalizes (one holding it then aborts the process).
+    time.sleep(GLOO_DRAIN_S)
 
 
 def _free_port() -> int:

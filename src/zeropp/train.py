@@ -251,6 +251,8 @@ class Trainer:
                 progress(step + 1, train_loss, val_loss, tokens_per_s, skipped=self.skipped_steps)
         val_loss = self.evaluate()
         tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
+        if progress is not None:  # the bar ends on the summary's validation loss
+            progress(steps, train_loss, val_loss, tokens_per_s)
         return self.summary(train_loss, val_loss, tokens_per_s)
 
     def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:

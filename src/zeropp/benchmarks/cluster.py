@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 from zeropp.benchmarks.peers import PeerSummary
 from zeropp.benchmarks.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS
 from zeropp.cluster import run_cluster
+from zeropp.cluster.errors import ClusterError
+from zeropp.cluster.links import check_privileges, parse_bandwidth
 from zeropp.flags import as_flags
 from zeropp.summary import RunSummary
 
@@ -147,6 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [n for n in names if not n.startswith("DeepSpeed")]
         print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
     names = [n for n in names if not args.only or n in args.only]
+    try:  # before anything is written
+        check_privileges(shaped=any(parse_bandwidth(b) is not None for b in args.bandwidths))
+    except ClusterError as error:
+        print(str(error).replace("zeropp cluster:", "zeropp bench cluster:"), file=sys.stderr)
+        return error.code
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {}
     for bandwidth in args.bandwidths:

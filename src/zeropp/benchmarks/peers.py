@@ -158,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peak_memory_bytes_per_rank=[int(p.item()) for p in peaks],
         )
         args.summary_json.write_text(json.dumps(asdict(summary), indent=2))
-    comm.barrier(topology.world)
-    shutdown()
+    shutdown()  # meets the other ranks first
     return 0
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from zeropp.comm.ledger import Ledger, ring_bytes
 from zeropp.topology import Group, Topology
 
-__all__ = ["CollectiveTimeout", "Communicator", "Ledger", "Pending"]
+__all__ = ["CollectiveTimeout", "Communicator", "Ledger", "Pending", "PeerLost"]
 
 # torch >= 2.10 names them *_single; older releases only have the *_tensor names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,6 +29,30 @@ ReduceKind = Literal["sum", "mean", "max"]
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within topology.timeout_s. One line."""
+
+
+class PeerLost(CollectiveTimeout):
+    """Another rank of a collective closed its connection (it died or its launcher stopped it). One line."""
+
+
+# what gloo and NCCL say (lower case) when a collective outlives topology.timeout_s (gloo's "pair closure":
+# a peer stopped, e.g. SIGSTOP, and its side of the connection timed out first), or when a peer is gone
+_TIMEOUT_TEXTS = ("timed out", "application timeout caused pair closure")
+_PEER_LOST_TEXTS = ("connection reset by peer", "connection closed by peer", "broken pipe")
+
+
+def _collective_error(error: RuntimeError) -> CollectiveTimeout | None:
+    """The one-line error for a failed collective, or None where it is not one we can name."""
+    text = str(error).lower()
+    first = str(error).strip().splitlines()[0]
+    if any(t in text for t in _TIMEOUT_TEXTS):
+        return CollectiveTimeout(
+            "zeropp: a collective timed out (topology.timeout_s): another rank stopped or is stuck; "
+            f"its own error says why ({first})"
+        )
+    if any(t in text for t in _PEER_LOST_TEXTS):
+        return PeerLost("zeropp: another rank of a collective is gone (it died or was stopped); its own error says why")
+    return None
 
 
 class Pending:
@@ -60,13 +84,11 @@ class Pending:
         for work in self._works:
             try:
                 work.wait()
-            except RuntimeError as error:  # gloo and NCCL say "Timed out ..." once topology.timeout_s passed
-                if "timed out" not in str(error).lower():
+            except RuntimeError as error:
+                named = _collective_error(error)
+                if named is None:
                     raise
-                raise CollectiveTimeout(
-                    "zeropp: a collective timed out (topology.timeout_s): another rank stopped or is stuck; "
-                    f"its own error says why ({str(error).strip().splitlines()[0]})"
-                ) from None
+                raise named from None
         self._works = []
         if self._then is not None:
             then, self._then = self._then, None

@@ -6,15 +6,7 @@ from typing import Any
 
 from zeropp.estimate.model import Estimate
 from zeropp.estimate.papers import ZERO_TABLE_DP, ZEROPP_TABLE_COLUMNS, ZEROPP_TABLE_PUBLISHED, paper_gb
-
-
-def _si(n: float, unit: str = "B") -> str:
-    """3 significant digits with a decimal prefix (GB = 1e9 bytes, as the papers count)."""
-    for prefix in ("", "k", "M", "G", "T", "P"):
-        if abs(n) < 999.5 or prefix == "P":
-            return f"{n:.3g} {prefix}{unit}" if prefix or unit != "B" else f"{n:,.0f} B"
-        n /= 1000
-    raise AssertionError
+from zeropp.rates import si
 
 
 def _seconds(s: float) -> str:
@@ -46,20 +38,20 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
     switches += [f"hpZ (groups of {est.hpz_group_size})"] if est.hpz_group_size > 1 else []
     switches += [f"qgZ int{zero.gradient_bits}"] if zero.quantized_gradients else []
     head.add_row("ZeRO++", ", ".join(switches) or "off")
-    head.add_row("model states per rank", _si(est.model_state_bytes))
+    head.add_row("model states per rank", si(est.model_state_bytes))
     mean = est.ledger()
     head.add_row(
         "sent per rank per step",
-        f"intra-node {_si(mean.total(link='intra'))}, inter-node {_si(mean.total(link='inter'))} (mean over ranks)",
+        f"intra-node {si(mean.total(link='intra'))}, inter-node {si(mean.total(link='inter'))} (mean over ranks)",
     )
     zero3, inter = result["zero3_inter_node_bytes_per_step"], mean.total(link="inter")
     if zero.stage == 3 and zero3:
-        head.add_row("inter-node vs ZeRO-3", f"{_si(inter)} vs {_si(zero3)} ({inter / zero3:.3f}x)")
+        head.add_row("inter-node vs ZeRO-3", f"{si(inter)} vs {si(zero3)} ({inter / zero3:.3f}x)")
     seconds, bw = result["predicted_comm_seconds_per_step"], result["bandwidth_bits_per_s"]
     head.add_row(
         "predicted comm time",
-        f"{_seconds(seconds['total'])} per step = {_si(est.busiest_intra_bytes())} at {_si(bw['intra'], 'bit/s')} "
-        f"+ {_si(est.node_inter_bytes())} per node at {_si(bw['inter'], 'bit/s')} (no overlap)",
+        f"{_seconds(seconds['total'])} per step = {si(est.busiest_intra_bytes())} at {si(bw['intra'], 'bit/s')} "
+        f"+ {si(est.node_inter_bytes())} per node at {si(bw['inter'], 'bit/s')} (no overlap)",
     )
     console = _console()
     console.print(head)
@@ -68,7 +60,7 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         table.add_column(column, justify="right" if "node" in column else "left")
     for op, phases in mean.as_dict().items():
         for phase, links in phases.items():
-            table.add_row(op, phase, _si(links["intra"]), _si(links["inter"]))
+            table.add_row(op, phase, si(links["intra"]), si(links["inter"]))
     console.print(table)
 
 
@@ -110,9 +102,9 @@ def print_zeropp_table(table: dict[str, Any], hpz: dict[str, float]) -> None:
     console = _console()
     console.print(out)
     fig = Table(title="ZeRO++ Fig. 4: 100B parameters on 64 nodes x 16 (fp16, Adam: K = 12)", show_header=False)
-    fig.add_row("DP: (2+2+K)M", _si(hpz["dp_bytes"]))
-    fig.add_row("ZeRO-3: (2+2+K)M/P", _si(hpz["zero3_bytes"]))
-    fig.add_row(f"hpZ: (2+2+K)M/P + 2M/{hpz['hpz_group_size']}", _si(hpz["hpz_bytes"]))
+    fig.add_row("DP: (2+2+K)M", si(hpz["dp_bytes"]))
+    fig.add_row("ZeRO-3: (2+2+K)M/P", si(hpz["zero3_bytes"]))
+    fig.add_row(f"hpZ: (2+2+K)M/P + 2M/{hpz['hpz_group_size']}", si(hpz["hpz_bytes"]))
     fig.add_row("hpZ / ZeRO-3", f"{hpz['hpz_over_zero3']:.2f}x (paper: 8.9x)")
     fig.add_row("DP / hpZ", f"{hpz['dp_over_hpz']:.1f}x (paper: 114x)")
     console.print(fig)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropp.config import ModelConfig
+from zeropp.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,13 @@ PRESETS = {
 def gpt_config(model: ModelConfig) -> GPTConfig:
     """The GPT a config's model keys describe: the preset, with every key that is set overriding it."""
     overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
-    return dataclasses.replace(PRESETS[model.preset], **overrides)
+    config = dataclasses.replace(PRESETS[model.preset], **overrides)
+    if config.d_model % config.n_head:
+        raise ConfigError(
+            f"model.n_head = {config.n_head} is not allowed with model.d_model = {config.d_model}; "
+            f"expected a divisor of d_model (preset {model.preset!r})"
+        )
+    return config
 
 
 class CausalSelfAttention(nn.Module):

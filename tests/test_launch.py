@@ -1,0 +1,167 @@
+"""zeropp train's launcher: ranks die with it, ports, the environment, what a failed rank says."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import free_port
+
+LONG_RUN = ("train", "--preset", "tiny", "--steps", "100000", "--nproc-per-node", "2", "--eval-interval", "100000")
+
+
+def zeropp(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()] if tasks.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_for_ranks(launcher: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ranks = children(launcher.pid)
+        if len(ranks) == n:
+            time.sleep(5)  # let them reach training
+            return ranks
+        time.sleep(0.2)
+    launcher.kill()
+    raise AssertionError(f"{n} ranks did not start")
+
+
+def start(*args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "zeropp.cli", *LONG_RUN, "--master-port", str(free_port()), *args]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_ranks_die_with_a_killed_launcher():
+    launcher = start()
+    ranks = wait_for_ranks(launcher, 2)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [r for r in ranks if alive(r)]
+    for r in left:
+        os.kill(r, signal.SIGKILL)
+    assert not left, "ranks outlived their launcher"
+
+
+def test_a_killed_rank_is_named_in_one_line():
+    launcher = start()
+    ranks = wait_for_ranks(launcher, 2)
+    os.kill(max(ranks), signal.SIGKILL)  # torchrun starts local rank 1 second
+    _, stderr = launcher.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["zeropp: error: training failed (ChildFailedError): rank 1 died (SIGKILL)"], stderr[-3000:]
+
+
+def test_a_busy_port_is_named_with_the_flag_to_change_it():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = zeropp("train", "--preset", "tiny", "--steps", "1", "--master-port", str(port))
+    assert result.returncode == 2
+    assert error_lines(result) == [
+        f"zeropp: error: port {port} is already in use on this machine; choose another with --master-port "
+        "(leave it out on one node to pick a free one)"
+    ]
+
+
+def test_one_node_picks_a_free_port_by_default():
+    with socket.socket() as busy:  # the former fixed default, taken
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("", 29511))
+        busy.listen()
+        result = zeropp("train", "--preset", "tiny", "--steps", "1", "--eval-batches", "1", "--nproc-per-node", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_environment_that_contradicts_the_flags_is_refused():
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cases = [
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "the environment sets RANK=0 WORLD_SIZE=1, a rank's variables"),
+        ({"RANK": "0"}, "the environment sets RANK=0, a rank's variables"),
+        ({"WORLD_SIZE": "abc"}, "the environment sets WORLD_SIZE=abc, a rank's variables"),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, "torchrun's environment lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+        (
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            "WORLD_SIZE=1 in the environment contradicts --nproc-per-node 2 x --nnodes 1 = 2 ranks",
+        ),
+    ]
+    for extra, expected in cases:
+        result = zeropp("train", "--nproc-per-node", "2", env={**base, **extra})
+        lines = error_lines(result)
+        assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, result.stderr[-2000:])
+
+
+def test_missing_nodes_are_announced_and_given_up_on_after_the_join_timeout():
+    port = free_port()
+    result = zeropp(
+        "train", "--preset", "tiny", "--nnodes", "2", "--nproc-per-node", "1", "--join-timeout-s", "2",
+        "--master-port", str(port), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert error_lines(result) == [
+        f"zeropp: waiting up to 2 s for 2 nodes at 127.0.0.1:{port} (this is node 0)",
+        f"zeropp: error: not every node of --nnodes 2 joined at 127.0.0.1:{port} within 2 s (--join-timeout-s); "
+        "start zeropp train with its --node-rank on each node",
+    ]
+
+
+def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
+    from zeropp.comm import CollectiveTimeout, Pending, PeerLost
+
+    class Failing:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def wait(self) -> None:
+            raise RuntimeError(self.text)
+
+    cases = [
+        ("[pair.cc:598] Application timeout caused pair closure", CollectiveTimeout),
+        ("[pair.cc:537] Read error [127.0.0.1]:4264: Connection reset by peer. GLHF!", PeerLost),
+    ]
+    for text, kind in cases:
+        try:
+            Pending([Failing(text)]).wait()
+        except CollectiveTimeout as error:
+            assert type(error) is kind and "\n" not in str(error)
+        else:
+            raise AssertionError("no error")
+
+
+def test_ctrl_c_says_interrupted_once():
+    command = [sys.executable, "-m", "zeropp.cli", *LONG_RUN, "--master-port", str(free_port())]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    ranks = wait_for_ranks(launcher, 2)
+    os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    _, stderr = launcher.communicate(timeout=60)
+    assert [line for line in stderr.splitlines() if line.strip()] == ["zeropp: interrupted"], stderr[-3000:]
+    assert launcher.returncode == 130 and not any(alive(r) for r in ranks)
