@@ -57,8 +57,8 @@ def exported(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 def float_keys() -> list[str]:
     from zeropp.config import LossScaleConfig, leaf_keys
 
-    keys = [dotted for dotted, hint in leaf_keys().values() if "float" in str(hint)]
-    return keys + [f"zero.loss_scale.{name}" for name, (_, hint) in leaf_keys(LossScaleConfig).items() if hint is float]
+    keys = [key.dotted for key in leaf_keys().values() if "float" in str(key.hint)]
+    return keys + [f"zero.loss_scale.{name}" for name, key in leaf_keys(LossScaleConfig).items() if key.hint is float]
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
