@@ -133,44 +133,7 @@ class FlatUnit:
         self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
         device = options.device
 
-        if initial_flat is not None:
-            for p, view in zip(self.params, self.layout.split(initial_flat), strict=True):
-                if p.data_ptr() != view.data_ptr():  # set elsewhere (a parameter shared with another scope)
-                    view.copy_(p.detach())
-            full32 = initial_flat.to(device)
-        else:
-            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-            for p, view in zip(self.params, self.layout.split(full32), strict=True):
-                view.copy_(p.detach())
-                p.data = _RELEASED.to(p.dtype)  # the unit holds the values now: each copy goes as soon as taken
-        for p in self.params:
-            p.data = _RELEASED.to(p.dtype)
-        del initial_flat
-        if broadcast_initial:  # the padding holds zeros everywhere already
-            comm.broadcast(full32[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
-        offloaded = options.master_device is not None
-        if self.shard_world == 1 and not offloaded:
-            self.master = nn.Parameter(full32)
-        else:
-            mine = self.shard_of(full32)
-            self.master = nn.Parameter(options.host_empty(mine.numel(), torch.float32, options.master_device))
-            self.master.data.copy_(mine)
-        self.compute_shard: torch.Tensor | None = None
-        if self.resident:
-            alias = self.shard_world == 1 and compute_dtype == torch.float32 and not offloaded
-            self.compute_flat = self.master.data if alias else full32.to(compute_dtype)
-        else:
-            alias = compute_dtype == torch.float32 and not offloaded
-            if alias:
-                self.compute_shard = self.master.data
-            else:
-                numel, where = self.master.numel(), options.compute_shard_device
-                self.compute_shard = options.host_empty(numel, compute_dtype, where).copy_(self.master.data)
-        del full32
-        if not self.resident:  # holds memory only while gathered (storage freed by the reshard below)
-            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
-        for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
-            p.data = view
+        self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if not policy.shard_gradients:
@@ -188,6 +151,53 @@ class FlatUnit:
             self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
             size = self._secondary_range[1] - self._secondary_range[0]
             self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
+
+    def _take_parameters(self, initial_flat: torch.Tensor | None, broadcast: bool) -> torch.Tensor:
+        """The parameters' values as one fp32 flat buffer on the device; the parameters' own copies are
+        released (each as soon as it is flattened), so a unit never exists twice."""
+        device = self.options.device
+        if initial_flat is not None:
+            for p, view in zip(self.params, self.layout.split(initial_flat), strict=True):
+                if p.data_ptr() != view.data_ptr():  # set elsewhere (a parameter shared with another scope)
+                    view.copy_(p.detach())
+            full32 = initial_flat.to(device)
+        else:
+            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+            for p, view in zip(self.params, self.layout.split(full32), strict=True):
+                view.copy_(p.detach())
+                p.data = _RELEASED.to(p.dtype)
+        for p in self.params:
+            p.data = _RELEASED.to(p.dtype)
+        if broadcast:  # the padding holds zeros everywhere already
+            self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
+        return full32
+
+    def _hold_weights(self, full32: torch.Tensor) -> None:
+        """Keep this rank's fp32 master and compute-dtype weights of `full32`; point the parameters at
+        views of ``compute_flat``. Where the compute dtype is fp32 and the master stays on the device,
+        the master is the compute shard (stage 3) or the whole buffer (stage 0) itself."""
+        options, dtype = self.options, self.compute_dtype
+        offloaded = options.master_device is not None
+        if self.shard_world == 1 and not offloaded:
+            self.master = nn.Parameter(full32)
+        else:
+            mine = self.shard_of(full32)
+            self.master = nn.Parameter(options.host_empty(mine.numel(), torch.float32, options.master_device))
+            self.master.data.copy_(mine)
+        self.compute_shard: torch.Tensor | None = None
+        if self.resident:
+            alias = self.shard_world == 1 and dtype == torch.float32 and not offloaded
+            self.compute_flat = self.master.data if alias else full32.to(dtype)
+        elif dtype == torch.float32 and not offloaded:
+            self.compute_shard = self.master.data
+        else:
+            numel, where = self.master.numel(), options.compute_shard_device
+            self.compute_shard = options.host_empty(numel, dtype, where).copy_(self.master.data)
+        del full32
+        if not self.resident:  # holds memory only while gathered (storage freed by the first reshard)
+            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=options.device)
+        for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
+            p.data = view
 
     @staticmethod
     def layout_of(
