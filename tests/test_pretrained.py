@@ -36,11 +36,10 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
 
 
 def load_into_shards(simulated_nodes: int, kind: str, folder: str) -> dict[str, float]:
+    import zeropp.pretrained as pretrained
     from zeropp import ZeroConfig, ZeroEngine, load_pretrained
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
-
-    import zeropp.pretrained as pretrained
 
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))
     expected = _reference(kind)

@@ -101,8 +101,8 @@ def test_diverging_run_stops_in_one_line_and_keeps_only_finite_checkpoints(tmp_p
 
 def nan_save_worker(root: str) -> dict:
     from zeropp.checkpoint import CheckpointError
-    from zeropp.train import Trainer
     from zeropp.config import load_config
+    from zeropp.train import Trainer
 
     config = load_config({"model": {"preset": "tiny"}, "train": {"micro_batch_size": 1}})
     config.checkpoint.checkpoint_dir, config.checkpoint.keep_last = root, 1
@@ -263,7 +263,7 @@ def resume_hyperparameters_worker(root: str) -> dict:
 
 def test_resume_uses_the_runs_hyperparameters_and_says_which_differ(tmp_path):
     ranks = run_ranks(resume_hyperparameters_worker, 2, root=str(tmp_path))
-    for rank, result in enumerate(ranks):
+    for result in ranks:
         assert (result["weight_decay"], result["betas"]) == (0.05, (0.9, 0.99))
     assert ranks[1]["said"] == ""
     assert ranks[0]["said"] == (

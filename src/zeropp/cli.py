@@ -18,8 +18,8 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from zeropp import runlock

@@ -63,7 +63,7 @@ def check_same_model(
         texts = _gather_bytes(comm, group, text)
         theirs = texts[different[0]].decode().split("\n")
         ours = texts[0].decode().split("\n")
-        first = next((a, b) for a, b in zip([*ours, "(nothing)"], [*theirs, "(nothing)"]) if a != b)
+        first = next((a, b) for a, b in zip([*ours, "(nothing)"], [*theirs, "(nothing)"], strict=False) if a != b)
         raise ModelMismatch(
             f"rank {group.ranks[different[0]]} built a different model than rank {group.ranks[0]}: "
             f"{first[1]!r} there, {first[0]!r} on rank {group.ranks[0]}"

@@ -17,7 +17,6 @@ from typing import Any
 
 from zeropp.config import Key, ZeroConfig, leaf_keys
 
-
 METAVARS = {"checkpoint.resume": "auto|PATH", "checkpoint.checkpoint_dir": "DIR"}
 
 

@@ -83,7 +83,7 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}")
     head.add_row("peak memory per rank", ", ".join(si(b) for b in summary.peak_memory_bytes_per_rank))
     init, step = summary.init_peak_memory_bytes_per_rank, summary.step_peak_memory_bytes_per_rank
-    head.add_row("peak above start: init / steps", ", ".join(f"{si(a)} / {si(b)}" for a, b in zip(init, step)))
+    head.add_row("peak above start: init / steps", ", ".join(f"{si(a)} / {si(b)}" for a, b in zip(init, step, strict=True)))
     head.add_row(
         "sent per rank per step",
         f"intra-node {si(summary.intra_node_bytes_per_step)}, "

@@ -32,7 +32,6 @@ from zeropp.quant import QuantKernels, QuantSpec
 from zeropp.stages import StagePolicy
 from zeropp.topology import ShardGroups
 
-
 _RELEASED = torch.empty(0)
 
 

@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from zeropp.quant import QuantKernels, Quantized, QuantSpec, reference
+from zeropp.quant import Quantized, QuantKernels, QuantSpec, reference
 
 SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 ROW = 4096  # elements a row of the benchmarked buffers

@@ -116,18 +116,20 @@ def run_fsdp2(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
 def fsdp2_worker(args: argparse.Namespace) -> None:
     """One FSDP2 rank: meta-device model, fully_shard per block, to_empty, init, a few steps."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from zeropp.comm import Communicator
+    from zeropp.config import TopologyConfig
     from zeropp.memory import PeakMeter
+    from zeropp.topology import init_topology, shutdown
 
-    dist.init_process_group("gloo")
+    topology = init_topology(TopologyConfig(backend="gloo"))
     meter = PeakMeter(torch.device("cpu"))
     config = gpt_config(model_config(args))
     with torch.device("meta"):
         model = GPT(config)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (topology.world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -146,13 +148,12 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
     peaks = torch.tensor([float(init), float(meter.peak())])
-    gathered = [torch.zeros(2) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, peaks)  # a peer's own collective, outside zeropp's ledger
-    if dist.get_rank() == 0:
-        Path(args.fsdp2_worker).write_text(json.dumps({"init": max(g[0].item() for g in gathered),
-                                                       "step": max(g[1].item() for g in gathered)}))  # fmt: skip
-    dist.destroy_process_group()
-    os._exit(0)  # gloo's threads may abort an interpreter exit ("terminate called without an active exception")
+    rows = torch.zeros(2 * topology.world_size)
+    Communicator(topology).all_gather(rows, peaks, topology.world, bucket_numel=2)  # zeropp's door, not FSDP2's
+    if topology.rank == 0:
+        init_max, step_max = rows.view(-1, 2).max(dim=0).values.tolist()
+        Path(args.fsdp2_worker).write_text(json.dumps({"init": init_max, "step": step_max}))
+    shutdown()
 
 
 def _free_port() -> int:

@@ -25,9 +25,9 @@ from torch import nn
 from zeropp.comm import Communicator
 from zeropp.config import ModelConfig, TopologyConfig
 from zeropp.data import Batches
-from zeropp.memory import peak_memory_bytes
 from zeropp.grouping import repeated_blocks
 from zeropp.materialize import initialize_model
+from zeropp.memory import peak_memory_bytes
 from zeropp.models.gpt import GPT, gpt_config
 from zeropp.topology import init_topology, shutdown
 

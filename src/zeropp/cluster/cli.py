@@ -15,6 +15,7 @@ from zeropp.cluster.links import check_privileges, format_rate
 from zeropp.cluster.probe import probe_bandwidth
 from zeropp.cluster.run import ClusterResult, run_cluster
 
+
 def report(result: ClusterResult, out: IO[str]) -> None:
     """The wire-vs-ledger tables printed after a run."""
 

@@ -32,7 +32,7 @@ import torch
 
 from zeropp.comm import Communicator, Pending
 from zeropp.partition import column_chunks, qgz_send_order
-from zeropp.quant import QuantKernels, Quantized, QuantSpec
+from zeropp.quant import Quantized, QuantKernels, QuantSpec
 from zeropp.topology import Group, ShardGroups
 
 

@@ -158,8 +158,8 @@ def gpt_unit_numels(model: ModelConfig) -> list[int]:
     """The numel of every unit the engine makes of the embedded GPT (its blocks, then the root)."""
     import torch
 
-    from zeropp.models.gpt import GPT, gpt_config
     from zeropp.grouping import group_parameters, repeated_blocks
+    from zeropp.models.gpt import GPT, gpt_config
 
     with torch.device("meta"):
         gpt = GPT(gpt_config(model))
