@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from zeropp.config import ConfigError
+from zeropp.topology import free_port
 
 DEFAULT_PORT = 29511  # several nodes must agree on one port; one node picks a free one
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
@@ -80,7 +81,7 @@ def resolve(args: argparse.Namespace) -> int:
     else:
         _check_launcher_env()
         if args.master_port is None and nodes == 1:
-            args.master_port = _free_port()
+            args.master_port = free_port()
         else:
             if args.master_port is None:
                 args.master_port = DEFAULT_PORT
@@ -133,12 +134,6 @@ def _check_rank_env(args: argparse.Namespace, given: set[str], nodes: int) -> No
             f"WORLD_SIZE={world} in the environment contradicts --nproc-per-node {args.nproc_per_node} x "
             f"--nnodes {args.nnodes} = {asked} ranks; unset RANK and WORLD_SIZE to launch, or drop the flags"
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _check_port_free(port: int) -> None:

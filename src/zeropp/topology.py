@@ -235,7 +235,7 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ and world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         timeout = datetime.timedelta(seconds=config.timeout_s)
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
@@ -307,7 +307,8 @@ def shutdown(wait_for_others: bool = True) -> None:
     time.sleep(GLOO_DRAIN_S)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel picks it)."""
     import socket
 
     with socket.socket() as s:

@@ -28,7 +28,7 @@ CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
 
 def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> bool:
     """Whether `variant` constructs and trains two steps at `depth` inside the memory limit."""
-    from zeropp.benchmarks.memory import VARIANTS, _free_port
+    from zeropp.benchmarks.memory import VARIANTS
 
     size = ["--n-layer", str(depth), "--d-model", str(args.d_model), "--block-size", str(args.block_size)]
     if variant == "FSDP2 meta":
@@ -38,7 +38,7 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> b
         command = [sys.executable, "-m", "zeropp.cli", "train", *size, "--n-head", str(args.d_model // 64),
                    "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
                    "--stage", "3", "--no-quantized-weights", "--hpz-partition-size", "1", "--no-quantized-gradients",
-                   "--nproc-per-node", str(world), "--nodes", "1", "--master-port", str(_free_port()),
+                   "--nproc-per-node", str(world), "--nodes", "1",
                    *VARIANTS[variant]]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 

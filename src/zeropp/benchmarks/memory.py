@@ -95,7 +95,7 @@ def run_zeropp(args: argparse.Namespace, world: int, flags: list[str]) -> dict[s
     summary = train_summary(
         [*size, "--block-size", str(m.block_size), "--micro-batch-size", "1", "--steps", str(args.steps),
          "--eval-interval", str(args.steps + 1), "--eval-batches", "1", "--stage", "3", *ZEROPP_OFF_FLAGS,
-         "--nproc-per-node", str(world), "--nodes", "1", "--master-port", str(_free_port()), *flags]
+         "--nproc-per-node", str(world), "--nodes", "1", *flags]
     )  # fmt: skip
     return {"init": max(summary.init_peak_memory_bytes_per_rank), "step": max(summary.step_peak_memory_bytes_per_rank)}
 
@@ -155,13 +155,6 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
         Path(args.fsdp2_worker).write_text(json.dumps({"init": init_max, "step": step_max}))
     shutdown()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
