@@ -155,18 +155,14 @@ class FlatUnit:
         """The parameters' values as one fp32 flat buffer on the device; the parameters' own copies are
         released (each as soon as it is flattened), so a unit never exists twice."""
         device = self.options.device
-        if initial_flat is not None:
-            for p, view in zip(self.params, self.layout.split(initial_flat), strict=True):
-                if p.data_ptr() != view.data_ptr():  # set elsewhere (a parameter shared with another scope)
-                    view.copy_(p.detach())
-            full32 = initial_flat.to(device)
-        else:
-            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-            for p, view in zip(self.params, self.layout.split(full32), strict=True):
+        flat = initial_flat
+        if flat is None:
+            flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for p, view in zip(self.params, self.layout.split(flat), strict=True):
+            if p.data_ptr() != view.data_ptr():  # not initialized in place (or shared with another scope)
                 view.copy_(p.detach())
-                p.data = _RELEASED.to(p.dtype)
-        for p in self.params:
             p.data = _RELEASED.to(p.dtype)
+        full32 = flat.to(device)
         if broadcast:  # the padding holds zeros everywhere already
             self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
         return full32
