@@ -94,15 +94,15 @@ class ZeroEngine:
 
     def _host_flat(
         self, params: list[tuple[str, nn.Parameter]], options: UnitOptions
-    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """A unit's fp32 flat buffer on the host and its per-parameter views, for meta fp32 parameters
-        (others are initialized in their own dtype and flattened afterwards)."""
+    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """A unit's fp32 flat buffer on the host and {id(parameter): its view}, for meta fp32
+        parameters (others are initialized in their own dtype and flattened afterwards)."""
         tensors = [p for _, p in params]
         if not tensors or not all(p.is_meta and p.dtype == torch.float32 for p in tensors):
-            return None
+            return None, {}
         layout = FlatUnit.layout_of(tensors, self.groups, self.policy, options)
         flat = torch.zeros(layout.padded_numel, dtype=torch.float32)
-        return flat, layout.split(flat)
+        return flat, dict(zip((id(p) for p in tensors), layout.split(flat), strict=True))
 
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
@@ -140,26 +140,24 @@ class ZeroEngine:
         built = []
         for module in [*(m for m in unit_modules if m is not model), model]:
             scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
-            flat = self._host_flat(params, options) if meta else None
+            flat, views = self._host_flat(params, options) if meta else (None, {})
             if meta:  # the unit's fp32 parameters are initialized straight into its flat buffer
-                storage = {} if flat is None else dict(zip((id(p) for _, p in params), flat[1], strict=True))
-                materialize.initialize_scope(scope, model, seed, init_fn, storage)
+                materialize.initialize_scope(scope, model, seed, init_fn, views)
             materialize.place_fixed(
                 scope, managed, self.topology.device, self.compute_dtype, self.comm, None if meta else world
             )
-            if params:
-                unit = FlatUnit(
-                    module,
-                    params,
-                    self.comm,
-                    self.groups,
-                    self.policy,
-                    options,
-                    broadcast_initial=not meta,
-                    initial_flat=None if flat is None else flat[0],
-                )
-                built.append(unit)
-                del flat
+            unit = (
+                FlatUnit(
+                    module, params, self.comm, self.groups, self.policy, options,
+                    broadcast_initial=not meta, initial_flat=flat,
+                )  # fmt: skip
+                if params
+                else None
+            )
+            # Drop the buffer and its views before the next unit allocates its own: either kept
+            # alive would hold two whole units at once instead of one.
+            del flat, views
+            built.extend([unit] if unit is not None else [])
         return built
 
     # -- forward ---------------------------------------------------------------------------------
