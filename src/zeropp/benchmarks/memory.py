@@ -7,7 +7,8 @@ trained for ``--steps`` steps (fp32, AdamW, ZeRO-3 without ZeRO++, one sequence 
 - zeropp, model built whole on every rank (``--init eager``: what every run did before meta-device
   construction);
 - zeropp with ``--offload-optimizer cpu`` (on a CPU-only machine host and device are one memory);
-- FSDP2 (``fully_shard`` per block, the model built on the meta device, ``to_empty`` + init).
+- FSDP2 (``fully_shard`` per block, the model built on the meta device, ``to_empty`` + init) and
+  DeepSpeed ZeRO-3 with ``zero.Init`` when ``deepspeed`` is installed (:mod:`zeropp.benchmarks.memory_peers`).
 
 Peaks are :class:`zeropp.memory.PeakMeter`'s, above each process's memory before the model was
 built: ``init`` covers construction and set-up, ``step`` the training steps. The bounds:
@@ -29,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from zeropp.benchmarks.memory_peers import PEERS, run_peer
 from zeropp.benchmarks.runs import ZEROPP_OFF_FLAGS, train_summary
 from zeropp.config import ModelConfig
 from zeropp.grouping import group_parameters, repeated_blocks
@@ -86,7 +86,11 @@ def activation_bytes(config: Any) -> int:
 
 
 def _measure(args: argparse.Namespace, world: int, variant: str) -> dict[str, Any]:
-    return run_fsdp2(args, world) if variant == "FSDP2 meta" else run_zeropp(args, world, VARIANTS[variant])
+    if variant in PEERS:
+        size = ["--n-layer", str(args.n_layer), "--d-model", str(args.d_model), "--block-size", str(args.block_size)]
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_peer(variant, world, size, args.steps, Path(tmp) / "peaks.json")
+    return run_zeropp(args, world, VARIANTS[variant])
 
 
 def run_zeropp(args: argparse.Namespace, world: int, flags: list[str]) -> dict[str, Any]:
@@ -98,63 +102,6 @@ def run_zeropp(args: argparse.Namespace, world: int, flags: list[str]) -> dict[s
          "--nproc-per-node", str(world), "--nodes", "1", *flags]
     )  # fmt: skip
     return {"init": max(summary.init_peak_memory_bytes_per_rank), "step": max(summary.step_peak_memory_bytes_per_rank)}
-
-
-def run_fsdp2(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    """FSDP2 in `world` ranks of this module's worker (torchrun), its peaks read back."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "fsdp2.json"
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "zeropp.benchmarks.memory", "--fsdp2-worker", str(out), "--n-layer", str(args.n_layer),
-            "--d-model", str(args.d_model), "--block-size", str(args.block_size), "--steps", str(args.steps),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
-        return json.loads(out.read_text())
-
-
-def fsdp2_worker(args: argparse.Namespace) -> None:
-    """One FSDP2 rank: meta-device model, fully_shard per block, to_empty, init, a few steps."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from zeropp.comm import Communicator
-    from zeropp.config import TopologyConfig
-    from zeropp.memory import PeakMeter
-    from zeropp.topology import init_topology, shutdown
-
-    topology = init_topology(TopologyConfig(backend="gloo"))
-    meter = PeakMeter(torch.device("cpu"))
-    config = gpt_config(model_config(args))
-    with torch.device("meta"):
-        model = GPT(config)
-    mesh = init_device_mesh("cpu", (topology.world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            GPT._init_weights(module)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    init = meter.peak()
-    meter.reset_peak()
-    for _ in range(args.steps):
-        x = torch.randint(0, config.vocab_size, (1, config.block_size))
-        model(x, x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    peaks = torch.tensor([float(init), float(meter.peak())])
-    rows = torch.zeros(2 * topology.world_size)
-    Communicator(topology).all_gather(rows, peaks, topology.world, bucket_numel=2)  # zeropp's door, not FSDP2's
-    if topology.rank == 0:
-        init_max, step_max = rows.view(-1, 2).max(dim=0).values.tolist()
-        Path(args.fsdp2_worker).write_text(json.dumps({"init": init_max, "step": step_max}))
-    shutdown()
-
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -184,13 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, "FSDP2 meta"], default=[*VARIANTS, "FSDP2 meta"])
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *PEERS], default=[*VARIANTS, *PEERS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_memory.json"))
-    parser.add_argument("--fsdp2-worker", help=argparse.SUPPRESS)  # internal: one FSDP2 rank
     args = parser.parse_args(argv)
-    if args.fsdp2_worker:
-        fsdp2_worker(args)
-        return 0
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # inherited by every run (see the docstring)
     floor_args = argparse.Namespace(**{**vars(args), "n_layer": 1, "d_model": 64})
     rows = []
