@@ -160,15 +160,17 @@ def engine_logits(runs: dict[str, dict], inputs: Path) -> dict[str, torch.Tensor
     return out
 
 
-def test_export_writes_a_folder_from_pretrained_loads_with_the_engines_logits(runs, inputs, tmp_path):
+def test_export_writes_a_folder_from_pretrained_loads_with_the_engines_logits(runs, inputs, tmp_path, capsys):
     import transformers
+
+    from zeropp.cli import main
 
     engine = run_ranks(engine_logits, 2, runs=runs, inputs=inputs)[0]
     for case, run in runs.items():
         out = tmp_path / case
-        result = zeropp("export", str(run["first"] / "step-00000006"), str(out))
-        assert result.returncode == 0, result.stderr
-        assert result.stderr == "" and "Hugging Face folder" in result.stdout
+        assert main(["export", str(run["first"] / "step-00000006"), str(out)]) == 0
+        printed = capsys.readouterr()
+        assert printed.err == "" and "Hugging Face folder" in printed.out
         model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             logits = model(input_ids=PROBE).logits
@@ -245,12 +247,22 @@ def test_bad_inputs_are_refused_in_one_line(inputs, tmp_path, capsys):
 
 
 def test_without_transformers_or_matplotlib_one_line_says_what_to_install(inputs):
-    blocked = "import sys; sys.modules['transformers'] = None; sys.modules['matplotlib'] = None; "
+    """Both packages blocked in one process (importing them raises ImportError), two commands run in it."""
     text = str(inputs / "corpus.txt")
-    train = ["train", "--hf-config", str(inputs / "gpt2.json"), "--data", text]
-    _one_line(zeropp(*train, prelude=blocked), "transformers", "not installed", "pip install -e '.[hf]'")
-    plot = ["train", "--data", text, "--plot", str(inputs / "loss.png")]
-    _one_line(zeropp(*plot, prelude=blocked), "matplotlib", "not installed", "pip install -e '.[plot]'")
+    commands = [["train", "--hf-config", str(inputs / "gpt2.json"), "--data", text],
+                ["train", "--data", text, "--plot", str(inputs / "loss.png")]]  # fmt: skip
+    code = (
+        "import sys; sys.modules['transformers'] = None; sys.modules['matplotlib'] = None\n"
+        "from zeropp.cli import main\n"
+        f"for command in {commands!r}:\n"
+        "    print(main(command), file=sys.stderr, flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[1::2] == ["2", "2"] and len(lines) == 4, result.stderr
+    hf, plot = lines[0::2]
+    assert hf.startswith("zeropp: error: ") and "transformers, which is not installed" in hf and ".[hf]" in hf, hf
+    assert plot.startswith("zeropp: error: ") and "matplotlib, which is not installed" in plot and ".[plot]" in plot
 
 
 # -- pieces, in one process -----------------------------------------------------------------------
