@@ -141,22 +141,26 @@ def test_metrics_jsonl_has_one_line_per_step_and_the_progress_says_what_it_shows
         assert (run["folder"] / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def engine_logits(runs: dict[str, dict], inputs: Path) -> dict[str, torch.Tensor]:
-    """Each case's step-6 checkpoint loaded into the engine (stage 3, no quantized weights), its logits."""
+def engine_logits(runs: dict[str, dict], inputs: Path, exported: Path) -> dict[str, torch.Tensor]:
+    """Each case's logits in the engine (stage 3, no quantized weights) from its step-6 checkpoint, and from
+    its exported folder as --hf-model (weights read straight into the shards; its tokenizer for the Llama)."""
     from zeropp.config import load_config
     from zeropp.train import Trainer
+
+    def logits(model: dict, train: dict, checkpoint: dict) -> torch.Tensor:
+        config = {"model": {**model, "block_size": 32}, "train": {**train, "steps": 6}, "topology": {"nodes": 1}}
+        trainer = Trainer(load_config({**config, "checkpoint": checkpoint}))
+        with torch.no_grad():
+            return trainer.engine.eval()(input_ids=PROBE).logits.float()
 
     out = {}
     for case, run in runs.items():
         config, data, tokenizer = CASES[case]
-        trainer = Trainer(load_config({
-            "model": {"hf_config": str(inputs / config), "block_size": 32},
-            "train": {"data": str(inputs / data), "tokenizer": tokenizer and str(inputs / tokenizer), "steps": 6},
-            "topology": {"nodes": 1},
-            "checkpoint": {"resume": str(run["first"] / "step-00000006")},
-        }))  # fmt: skip
-        with torch.no_grad():
-            out[case] = trainer.engine.eval()(input_ids=PROBE).logits.float()
+        resume = {"resume": str(run["first"] / "step-00000006")}
+        text = {"data": str(inputs / data), "tokenizer": tokenizer and str(inputs / tokenizer)}
+        out[case, "checkpoint"] = logits({"hf_config": str(inputs / config)}, text, resume)
+        folder = str(exported / case)
+        out[case, "--hf-model"] = logits({"hf_model": folder}, {**text, "tokenizer": tokenizer and folder}, {})
     return out
 
 
@@ -165,18 +169,20 @@ def test_export_writes_a_folder_from_pretrained_loads_with_the_engines_logits(ru
 
     from zeropp.cli import main
 
-    engine = run_ranks(engine_logits, 2, runs=runs, inputs=inputs)[0]
     for case, run in runs.items():
-        out = tmp_path / case
-        assert main(["export", str(run["first"] / "step-00000006"), str(out)]) == 0
+        assert main(["export", str(run["first"] / "step-00000006"), str(tmp_path / case)]) == 0
         printed = capsys.readouterr()
         assert printed.err == "" and "Hugging Face folder" in printed.out
-        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    engine = run_ranks(engine_logits, 2, runs=runs, inputs=inputs, exported=tmp_path)[0]
+    for case in runs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / case).eval()
         with torch.no_grad():
             logits = model(input_ids=PROBE).logits
-        assert torch.allclose(logits, engine[case], atol=1e-5, rtol=0), (case, (logits - engine[case]).abs().max())
+        for source in ("checkpoint", "--hf-model"):
+            ours = engine[case, source]
+            assert torch.allclose(logits, ours, atol=1e-5, rtol=0), (case, source, (logits - ours).abs().max())
         if CASES[case][2]:  # the run's tokenizer travels with the model
-            tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / case)
             assert len(tokenizer) == 17 and tokenizer.eos_token == "<eos>"
 
 

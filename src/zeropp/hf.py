@@ -46,9 +46,9 @@ def local_path(flag: str, value: str, want: str) -> Path:
         hub_like = not value.startswith((".", "/", "~")) and value.count("/") <= 1 and not Path(value).suffix
         if hub_like:
             raise HFError(
-                f"{flag} {value!r} is not a local path; zeropp reads models and tokenizers from local "
-                f"{want}s only, with no downloads (fetch it first, e.g. `hf download {value} --local-dir DIR`, "
-                f"and pass DIR)"
+                f"{flag} {value!r} is not a local path (a hub name?); zeropp reads models and tokenizers from "
+                f"local {want}s only, with no downloads: fetch it first (e.g. `hf download {value} --local-dir DIR`) "
+                "and pass DIR"
             )
         raise HFError(f"{flag} {value!r} does not exist; expected a local {want}")
     if (want == "folder") != path.is_dir():
