@@ -82,10 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, help="TOML or JSON file of config keys (default: none)")
     train.add_argument("--summary-json", type=Path, help="also write the run summary as JSON here (default: none)")
     train.add_argument(
-        "--metrics-jsonl", type=Path, help="write every step's metrics here, one JSON object a line (default: none)"
+        "--metrics-jsonl", type=Path, metavar="PATH", help="write every step's metrics here, one JSON object a line (default: none)"
     )
     train.add_argument(
-        "--plot", type=Path, help="at the end, write a PNG of the training and validation loss here (default: none)"
+        "--plot", type=Path, metavar="PNG", help="at the end, write a PNG of the training and validation loss here (default: none)"
     )
     add_launch_flags(train)
     _train_config_flags(train)

@@ -63,7 +63,8 @@ def config_file(hf_model: str | None, hf_config: str | None) -> tuple[str, Path]
         if not (folder / "config.json").is_file():
             raise HFError(f"--hf-model {hf_model!r} holds no config.json; expected a Hugging Face model folder")
         return "--hf-model", folder / "config.json"
-    assert hf_config is not None
+    if hf_config is None:
+        raise HFError("no Hugging Face model given; expected --hf-model DIR or --hf-config FILE")
     return "--hf-config", local_path("--hf-config", hf_config, "file")
 
 
