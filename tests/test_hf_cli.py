@@ -301,3 +301,17 @@ def test_mfu_uses_6n_plus_attention_over_the_devices_bf16_peak(monkeypatch):
         assert peak_flops(torch.device("cuda", 0)) == peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert peak_flops(torch.device("cuda", 0)) is None
+
+
+def test_plot_draws_the_training_and_validation_curves(tmp_path):
+    pytest.importorskip("matplotlib")
+    from zeropp.metrics import MetricsLog, StepMetrics, plot_losses
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 5):
+        log.add(StepMetrics(step, 5.0 - step / 4, 4.5 if step % 2 == 0 else None, 1.0, 1e-3, 0.1, 100.0, 25.0, None, 1))
+    log.close()
+    assert (log.train, log.val) == ([(1, 4.75), (2, 4.5), (3, 4.25), (4, 4.0)], [(2, 4.5), (4, 4.5)])
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    plot_losses(log, tmp_path / "loss.png", "title")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

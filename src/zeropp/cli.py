@@ -235,7 +235,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
             if args.summary_json is not None:
                 write_summary(summary, args.summary_json)
             if args.plot is not None:
-                plot_losses(log, args.plot, f"zeropp train: {summary.model}, stage {summary.stage}")
+                plot_losses(log, args.plot, f"zeropp train: {summary.model.split(' (')[0]}, stage {summary.stage}")
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
     except PeerLost as error:  # under zeropp train the launcher names the rank that died
         if LAUNCHER_PID not in os.environ:
