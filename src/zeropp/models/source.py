@@ -2,7 +2,8 @@
 (``model.hf_model`` / ``model.hf_config``, :mod:`zeropp.hf`), with its tokenizer and its text.
 
 A :class:`ModelSource` builds the model (on the meta device for ``train.init = meta``), computes the
-loss of a batch, names the tokenizer, and says what a checkpoint must record to export the model.
+loss of a batch, and says what a checkpoint must record to export the model (its config, and the
+tokenizer folder as an absolute path).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def model_source(config: Config) -> ModelSource:
     if longest is not None and block_size > longest:
         raise ConfigError(f"model.block_size = {block_size} is longer than the model's {longest} positions")
     folder = Path(model.hf_model).expanduser() if model.hf_model is not None else None
-    extra = {"hf_config": hf_config.to_dict(), "tokenizer": config.train.tokenizer}
+    tokenizer = config.train.tokenizer
+    extra = {"hf_config": hf_config.to_dict(), "tokenizer": tokenizer and str(Path(tokenizer).expanduser().resolve())}
     return ModelSource(
         f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config})",
         lambda: hf.build_model(hf_config), hf.causal_lm_loss, block_size, hf_config.vocab_size,
