@@ -116,8 +116,7 @@ def test_save_at_world4_loads_at_world2_and_world1_and_exports(tmp_path):
     from safetensors.torch import load_file
 
     from zeropp.checkpoint import export_checkpoint
-    from zeropp.models.gpt import GPT
-    from zeropp.train import gpt_config
+    from zeropp.models.gpt import GPT, gpt_config
 
     world4 = run_ranks(save_world4_worker, 4, nodes=2, root=str(tmp_path))
     exported = tmp_path / "model.safetensors"

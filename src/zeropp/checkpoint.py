@@ -272,13 +272,25 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    meta = read_meta(path)
-    verify_files(path, meta)
+    read_meta(path)  # a missing or damaged checkpoint is named before the output
     out = Path(out)
     if out.is_dir():
         raise CheckpointError(f"cannot write {str(out)!r}: it is a directory; expected a file name")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise CheckpointError(f"cannot write {str(out)!r}: its folder does not exist or is not writable")
+    meta, tensors = consolidated_state(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
+    except (OSError, SafetensorError) as error:  # safetensors reports I/O errors as SafetensorError
+        raise CheckpointError(f"could not write {str(out)!r} ({_reason(error)})") from None
+    return meta
+
+
+def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A checkpoint's zeropp.json and its whole ``model.state_dict()`` (fp32 floating tensors, tied
+    weights under every name), read in one process whatever world size saved it."""
+    meta = read_meta(path)
+    verify_files(path, meta)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     flat = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
     fixed = {key: _empty_like_saved(keys[key]) for key in map(state.fixed_key, meta["fixed"])}
@@ -294,11 +306,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     for name in meta["fixed"]:
         value = fixed[state.fixed_key(name)]
         tensors[name] = value.float() if value.is_floating_point() else value
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
-    except (OSError, SafetensorError) as error:  # safetensors reports I/O errors as SafetensorError
-        raise CheckpointError(f"could not write {str(out)!r} ({_reason(error)})") from None
-    return meta
+    return meta, tensors
 
 
 # -- helpers --------------------------------------------------------------------------------------

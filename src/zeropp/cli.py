@@ -1,5 +1,8 @@
 """Command line: zeropp train, export, estimate, cluster and bench.
 
+zeropp train trains the embedded GPT on the embedded corpus, or a Hugging Face causal LM
+(--hf-model DIR, --hf-config FILE) on your own text (--data PATH, --tokenizer DIR); local paths only.
+
 zeropp train run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
 environment. On one machine the ranks are split into 2 simulated nodes unless --nodes says
@@ -43,7 +46,8 @@ from zeropp.launch import (
     waiting_note,
 )
 from zeropp.materialize import MaterializeError
-from zeropp.models.gpt import gpt_config
+from zeropp.metrics import require_matplotlib
+from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import PretrainedError
 from zeropp.topology import Layout, resolve_backend
 from zeropp.train import TrainingStopped, preflight
@@ -70,17 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
-        help="train the embedded GPT on the embedded corpus",
-        description="Train the embedded byte-level GPT on the embedded corpus on local ranks (or several "
-        "machines), with a progress bar and a summary. Flags override --config, which overrides the defaults.",
+        help="train the embedded GPT, or a Hugging Face causal LM on your text",
+        description="Train the embedded byte-level GPT on the embedded corpus, or a Hugging Face causal LM "
+        "(--hf-model, --hf-config) on your text (--data, --tokenizer), on local ranks (or several machines), "
+        "with a progress bar and a summary. Flags override --config, which overrides the defaults.",
     )
     train.add_argument("--config", type=Path, help="TOML or JSON file of config keys (default: none)")
     train.add_argument("--summary-json", type=Path, help="also write the run summary as JSON here (default: none)")
+    train.add_argument(
+        "--metrics-jsonl", type=Path, metavar="PATH", help="write every step's metrics here, one JSON object a line (default: none)"
+    )
+    train.add_argument(
+        "--plot", type=Path, metavar="PNG", help="at the end, write a PNG of the training and validation loss here (default: none)"
+    )
     add_launch_flags(train)
     _train_config_flags(train)
-    export = commands.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
+    export = commands.add_parser(
+        "export",
+        help="consolidate a sharded checkpoint: one safetensors file, or a Hugging Face folder",
+        description="Write a checkpoint's weights as one .safetensors file (OUT ends in .safetensors), or, for a "
+        "Hugging Face model, as a folder that from_pretrained loads (config, safetensors, the tokenizer if used).",
+    )
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
-    export.add_argument("out", type=Path, help="the .safetensors file to write")
+    export.add_argument("out", type=Path, help="the .safetensors file, or the Hugging Face folder, to write")
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
     benchmarks = available()
@@ -123,7 +139,7 @@ def _main(argv: list[str]) -> int:
         return 2
     if not is_rank():
         return _launch(args, argv, nodes)
-    return _run_rank(config, args.summary_json)
+    return _run_rank(config, args)
 
 
 def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
@@ -143,24 +159,27 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
         layout.hpz_group_size(config.zero.hpz_partition_size)
         resolve_backend(config.topology)
-        gpt_config(config.model)
+        training_text(config, model_source(config))  # model, tokenizer and data: refused here in one line
         preflight(config)
-        if args.summary_json is not None:
-            _check_summary_path(args.summary_json)
+        for flag in ("summary_json", "metrics_jsonl", "plot"):
+            if getattr(args, flag) is not None:
+                _check_output(f"--{flag.replace('_', '-')}", getattr(args, flag))
+        if args.plot is not None:
+            require_matplotlib()
         if config.checkpoint.checkpoint_dir is not None:  # one run per folder
             runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     return config, nodes
 
 
-def _check_summary_path(path: Path) -> None:
-    """Refuse a summary file that could not be written, before training rather than after it."""
+def _check_output(flag: str, path: Path) -> None:
+    """Refuse an output file that could not be written, before training rather than after it."""
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "it is a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as error:
-        raise ConfigError(f"--summary-json {str(path)!r} cannot be written ({error.strerror})") from None
+        raise ConfigError(f"{flag} {str(path)!r} cannot be written ({error.strerror})") from None
 
 
 def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
@@ -195,7 +214,8 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     return 0
 
 
-def _run_rank(config: Any, summary_json: Path | None) -> int:
+def _run_rank(config: Any, args: argparse.Namespace) -> int:
+    from zeropp.metrics import MetricsLog, plot_losses
     from zeropp.report import print_summary, progress_bar
     from zeropp.topology import shutdown
     from zeropp.train import Trainer, write_summary
@@ -206,12 +226,16 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
             runlock.hold(config.checkpoint.checkpoint_dir, os.environ.get("MASTER_PORT"))
         trainer = Trainer(config)
         leader = trainer.topology.rank == 0
+        log = MetricsLog(args.metrics_jsonl if leader else None)
         with progress_bar(config.train.steps, enabled=leader and trainer.start_step < config.train.steps) as update:
-            summary = trainer.run(update)
+            summary = trainer.run(update, log)
+        log.close()
         if leader and summary is not None:
             print_summary(summary)
-            if summary_json is not None:
-                write_summary(summary, summary_json)
+            if args.summary_json is not None:
+                write_summary(summary, args.summary_json)
+            if args.plot is not None:
+                plot_losses(log, args.plot, f"zeropp train: {summary.model.split(' (')[0]}, stage {summary.stage}")
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
     except PeerLost as error:  # under zeropp train the launcher names the rank that died
         if LAUNCHER_PID not in os.environ:
@@ -234,14 +258,18 @@ def _run_rank(config: Any, summary_json: Path | None) -> int:
 
 
 def _export(checkpoint: Path, out: Path) -> int:
-    from zeropp.checkpoint import export_checkpoint
+    """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a file."""
+    from zeropp.checkpoint import export_checkpoint, read_meta
+    from zeropp.hf import export_folder
 
     try:
-        meta = export_checkpoint(checkpoint, out)
-    except CheckpointError as error:
+        folder = out.suffix != ".safetensors" and "hf_config" in read_meta(checkpoint)["extra"]
+        meta = export_folder(checkpoint, out) if folder else export_checkpoint(checkpoint, out)
+    except (CheckpointError, ConfigError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, safetensors)")
+    what = "a Hugging Face folder for from_pretrained" if folder else "safetensors"
+    print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, {what})")
     return 0
 
 

@@ -182,16 +182,24 @@ class TopologyConfig:
 
 @dataclass
 class ModelConfig:
-    """The embedded byte-level GPT (see zeropp.models.gpt)."""
+    """The embedded byte-level GPT (see zeropp.models.gpt), or a Hugging Face causal LM (zeropp.hf)."""
 
     preset: Literal["tiny", "small", "medium"] = setting("small", "model size; the keys below override its values")
     n_layer: int | None = setting(None, "transformer blocks; unset: the preset's")
     n_head: int | None = setting(None, "attention heads, a divisor of d_model; unset: the preset's")
     d_model: int | None = setting(None, "width; unset: the preset's")
-    block_size: int | None = setting(None, "context length in bytes; unset: the preset's")
+    block_size: int | None = setting(
+        None, "context length in tokens; unset: the preset's (a Hugging Face model's: 128, or its positions if fewer)"
+    )
+    hf_model: str | None = setting(
+        None, "train this Hugging Face causal LM instead: a local folder with config.json (and safetensors weights)"
+    )
+    hf_config: str | None = setting(None, "train a randomly initialized Hugging Face causal LM of this local config.json")
 
     def validate(self) -> None:
         _check_choices(self, "model")
+        if self.hf_model is not None and self.hf_config is not None:
+            _require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
         for key in ("n_layer", "n_head", "d_model", "block_size"):
             value = getattr(self, key)
             if value is not None:
@@ -232,6 +240,10 @@ class TrainConfig:
     max_consecutive_skipped_steps: int = setting(
         50, "fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients"
     )
+    data: str | None = setting(
+        None, "train on this local text: a file, a folder of files, or .jsonl with a text field; unset: the embedded corpus"
+    )
+    tokenizer: str | None = setting(None, "a local Hugging Face tokenizer folder for train.data; unset: UTF-8 bytes")
 
     def validate(self) -> None:
         _check_choices(self, "train")

@@ -17,7 +17,14 @@ from typing import Any
 
 from zeropp.config import Key, ZeroConfig, leaf_keys
 
-METAVARS = {"checkpoint.resume": "auto|PATH", "checkpoint.checkpoint_dir": "DIR"}
+METAVARS = {
+    "checkpoint.resume": "auto|PATH",
+    "checkpoint.checkpoint_dir": "DIR",
+    "model.hf_model": "DIR",
+    "model.hf_config": "FILE",
+    "train.data": "PATH",
+    "train.tokenizer": "DIR",
+}
 
 
 def add_config_flags(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from zeropp.metrics import StepMetrics
 from zeropp.rates import si
 from zeropp.summary import RunSummary
 
@@ -17,17 +17,26 @@ console = Console()
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[Callable[..., None] | None]:
-    """Yield update(step, train_loss, val_loss, tokens_per_s, skipped=0), or None where disabled (ranks > 0).
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[StepMetrics, int], None] | None]:
+    """Yield update(metrics, skipped), or None where disabled (ranks > 0).
 
-    tokens_per_s counts every rank's tokens; val_loss is NaN until the first evaluation; `skipped`:
-    fp16 steps skipped so far, shown once there is one. Where the output is not a terminal, a line is
-    printed every tenth of the run (and for the last update)."""
+    Shows the loss, the validation loss once one was measured (the latest), tokens/s of all ranks
+    together and per rank, MFU where known, and `skipped` (fp16 steps skipped so far) once there is
+    one. Where the output is not a terminal, a line is printed every tenth of the run (and for the
+    last step)."""
     if not enabled:
         yield None
         return
+    line = _ProgressText()
     if not console.is_terminal:
-        yield _progress_lines(total)
+        every = max(1, total // 10)
+
+        def print_line(metrics: StepMetrics, skipped: int = 0) -> None:
+            text = line(metrics, skipped)
+            if metrics.step % every == 0 or metrics.step >= total:
+                console.print(f"step {metrics.step}/{total}  {text}", highlight=False)
+
+        yield print_line
         return
     columns = [
         TextColumn("[bold]train"),
@@ -37,33 +46,36 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[..., None] | No
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, text=_progress_text(float("nan"), float("nan"), 0.0))
+        task = progress.add_task("train", total=total, text="")
 
-        def update(step: int, loss: float, val: float, tokens_per_s: float, skipped: int = 0) -> None:
-            progress.update(task, completed=step, text=_progress_text(loss, val, tokens_per_s, skipped))
+        def update(metrics: StepMetrics, skipped: int = 0) -> None:
+            progress.update(task, completed=metrics.step, text=line(metrics, skipped))
 
         yield update
 
 
-def _progress_text(loss: float, val: float, tokens_per_s: float, skipped: int = 0) -> str:
-    val_text = "-" if math.isnan(val) else f"{val:.4f}"
-    note = f"  {skipped} skipped" if skipped else ""
-    return f"loss {loss:.4f}  val {val_text}  {tokens_per_s:,.0f} tok/s (all ranks){note}"
+class _ProgressText:
+    """The progress text of a step; remembers the latest validation loss."""
 
+    def __init__(self) -> None:
+        self.val: float | None = None
 
-def _progress_lines(total: int) -> Callable[..., None]:
-    every = max(1, total // 10)
-
-    def update(step: int, loss: float, val: float, tokens_per_s: float, skipped: int = 0) -> None:
-        if step % every == 0 or step >= total:
-            text = _progress_text(loss, val, tokens_per_s, skipped)
-            console.print(f"step {step}/{total}  {text}", highlight=False)
-
-    return update
+    def __call__(self, m: StepMetrics, skipped: int = 0) -> str:
+        self.val = m.val_loss if m.val_loss is not None else self.val
+        parts = [f"loss {m.loss:.4f}"]
+        if self.val is not None:
+            parts.append(f"val {self.val:.4f}")
+        parts.append(f"{m.tokens_per_s:,.0f} tok/s all ranks ({m.tokens_per_s_per_rank:,.0f} per rank)")
+        if m.mfu is not None:
+            parts.append(f"MFU {m.mfu:.1%}")
+        if skipped:
+            parts.append(f"{skipped} skipped")
+        return "  ".join(parts)
 
 
 def print_summary(summary: RunSummary) -> None:
     head = Table(title="zeropp train: summary", show_header=False)
+    head.add_row("model", summary.model)
     head.add_row("stage / precision", f"{summary.stage} / {summary.precision}")
     switches = summary.zeropp
     on = [
@@ -77,7 +89,9 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("world / nodes", f"{summary.world_size} ranks on {summary.nodes} node(s)")
     head.add_row("parameters", f"{summary.param_count:,}")
     head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
-    head.add_row("tokens/s (all ranks)", f"{summary.tokens_per_s:,.0f}")
+    head.add_row("tokens/s all ranks / per rank", f"{summary.tokens_per_s:,.0f} / {summary.tokens_per_s_per_rank:,.0f}")
+    mfu = "unknown (no peak FLOPS for this device)" if summary.mfu is None else f"{summary.mfu:.1%}"
+    head.add_row("MFU (6N + 12LdT FLOPs/token)", mfu)
     analytic = summary.analytic_model_state_bytes_per_rank
     measured = ", ".join(si(b) for b in summary.model_state_bytes_per_rank)
     head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}")

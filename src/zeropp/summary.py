@@ -68,6 +68,13 @@ class RunSummary:
     # model construction and engine set-up (and loading), and during the training steps
     init_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
     step_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
+    # zeropp.metrics: tokens_per_s over the world size; 6N + 12LdT; MFU over the device's bf16 peak
+    # (None where unknown, e.g. CPU); (step, loss) of every validation; what was trained
+    tokens_per_s_per_rank: float = 0.0
+    flops_per_token: float = 0.0
+    mfu: float | None = None
+    val_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    model: str = "the embedded GPT"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

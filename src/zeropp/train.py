@@ -1,4 +1,5 @@
-"""The main job: train the embedded GPT on the embedded corpus under any stage, report a summary.
+"""The main job: train a model (the embedded GPT, or a Hugging Face causal LM: zeropp.models.source) on
+text (the embedded corpus, or your own: zeropp.data.text) under any stage, report metrics and a summary.
 
 Runs inside each rank (``zeropp train`` starts the ranks through torch.distributed.run).
 """
@@ -10,6 +11,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from zeropp.config import Config
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
 from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
-from zeropp.models.gpt import GPT, gpt_config
+from zeropp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
+from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import load_pretrained
 from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
 from zeropp.topology import init_topology
@@ -89,14 +92,16 @@ class Trainer:
         self.topology = init_topology(config.topology)
         self.memory = PeakMeter(self.topology.device)  # from before the model exists
         torch.manual_seed(config.train.seed)
-        self.gpt = gpt_config(config.model)
+        self.source = model_source(config)
+        text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
-            model = GPT(self.gpt)
+            model = self.source.build()
         self.engine = ZeroEngine(
             model, torch.optim.AdamW, self.hyperparameters(), config.zero, self.topology, seed=config.train.seed
         )
-        if config.train.init_from is not None:
-            load_pretrained(self.engine, config.train.init_from)
+        weights = config.train.init_from or self.source.weights
+        if weights is not None:
+            load_pretrained(self.engine, weights)
         self.start_step = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self.checkpoints: list[CheckpointRecord] = []
@@ -107,11 +112,15 @@ class Trainer:
             self.keep_run_hyperparameters()
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
-        self.step_peak_memory = 0
+        self.step_peak_memory = self.last_step_peak_memory = 0
         world, rank = self.topology.world_size, self.topology.rank
-        args = (self.gpt.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
-        self.train_batches = Batches("train", *args)
-        self.val_batches = Batches("val", *args)
+        args = (self.source.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
+        self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
+        self.val_batches = Batches("val", *args, tokens=None if text is None else text[1])
+        self.flops_per_token = flops_per_token(
+            self.engine.param_count, self.source.n_layer, self.source.d_model, self.source.block_size
+        )
+        self.peak_flops = peak_flops(self.topology.device)
 
     def hyperparameters(self) -> dict[str, Any]:
         """AdamW's settings; where it steps on the host, its fused kernel, several times faster than
@@ -139,7 +148,7 @@ class Trainer:
 
     def save(self, steps_done: int) -> None:
         c = self.config.checkpoint
-        extra = {"config": self.config.to_dict()}
+        extra = {"config": self.config.to_dict(), **self.source.checkpoint_extra}
         tick = time.perf_counter()
         with self.engine.comm.ledger.in_phase("other"):
             path = save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
@@ -181,7 +190,7 @@ class Trainer:
         t = self.config.train
         return (
             t.micro_batch_size
-            * self.gpt.block_size
+            * self.source.block_size
             * self.config.zero.gradient_accumulation_steps
             * self.topology.world_size
         )
@@ -189,7 +198,8 @@ class Trainer:
     def train_step(self, step: int) -> float:
         self.memory.reset_peak()
         loss = self._train_step(step)
-        self.step_peak_memory = max(self.step_peak_memory, self.memory.peak())
+        self.last_step_peak_memory = self.memory.peak()
+        self.step_peak_memory = max(self.step_peak_memory, self.last_step_peak_memory)
         return loss
 
     def _train_step(self, step: int) -> float:
@@ -198,7 +208,7 @@ class Trainer:
         losses = []
         for micro in range(self.config.zero.gradient_accumulation_steps):
             x, y = (t.to(self.topology.device) for t in self.train_batches.local_batch(step, micro))
-            loss = self.engine(x, y)
+            loss = self.source.loss(self.engine, x, y)
             self.engine.backward(loss)
             losses.append(loss.detach().float())
         self.engine.step()
@@ -210,7 +220,7 @@ class Trainer:
         losses = []
         for i in range(self.config.train.eval_batches):
             x, y = (t.to(self.topology.device) for t in self.val_batches.local_batch(i))
-            losses.append(self.engine(x, y).float())
+            losses.append(self.source.loss(self.engine, x, y).float())
         self.engine.train()
         return self.mean_over_ranks(torch.stack(losses).mean())
 
@@ -227,14 +237,15 @@ class Trainer:
             self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
         return out.view(self.topology.world_size, len(values)).tolist()
 
-    def run(self, progress: Any = None) -> RunSummary | None:
-        """Train from start_step to train.steps; None (and a line on rank 0) when nothing is left."""
+    def run(self, progress: Callable[[StepMetrics, int], None] | None = None, log: MetricsLog | None = None) -> RunSummary | None:
+        """Train from start_step to train.steps, handing every step's metrics to `log` and to
+        progress(metrics, skipped steps so far); None (and a line on rank 0) when nothing is left."""
         steps = self.config.train.steps
         if self.start_step >= steps:
             self.say(f"checkpoint already at step {self.start_step} (>= --steps {steps}): nothing to train")
             return None
-        train_loss = float("nan")
-        val_loss = float("nan")
+        log = log or MetricsLog()
+        train_loss = val_loss = float("nan")
         self.step_times, self.losses = [], []
         for step in range(self.start_step, steps):
             tick = time.perf_counter()
@@ -242,18 +253,40 @@ class Trainer:
             self.step_times.append(time.perf_counter() - tick)
             self.losses.append(train_loss)
             self.check_step(step + 1, train_loss)
-            if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
-                val_loss = self.evaluate()
+            measured = None
+            if (step + 1) % self.config.train.eval_interval == 0 or step + 1 == steps:
+                measured = val_loss = self.evaluate()
             if self.saves_after(step + 1):
                 self.save(step + 1)
+            metrics = self.step_metrics(step, train_loss, measured)
+            log.add(metrics)
             if progress is not None:
-                tokens_per_s = self.tokens_per_step * len(self.step_times) / sum(self.step_times)
-                progress(step + 1, train_loss, val_loss, tokens_per_s, skipped=self.skipped_steps)
-        val_loss = self.evaluate()
-        tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
-        if progress is not None:  # the bar ends on the summary's validation loss
-            progress(steps, train_loss, val_loss, tokens_per_s)
-        return self.summary(train_loss, val_loss, tokens_per_s)
+                progress(metrics, self.skipped_steps)
+        return self.summary(train_loss, val_loss, log)
+
+    def step_metrics(self, step: int, loss: float, val_loss: float | None) -> StepMetrics:
+        """What step `step` (0-based) measured; tokens/s from its own wall time."""
+        seconds = max(self.step_times[-1], 1e-9)
+        tokens_per_s = self.tokens_per_step / seconds
+        per_rank = tokens_per_s / self.topology.world_size
+        return StepMetrics(
+            step=step + 1,
+            loss=loss,
+            val_loss=val_loss,
+            grad_norm=None if self.engine.last_step_skipped else self.engine.last_grad_norm,
+            lr=learning_rate(self.config, step),
+            step_time_s=seconds,
+            tokens_per_s=tokens_per_s,
+            tokens_per_s_per_rank=per_rank,
+            mfu=self.mfu(per_rank),
+            peak_memory_bytes=self.last_step_peak_memory,
+        )
+
+    def mfu(self, tokens_per_s_per_rank: float) -> float | None:
+        """Model FLOPs utilization (zeropp.metrics); None where the device's peak is unknown."""
+        if self.peak_flops is None:
+            return None
+        return self.flops_per_token * tokens_per_s_per_rank / self.peak_flops
 
     def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:
         """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step, init peak, step
@@ -287,8 +320,9 @@ class Trainer:
                 mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
         return [r[:6] for r in rows], mean_ledger
 
-    def summary(self, train_loss: float, val_loss: float, tokens_per_s: float) -> RunSummary:
+    def summary(self, train_loss: float, val_loss: float, log: MetricsLog) -> RunSummary:
         engine, topo = self.engine, self.topology
+        tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
@@ -332,6 +366,11 @@ class Trainer:
             checkpoints=self.checkpoints,
             init_peak_memory_bytes_per_rank=[int(r[4]) for r in rows],
             step_peak_memory_bytes_per_rank=[int(r[5]) for r in rows],
+            tokens_per_s_per_rank=tokens_per_s / topo.world_size,
+            flops_per_token=self.flops_per_token,
+            mfu=self.mfu(tokens_per_s / topo.world_size),
+            val_losses=log.val,
+            model=self.source.name,
         )
 
 

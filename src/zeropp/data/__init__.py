@@ -2,7 +2,8 @@
 
 The corpus is the King James Version of the Bible (1611, public domain), taken as plain text from
 Debian's ``bible-kjv-text`` package with verse references removed, gzip-compressed (1.2 MB).
-Tokens are bytes (vocabulary 256). The last 5% of the text is the validation split.
+Tokens are bytes (vocabulary 256). The last 5% of the text is the validation split. Your own text
+(``zeropp train --data``) is read and tokenized by :mod:`zeropp.data.text` and split by the same rule.
 """
 
 from __future__ import annotations
@@ -34,8 +35,18 @@ class Batches:
     rows, so training at any world size sees exactly what one process would on the whole batch.
     """
 
-    def __init__(self, split: str, block_size: int, micro_batch: int, world: int, rank: int, seed: int) -> None:
-        self.tokens = split_tokens(split).long()
+    def __init__(
+        self,
+        split: str,
+        block_size: int,
+        micro_batch: int,
+        world: int,
+        rank: int,
+        seed: int,
+        tokens: torch.Tensor | None = None,
+    ) -> None:
+        """`tokens`: the split's token ids (default: the embedded corpus's `split`)."""
+        self.tokens = (split_tokens(split) if tokens is None else tokens).long()
         self.block_size, self.micro_batch, self.world, self.rank, self.seed = block_size, micro_batch, world, rank, seed
         self.split_salt = 0 if split == "train" else 1
 
