@@ -70,6 +70,7 @@ class RunSummary:
     step_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
     # qgZ error feedback's fp32 residuals on rank 0 (part of model_state_bytes_per_rank; 0 when off)
     qgz_residual_bytes_per_rank: int = 0
+    val_losses: list[list[float]] = dataclasses.field(default_factory=list)  # [step, loss] at every evaluation
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -246,7 +246,7 @@ class Trainer:
             return None
         train_loss = float("nan")
         val_loss = float("nan")
-        self.step_times, self.losses = [], []
+        self.step_times, self.losses, self.val_losses = [], [], []
         for step in range(self.start_step, steps):
             tick = time.perf_counter()
             train_loss = self.train_step(step)
@@ -255,12 +255,14 @@ class Trainer:
             self.check_step(step + 1, train_loss)
             if (step + 1) % self.config.train.eval_interval == 0 and step + 1 < steps:
                 val_loss = self.evaluate()
+                self.val_losses.append([step + 1, val_loss])
             if self.saves_after(step + 1):
                 self.save(step + 1)
             if progress is not None:
                 tokens_per_s = self.tokens_per_step * len(self.step_times) / sum(self.step_times)
                 progress(step + 1, train_loss, val_loss, tokens_per_s, skipped=self.skipped_steps)
         val_loss = self.evaluate()
+        self.val_losses.append([steps, val_loss])
         tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
         if progress is not None:  # the bar ends on the summary's validation loss
             progress(steps, train_loss, val_loss, tokens_per_s)
@@ -317,6 +319,7 @@ class Trainer:
             start_step=self.start_step,
             resumed_from=None if self.resumed_from is None else str(self.resumed_from),
             train_losses=self.losses,
+            val_losses=self.val_losses,
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r[0]) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
