@@ -215,7 +215,9 @@ class ZeroEngine:
                 self.optimizer.step()
                 for unit in self.units:
                     unit.publish_master()
+            scale = self.scaler.scale
             self.scaler.update(overflow)
+            self._follow_loss_scale(overflow, self.scaler.scale / scale)
             for unit in self.units:
                 unit.master.grad = None
                 unit.clear_gradients()
@@ -237,6 +239,16 @@ class ZeroEngine:
     def qgz_residual_bytes(self) -> int:
         """Bytes of qgZ error-feedback residuals this rank holds (created at a unit's first qgZ reduction)."""
         return sum(4 * u.error_feedback.numel() for u in self.units if u.error_feedback is not None)
+
+    def _follow_loss_scale(self, overflow: bool, ratio: float) -> None:
+        """qgZ residuals hold loss-scaled gradient error: an overflow leaves inf or nan in them (zeroed),
+        a new loss scale rescales them."""
+        for unit in self.units:
+            if unit.error_feedback is not None:
+                if overflow:
+                    unit.error_feedback.reset()
+                elif ratio != 1:
+                    unit.error_feedback.scale(ratio)
 
     def reset_error_feedback(self) -> None:
         """Zero every qgZ residual (LoCo's periodic reset; also a run on another world size)."""

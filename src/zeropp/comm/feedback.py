@@ -64,5 +64,10 @@ class ErrorFeedback:
         for residual in self.residuals.values():
             residual.zero_()
 
+    def scale(self, factor: float) -> None:
+        """Follow a change of the fp16 loss scale (residuals are in scaled gradient units)."""
+        for residual in self.residuals.values():
+            residual.mul_(factor)
+
     def numel(self) -> int:
         return sum(r.numel() for r in self.residuals.values())
