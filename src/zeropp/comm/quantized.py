@@ -119,9 +119,8 @@ def reduce_scatter_quantized(
     x, y = groups.intra_node.size, groups.inter_node.size
     assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
     pieces = math.ceil(shard.numel() / bucket_numel) * chunks
-    reduction = _QgzReduction(comm, shard, (intra_spec or spec, spec), kernels, groups, pieces)
-    reduction.rotation_block = spec.block_size if hadamard_rotation else None
-    reduction.feedback = feedback
+    rotation_block = spec.block_size if hadamard_rotation else None
+    reduction = _QgzReduction(comm, shard, (intra_spec or spec, spec), kernels, groups, pieces, rotation_block, feedback)
     reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
         return Pending([], reduction.land_one_node)
@@ -142,11 +141,12 @@ class _QgzReduction:
         kernels: QuantKernels,
         groups: ShardGroups,
         pieces: int,
+        rotation_block: int | None,
+        feedback: ErrorFeedback | None,
     ) -> None:
         self.comm, self.shard, self.kernels, self.groups = comm, shard, kernels, groups
         self.intra_spec, self.inter_spec = specs
-        self.rotation_block: int | None = None
-        self.feedback: ErrorFeedback | None = None
+        self.rotation_block, self.feedback = rotation_block, feedback
         self.columns = column_chunks(shard.numel(), pieces)
         self.intra: list[tuple[Pending, Quantized] | None] = []
         self.inter: list[tuple[Pending, Quantized]] = []
