@@ -17,7 +17,7 @@ differences); cross-node bytes per rank and step; and the weight error after 10 
 seed's batches) against ZeRO-3's: ||w - w_zero3|| / ||w_zero3 - w_0|| over all parameters, w_0
 the initial weights (a one-step run at a learning rate of 1e-30).
 
-    zeropp bench convergence [--seeds 1 2 3] [--steps 400] [--preset tiny] [--lr 6e-3] [--out results/bench_convergence]
+    zeropp bench convergence [--seeds 1 2 3] [--steps 300] [--preset tiny] [--lr LR] [--out results/bench_convergence]
 
 Writes results.json (every run's summary), results.md and curves.png (means with +-1 std bands).
 """
@@ -47,7 +47,7 @@ CONFIGS = {
 
 def _common(args: argparse.Namespace, steps: int) -> list[str]:
     common = ["--stage", "3", "--steps", str(steps), "--preset", args.preset, "--precision", args.precision]
-    return [*common, "--lr", args.lr]
+    return common if args.lr is None else [*common, "--lr", args.lr]
 
 
 def _final_weights(common: list[str], flags: list[str]) -> dict[str, Any]:
@@ -156,11 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="zeropp bench convergence", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--lr", default="6e-3", help="peak learning rate of every run (the recipe, see docs/benchmarks.md)")
+    parser.add_argument(
+        "--lr", help="peak learning rate of every run (default: zeropp train's; see docs/benchmarks.md)"
+    )
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--weight-steps", type=int, default=10, help="steps of the weight-error runs (0: none)")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="configurations to run (ZeRO-3 always runs)")
