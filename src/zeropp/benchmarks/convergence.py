@@ -141,8 +141,8 @@ def plot(runs: dict[str, dict[int, dict]], out: Path) -> None:
     for name, rows in curves(runs).items():
         low = [m - s for m, s in zip(rows["mean"], rows["std"], strict=True)]
         high = [m + s for m, s in zip(rows["mean"], rows["std"], strict=True)]
-        ax.plot(rows["steps"], rows["mean"], label=name)
-        ax.fill_between(rows["steps"], low, high, alpha=0.2)
+        (line,) = ax.plot(rows["steps"], rows["mean"], label=name)
+        ax.fill_between(rows["steps"], low, high, alpha=0.15, color=line.get_color())
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (mean ± std over seeds)")
     ax.legend()
