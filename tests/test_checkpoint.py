@@ -48,6 +48,19 @@ RESUME_CASES = {
     "stage2": {"stage": 2},
     "stage3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    # error feedback (reset at steps 4 and 8), two-level qgZ with rotation, qgZ off from step 9
+    "zeropp-loco": {
+        "stage": 3,
+        "quantized_weights": True,
+        "hpz_partition_size": 0,
+        "quantized_gradients": True,
+        "gradient_error_feedback": "loco",
+        "err_beta": 0.5,
+        "reset_T": 4,
+        "gradient_intra_node_bits": 8,
+        "gradient_hadamard": True,
+        "quantized_gradients_until": 0.75,
+    },
 }
 
 
@@ -72,12 +85,38 @@ def resume_worker(root: str) -> dict:
             weights_equal=all(torch.equal(a[k], b[k]) for k in a),
             trained=not torch.equal(a["wte.weight"], _weights(first)["wte.weight"]),
         )
+    out["residuals"] = _residuals_across_worlds(Path(root) / "zeropp-loco" / "resumed")
     return out
 
 
-def test_resume_is_bit_identical_for_stages_1_2_3_and_zeropp(tmp_path):
+def _residuals_across_worlds(folder: Path) -> dict:
+    """The loco checkpoint (step 6, after 2 steps since the reset at 4) holds residuals; loaded on
+    the same world they come back as saved, on another node count they start at zero with a note."""
+    import contextlib
+    import io
+
+    from zeropp.train import Trainer
+
+    zero, resume = RESUME_CASES["zeropp-loco"], {"resume": "auto"}
+    same = Trainer(_config(folder, 12, nodes=2, zero=zero, checkpoint=resume))
+    note = io.StringIO()
+    with contextlib.redirect_stdout(note):
+        other = Trainer(_config(folder, 12, nodes=1, zero=zero, checkpoint=resume))
+    norms = [
+        [float(r.abs().max()) for u in t.engine.units for r in u.error_feedback.residuals.values()] for t in (same, other)
+    ]
+    return dict(
+        same_world_nonzero=bool(norms[0]) and min(norms[0]) > 0,
+        other_world_zero=max(norms[1], default=0.0) == 0,
+        note="residuals start from zero" in note.getvalue(),
+    )
+
+
+def test_resume_is_bit_identical_for_stages_1_2_3_and_zeropp_with_error_feedback(tmp_path):
     per_rank = run_ranks(resume_worker, 4, nodes=2, root=str(tmp_path))
     for rank, cases in enumerate(per_rank):
+        residuals = cases.pop("residuals")
+        assert residuals == dict(same_world_nonzero=True, other_world_zero=True, note=rank == 0), rank
         for name, result in cases.items():
             assert result == dict(start=6, losses_equal=True, weights_equal=True, trained=True), (rank, name)
 

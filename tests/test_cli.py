@@ -55,6 +55,30 @@ def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_p
     assert progress[-1].startswith("step 4/4") and f"val {summary['final_val_loss']:.4f}" in progress[-1]
 
 
+def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residuals_and_switches(tmp_path):
+    from zeropp.memory import qgz_residual_bytes
+
+    out = tmp_path / "summary.json"
+    result = zeropp(
+        "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1", "--eval-interval", "2",
+        "--gradient-error-feedback", "loco", "--err-beta", "0.5", "--gradient-intra-node-bits", "8",
+        "--gradient-hadamard", "--quantized-gradients-until", "0.5",
+        "--master-port", str(free_port()), "--summary-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    # fp32 residuals: the whole unit for hop 1, half of it (2 ranks per node) for hop 2; padding aside
+    residuals = summary["qgz_residual_bytes_per_rank"]
+    padding = 3 * (4 * 32) * 6  # 3 units, each padded by < world x alignment, 4 + 2 B/element
+    assert abs(residuals - qgz_residual_bytes(summary["param_count"], 2, 2)) <= padding
+    measured, analytic = summary["model_state_bytes_per_rank"][0], summary["analytic_model_state_bytes_per_rank"]
+    assert abs(measured - analytic) <= 0.05 * analytic + 3 * (4 * 32) * 24
+    # qgZ for steps 1-2, the full-precision reduce-scatter for steps 3-4
+    backward = summary["ledger"]
+    assert backward["all_to_all"]["backward"]["inter"] > 0 and backward["reduce_scatter"]["backward"]["inter"] > 0
+    assert summary["val_losses"] == [[2, summary["val_losses"][0][1]], [4, summary["final_val_loss"]]]
+
+
 def test_deepspeed_flag_names_and_zeropp_opt_out_parse():
     from zeropp.cli import build_parser
 

@@ -215,6 +215,10 @@ MEASURED_SCENARIOS = {
     "stage2-fp16": dict(stage=2, precision="fp16", loss_scale=LossScaleConfig(initial_scale=256.0)),
     "zero3-bf16": dict(stage=3, precision="bf16"),
     "zeropp-bf16": dict(stage=3, precision="bf16", **ZEROPP_SWITCHES),
+    "zeropp-bf16-two-level-hadamard-loco": dict(
+        stage=3, precision="bf16", **ZEROPP_SWITCHES, gradient_intra_node_bits=8, gradient_hadamard=True,
+        gradient_error_feedback="loco",
+    ),
     "zeropp-fp32-accumulate-resident-root": dict(
         stage=3, gradient_accumulation_steps=2, persistence_threshold=10_000, quantized_weights=True, weight_bits=4,
         weight_quantization="tensor", hpz_partition_size=2, quantized_gradients=True, gradient_bits=8,

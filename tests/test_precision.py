@@ -81,9 +81,13 @@ def fp16_worker() -> dict:
     topology = _topology()
     rank = topology.rank
     out = {}
-    for stage in (0, 1, 2, 3):
+    loco = dict(quantized_gradients=True, gradient_error_feedback="loco")  # residuals must survive the overflow
+    for name, stage, extra in ((0, 0, {}), (1, 1, {}), (2, 2, {}), (3, 3, {}), ("3-qgz-loco", 3, loco)):
         config = ZeroConfig(
-            stage=stage, precision="fp16", loss_scale=LossScaleConfig(initial_scale=2.0**12, growth_interval=1000)
+            stage=stage,
+            precision="fp16",
+            loss_scale=LossScaleConfig(initial_scale=2.0**12, growth_interval=1000),
+            **extra,
         )
         engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(OPTIM), config, topology)
         x, y = rows(global_batch("gpt", 0, 0, WORLD), rank)
@@ -104,7 +108,9 @@ def fp16_worker() -> dict:
         engine.backward(loss_of("gpt", engine, x, y))
         normal = engine.step()
         after_normal = _snapshot(engine)
-        out[stage] = dict(
+        residuals = [r for u in engine.units if u.error_feedback for r in u.error_feedback.residuals.values()]
+        out[name] = dict(
+            residuals_finite=all(torch.isfinite(r).all().item() for r in residuals) and (not extra or bool(residuals)),
             first=first,
             overflow_step=overflow_step,
             skipped=skipped,
@@ -127,7 +133,7 @@ def test_fp16_overflow_skips_step_and_backs_off():
             assert got["unchanged"], what
             assert got["scales"] == (2.0**12, 2.0**11, 2.0**11), what
             assert got["normal"] is True and got["skipped_after_normal"] is False, what
-            assert got["changed"] and got["finite"], what
+            assert got["changed"] and got["finite"] and got["residuals_finite"], what
 
 
 def bf16_worker() -> dict:

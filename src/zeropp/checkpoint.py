@@ -10,6 +10,8 @@ A checkpoint is a directory ``step-00000120`` holding
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
   sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.
+- ``qgz_residual.rank<r>.<unit>.<hop>``: qgZ's error-feedback residuals of rank r (rank-specific, like
+  the RNG state): loaded where the world size and node count match, zeroed otherwise (with a note).
 
 A save refuses weights that hold nan or inf (before writing anything), so a diverged run never
 publishes a checkpoint, nor prunes a good one.
@@ -45,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
 from zeropp import state
+from zeropp.comm.feedback import HOPS
 from zeropp.state import StateError
 
 if TYPE_CHECKING:
@@ -178,7 +181,50 @@ def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
     except StateError as error:
         raise CheckpointError(str(error)) from None
     saved[f"rng.rank{engine.topology.rank}"] = torch.get_rng_state()
+    saved.update(_residuals(engine))
     return saved
+
+
+def _residual_key(rank: int, unit: int, hop: str) -> str:
+    return f"qgz_residual.rank{rank}.{unit}.{hop}"
+
+
+def _residuals(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """This rank's qgZ error-feedback residuals under their checkpoint keys."""
+    rank = engine.topology.rank
+    return {
+        _residual_key(rank, index, hop): residual
+        for index, unit in enumerate(engine.units)
+        if unit.error_feedback is not None
+        for hop, residual in unit.error_feedback.residuals.items()
+    }
+
+
+def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str, Any], path: str | Path) -> dict:
+    """This rank's residual tensors to read where the checkpoint's world matches this run's (every
+    residual is zeroed first, so a run on another world starts them at zero, with a note)."""
+    rank, topo = engine.topology.rank, engine.topology
+    engine.reset_error_feedback()
+    feedback = [(i, u.error_feedback) for i, u in enumerate(engine.units) if u.error_feedback is not None]
+    stored = any(k.startswith("qgz_residual.") for k in saved)
+    if not feedback or not stored:
+        return {}
+    if (meta["world_size"], meta["nodes"]) != (topo.world_size, topo.nodes):
+        if rank == 0:
+            print(
+                f"zeropp: qgZ error-feedback residuals start from zero: checkpoint {str(path)!r} was saved on "
+                f"{meta['world_size']} ranks x {meta['nodes']} nodes, this run has {topo.world_size} x {topo.nodes}"
+            )
+        return {}
+    wanted = {}
+    for index, ef in feedback:
+        shard = engine.units[index].layout.shard_numel
+        for hop, rows in zip(HOPS, (topo.world_size, topo.nodes), strict=True):
+            key = _residual_key(rank, index, hop)
+            if key in saved and tuple(saved[key].size) == (rows, shard):  # else (another layout) from zero
+                ef.residuals[hop] = torch.zeros(rows, shard, device=topo.device)
+                wanted[key] = ef.residuals[hop]
+    return wanted
 
 
 def _describe(engine: ZeroEngine) -> dict[str, Any]:
@@ -219,6 +265,7 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
     rng = f"rng.rank{engine.topology.rank}"
     if rng in saved and meta["world_size"] == engine.topology.world_size:
         wanted[rng] = torch.empty_like(torch.get_rng_state())
+    wanted.update(_residuals_to_load(engine, meta, saved, path))
     _read(wanted, path)
     engine.load_sharded_state_dict(wanted)
     if rng in wanted:

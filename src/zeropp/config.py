@@ -71,6 +71,9 @@ class ZeroConfig:
         "zero_hpz_partition_size": "hpz_partition_size",
         "zero_quantized_gradients": "quantized_gradients",
         "qgz_pipeline_stages": "qgz_pipeline_chunks",
+        # DeepSpeed's zeropp_loco_param names (LoCo error feedback for qgZ)
+        "err_beta": "gradient_error_beta",
+        "reset_T": "gradient_error_reset_steps",
     }
 
     stage: int = setting(3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights")
@@ -101,6 +104,24 @@ class ZeroConfig:
     gradient_bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
     gradient_block_size: int = setting(256, "qgZ: gradients per quantization block")
     qgz_pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
+    gradient_intra_node_bits: Literal[4, 8] | None = setting(
+        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
+    )
+    gradient_hadamard: bool = setting(
+        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
+    )
+    gradient_error_feedback: Literal["off", "loco"] = setting(
+        "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
+    )
+    gradient_error_beta: float = setting(
+        0.8, "qgZ error feedback: residual <- beta * residual + (1 - beta) * new error (DeepSpeed's err_beta; 0: plain)"
+    )
+    gradient_error_reset_steps: int = setting(
+        1024, "qgZ error feedback: zero the residuals every this many optimizer steps (DeepSpeed's reset_T; 0: never)"
+    )
+    quantized_gradients_until: float = setting(
+        1.0, "qgZ for this fraction of the run's steps, a full-precision reduce-scatter after (1.0: always)"
+    )
     quant_backend: Literal["auto", "torch", "triton"] = setting(
         "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
     )
@@ -110,6 +131,31 @@ class ZeroConfig:
     offload_params: Literal["none", "cpu"] = setting(
         "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
     )
+
+    def _validate_qgz_options(self) -> None:
+        _require(
+            0 <= self.gradient_error_beta < 1, "zero.gradient_error_beta", self.gradient_error_beta, "a number in [0, 1)"
+        )
+        _require(
+            self.gradient_error_reset_steps >= 0,
+            "zero.gradient_error_reset_steps",
+            self.gradient_error_reset_steps,
+            "an integer >= 0 (0: never reset)",
+        )
+        _require(
+            0 < self.quantized_gradients_until <= 1,
+            "zero.quantized_gradients_until",
+            self.quantized_gradients_until,
+            "a fraction of the run's steps in (0, 1]",
+        )
+        if self.gradient_hadamard:
+            block = self.gradient_block_size
+            _require(
+                block >= 2 and block & (block - 1) == 0,
+                "zero.gradient_block_size",
+                block,
+                "a power of 2 when zero.gradient_hadamard is on (the Hadamard transform's size)",
+            )
 
     def validate(self) -> None:
         _check_choices(self, "zero")
@@ -130,6 +176,7 @@ class ZeroConfig:
             _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             _require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
+        self._validate_qgz_options()
         for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_chunks"):
             value = getattr(self, key)
             _require(value >= 1, f"zero.{key}", value, "an integer >= 1")

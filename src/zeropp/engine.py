@@ -121,6 +121,11 @@ class ZeroEngine:
             grad_quant=QuantSpec(config.gradient_bits, config.gradient_block_size)
             if config.quantized_gradients
             else None,
+            grad_intra_quant=QuantSpec(config.gradient_intra_node_bits, config.gradient_block_size)
+            if config.quantized_gradients and config.gradient_intra_node_bits is not None
+            else None,
+            grad_hadamard=config.gradient_hadamard,
+            grad_error_beta=config.gradient_error_beta if config.gradient_error_feedback == "loco" else None,
             qgz_chunks=config.qgz_pipeline_chunks,
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
@@ -208,13 +213,46 @@ class ZeroEngine:
                 self.optimizer.step()
                 for unit in self.units:
                     unit.publish_master()
+            scale = self.scaler.scale
             self.scaler.update(overflow)
+            self._follow_loss_scale(overflow, self.scaler.scale / scale)
             for unit in self.units:
                 unit.master.grad = None
                 unit.clear_gradients()
         self.global_step += 1
         self.comm.ledger.steps += 1
+        reset = self.config.gradient_error_reset_steps
+        if reset and self.global_step % reset == 0:  # LoCo's periodic reset (reset_T)
+            self.reset_error_feedback()
         return not overflow
+
+    # -- qgZ options over the run ----------------------------------------------------------------
+
+    def set_quantized_gradients(self, on: bool) -> None:
+        """Reduce gradients with qgZ (on) or a full-precision reduce-scatter (off; the paper's schedule
+        turns qgZ off for the end of a run). Every rank must switch at the same step."""
+        for unit in self.units:
+            unit.quantize_gradients = on and unit.options.grad_quant is not None
+
+    def qgz_residual_bytes(self) -> int:
+        """Bytes of qgZ error-feedback residuals this rank holds (created at a unit's first qgZ reduction)."""
+        return sum(4 * u.error_feedback.numel() for u in self.units if u.error_feedback is not None)
+
+    def _follow_loss_scale(self, overflow: bool, ratio: float) -> None:
+        """qgZ residuals hold loss-scaled gradient error: an overflow leaves inf or nan in them (zeroed),
+        a new loss scale rescales them."""
+        for unit in self.units:
+            if unit.error_feedback is not None:
+                if overflow:
+                    unit.error_feedback.reset()
+                elif ratio != 1:
+                    unit.error_feedback.scale(ratio)
+
+    def reset_error_feedback(self) -> None:
+        """Zero every qgZ residual (LoCo's periodic reset; also a run on another world size)."""
+        for unit in self.units:
+            if unit.error_feedback is not None:
+                unit.error_feedback.reset()
 
     def _reduce_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
         """Combine a per-rank statistic of the gradient shards over ranks (sharded optimizer only)."""

@@ -18,6 +18,10 @@ hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary gr
 the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
 units being gathered.
+
+qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
+rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
+partial sums, split over its X ranks): :func:`qgz_residual_bytes`.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ def analytic_model_state_bytes(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     where: Literal["all", "device", "host"] = "all",
+    qgz_residuals: tuple[int, int] | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
-    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes."""
+    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes.
+    `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on."""
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
     master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
@@ -55,8 +61,14 @@ def analytic_model_state_bytes(
     states = k * psi / (n if stage >= 1 else 1)
     secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
     host = (states if offload_optimizer else 0) + (params if offload_params else 0)
-    total = params + grads + states + secondary
+    residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
+    total = params + grads + states + secondary + residuals
     return {"all": total, "device": total - host, "host": host}[where]
+
+
+def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:
+    """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ, and hop 2's 4Ψ/X across nodes."""
+    return 4 * psi + (4 * psi / ranks_per_node if nodes > 1 else 0)
 
 
 class PeakMeter:

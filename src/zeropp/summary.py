@@ -75,6 +75,8 @@ class RunSummary:
     mfu: float | None = None
     val_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     model: str = "the embedded GPT"
+    # qgZ error feedback's fp32 residuals on rank 0 (part of model_state_bytes_per_rank; 0 when off)
+    qgz_residual_bytes_per_rank: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

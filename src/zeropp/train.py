@@ -186,6 +186,16 @@ class Trainer:
                 raise TrainingStopped(f"step {steps_done}: the {what} is {value}, training diverged ({hint}){saved}")
 
     @property
+    def quantized_gradient_steps(self) -> int:
+        """Steps that reduce gradients with qgZ (zero.quantized_gradients_until of the run), from step 0."""
+        return math.ceil(self.config.zero.quantized_gradients_until * self.config.train.steps)
+
+    @property
+    def error_feedback(self) -> bool:
+        zero = self.config.zero
+        return zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+
+    @property
     def tokens_per_step(self) -> int:
         t = self.config.train
         return (
@@ -205,6 +215,7 @@ class Trainer:
     def _train_step(self, step: int) -> float:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = learning_rate(self.config, step)
+        self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
         losses = []
         for micro in range(self.config.zero.gradient_accumulation_steps):
             x, y = (t.to(self.topology.device) for t in self.train_batches.local_batch(step, micro))
@@ -351,7 +362,9 @@ class Trainer:
                 hpz_group_size=engine.hpz_group_size,
                 offload_optimizer=zero.offload_optimizer != "none",
                 offload_params=zero.offload_params != "none",
+                qgz_residuals=(topo.ranks_per_node, topo.nodes) if self.error_feedback else None,
             ),
+            qgz_residual_bytes_per_rank=engine.qgz_residual_bytes(),
             peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
             intra_node_bytes_per_step=sum(r[2] for r in rows) / n,
             inter_node_bytes_per_step=sum(r[3] for r in rows) / n,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zeropp.comm import Communicator, Pending
+from zeropp.comm.feedback import ErrorFeedback
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from zeropp.partition import FlatLayout, chunk_range, secondary_range
 from zeropp.quant import QuantKernels, QuantSpec
@@ -61,6 +62,9 @@ class UnitOptions:
     reduce_bucket: int
     weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
     grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
+    grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: grad_quant's)
+    grad_hadamard: bool = False  # qgZ: random Hadamard rotation of every block (zeropp.quant.hadamard)
+    grad_error_beta: float | None = None  # qgZ: LoCo error feedback with this beta (None: off)
     qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
     kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
     quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
@@ -138,6 +142,9 @@ class FlatUnit:
         if not policy.shard_gradients:
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
         self.version = 0  # bumped whenever the weights change
+        self.quantize_gradients = options.grad_quant is not None  # qgZ; the engine may turn it off mid-run
+        beta = options.grad_error_beta
+        self.error_feedback = ErrorFeedback(beta) if beta is not None and self.quantize_gradients else None
         self.secondary_shard: torch.Tensor | None = None
         self._secondary_version = -1
         self.shard_state = ShardState.UNSHARDED
@@ -322,7 +329,7 @@ class FlatUnit:
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
         options = self.options
-        if options.grad_quant is None:
+        if not self.quantize_gradients:
             return self.comm.reduce_scatter(
                 out, flat, self.groups.shard, bucket_numel=self.reduce_bucket, async_op=True
             )
@@ -335,6 +342,9 @@ class FlatUnit:
             self.groups,
             chunks=options.qgz_chunks,
             bucket_numel=self.reduce_bucket,
+            intra_spec=options.grad_intra_quant,
+            hadamard_rotation=options.grad_hadamard,
+            feedback=self.error_feedback,
         )
 
     def _accumulate_reduced(self, shard: torch.Tensor) -> None:
@@ -435,4 +445,5 @@ class FlatUnit:
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor this unit keeps (for measured model-state bytes)."""
         kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard)
-        return [t for t in (*kept, self.grad_flat, self.grad_shard) if t is not None]
+        residuals = self.error_feedback.residuals.values() if self.error_feedback is not None else ()
+        return [t for t in (*kept, self.grad_flat, self.grad_shard, *residuals) if t is not None]

@@ -18,8 +18,14 @@ hop of chunk k+1 is still in flight (ZeRO++ section 4.1.2). Chunk k's columns of
 pipeline stage k of Algorithm 2 (:func:`~zeropp.partition.qgz_slice_order`).
 
 Error bound of qgZ per element, with a = the block absmax of each input and of each node's
-partial sum: |result - exact mean| <= (sum over ranks of a_rank + sum over nodes of a_node)
-/ (2 * qmax * W), plus the rounding of the output dtype.
+partial sum: |result - exact mean| <= (sum over ranks of a_rank / qmax_1 + sum over nodes of
+a_node / qmax_2) / (2 * W), plus the rounding of the output dtype (qmax_1, qmax_2: the hops' own).
+
+Options (ZeroConfig's ``gradient_*`` keys): two-level qgZ quantizes hop 1 with ``intra_spec`` (int8
+inside the node) and hop 2 with ``spec`` (int4 across nodes: cross-node bytes unchanged);
+``hadamard`` rotates every block before hop 1 and rotates the result back
+(:mod:`zeropp.quant.hadamard`; the bound above then holds in the rotated basis); ``feedback``
+compensates both hops' quantizations with this rank's residuals (:mod:`zeropp.comm.feedback`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import math
 import torch
 
 from zeropp.comm import Communicator, Pending
+from zeropp.comm.feedback import ErrorFeedback
 from zeropp.partition import column_chunks, qgz_send_order
-from zeropp.quant import Quantized, QuantKernels, QuantSpec
+from zeropp.quant import Quantized, QuantKernels, QuantSpec, hadamard
 from zeropp.topology import Group, ShardGroups
 
 
@@ -97,6 +104,9 @@ def reduce_scatter_quantized(
     *,
     chunks: int,
     bucket_numel: int,
+    intra_spec: QuantSpec | None = None,
+    hadamard_rotation: bool = False,
+    feedback: ErrorFeedback | None = None,
 ) -> Pending:
     """Mean of `full` over the shard group, this rank's slice into `shard` (``shard = mean[rank]``), via qgZ.
 
@@ -108,7 +118,9 @@ def reduce_scatter_quantized(
     """
     x, y = groups.intra_node.size, groups.inter_node.size
     assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
-    reduction = _QgzReduction(comm, shard, spec, kernels, groups, math.ceil(shard.numel() / bucket_numel) * chunks)
+    pieces = math.ceil(shard.numel() / bucket_numel) * chunks
+    rotation_block = spec.block_size if hadamard_rotation else None
+    reduction = _QgzReduction(comm, shard, (intra_spec or spec, spec), kernels, groups, pieces, rotation_block, feedback)
     reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
         return Pending([], reduction.land_one_node)
@@ -125,12 +137,16 @@ class _QgzReduction:
         self,
         comm: Communicator,
         shard: torch.Tensor,
-        spec: QuantSpec,
+        specs: tuple[QuantSpec, QuantSpec],
         kernels: QuantKernels,
         groups: ShardGroups,
         pieces: int,
+        rotation_block: int | None,
+        feedback: ErrorFeedback | None,
     ) -> None:
-        self.comm, self.shard, self.spec, self.kernels, self.groups = comm, shard, spec, kernels, groups
+        self.comm, self.shard, self.kernels, self.groups = comm, shard, kernels, groups
+        self.intra_spec, self.inter_spec = specs
+        self.rotation_block, self.feedback = rotation_block, feedback
         self.columns = column_chunks(shard.numel(), pieces)
         self.intra: list[tuple[Pending, Quantized] | None] = []
         self.inter: list[tuple[Pending, Quantized]] = []
@@ -145,7 +161,14 @@ class _QgzReduction:
         x, y = self.groups.intra_node.size, self.groups.inter_node.size
         order = _send_order(x, y, slices.device)
         for start, stop in self.columns:
-            quantized = self.kernels.quantize(slices[:, start:stop], self.spec, row_order=order)
+            chunk = slices[:, start:stop]
+            if self.rotation_block is not None:
+                chunk = hadamard.rotate(chunk, self.rotation_block)
+            if self.feedback is None:
+                quantized = self.kernels.quantize(chunk, self.intra_spec, row_order=order)
+            else:
+                rows = chunk.index_select(0, order)
+                quantized = self.feedback.quantize(self.kernels, "intra", rows, self.intra_spec, start, slices.shape[1])
             self.intra.append(self._exchange(quantized, self.groups.intra_node))
 
     def start_inter(self, block: bool) -> bool:
@@ -158,7 +181,13 @@ class _QgzReduction:
                 return False
             pending.wait()
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
-            partial = self.kernels.dequantize_reduce_quantize(received.reshape(x, y), self.spec)
+            sources = received.reshape(x, y)
+            if self.feedback is None:
+                partial = self.kernels.dequantize_reduce_quantize(sources, self.inter_spec)
+            else:
+                sums = self.kernels.dequantize_reduce(sources, torch.float32)
+                start = self.columns[len(self.inter)][0]
+                partial = self.feedback.quantize(self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel())
             self.intra[len(self.inter)] = None  # the received chunk is no longer needed
             self.inter.append(self._exchange(partial, self.groups.inter_node))
         return True
@@ -175,7 +204,12 @@ class _QgzReduction:
             self._reduce_into(received, self.shard[start:stop].view(1, -1))
 
     def _reduce_into(self, received: Quantized, out: torch.Tensor) -> None:
-        self.kernels.dequantize_reduce(received, out.dtype, divisor=self.groups.shard.size, out=out)
+        divisor = self.groups.shard.size
+        if self.rotation_block is None:
+            self.kernels.dequantize_reduce(received, out.dtype, divisor=divisor, out=out)
+            return
+        rotated = self.kernels.dequantize_reduce(received, torch.float32, divisor=divisor)
+        out.copy_(hadamard.rotate(rotated.view(1, -1), self.rotation_block, inverse=True).view(out.shape))
 
 
 @functools.lru_cache(maxsize=8)

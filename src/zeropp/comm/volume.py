@@ -146,18 +146,21 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     """Reduce-scatter of a unit's gradients: a ring over the world, or qgZ's two all-to-all hops.
 
     qgZ (comm/quantized.py) cuts the shard's columns into chunks; per chunk of c columns, hop 1 sends
-    (X-1)/X of the W quantized rows inside the node and hop 2 sends (Y-1)/Y of the Y re-quantized
-    partial sums to the other nodes (X ranks per node, Y nodes, W = XY); data and scales separately.
+    (X-1)/X of the W quantized rows inside the node (gradient_intra_node_bits) and hop 2 sends (Y-1)/Y
+    of the Y re-quantized partial sums to the other nodes (gradient_bits; X ranks per node, Y nodes,
+    W = XY); data and scales separately.
     """
     world, per_node, nodes = layout.world_size, layout.ranks_per_node, layout.nodes
     if not zero.quantized_gradients:
         yield Transfer("reduce_scatter", "backward", ring_bytes(padded * grad, world), _world_crossing(layout))
         return
     spec, shard = QuantSpec(zero.gradient_bits, zero.gradient_block_size), padded // world
+    intra_spec = QuantSpec(zero.gradient_intra_node_bits or zero.gradient_bits, zero.gradient_block_size)
     pieces = math.ceil(shard / zero.reduce_bucket_numel) * zero.qgz_pipeline_chunks
     for start, stop in column_chunks(shard, pieces):
-        for row in (spec.row_bytes(stop - start), SCALE_BYTES * spec.blocks(stop - start)):
+        c = stop - start
+        for intra_row, inter_row in ((intra_spec.row_bytes(c), spec.row_bytes(c)), (SCALE_BYTES * spec.blocks(c),) * 2):
             if per_node > 1:
-                yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * row, 0.0)
+                yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * intra_row, 0.0)
             if nodes > 1:
-                yield Transfer("all_to_all", "backward", (nodes - 1) * row, 1.0)
+                yield Transfer("all_to_all", "backward", (nodes - 1) * inter_row, 1.0)

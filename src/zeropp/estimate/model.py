@@ -61,9 +61,17 @@ class Estimate:
                 zero.grad_dtype,
                 self.optimizer_bytes,
                 1 if u.resident else self.hpz_group_size,
+                qgz_residuals=self.qgz_residual_layout,
             )
             for u in self.units
         )
+
+    @property
+    def qgz_residual_layout(self) -> tuple[int, int] | None:
+        """(ranks per node, nodes) where qgZ's error feedback keeps residuals, else None."""
+        zero = self.zero
+        feedback = zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+        return (self.layout.ranks_per_node, self.layout.nodes) if feedback else None
 
     def ledger(self, rank: int | None = None) -> Ledger:
         """Bytes per optimizer step as the engine's ledger records them: `rank`'s, or the mean over ranks."""
