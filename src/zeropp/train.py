@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zeropp import schedule
 from zeropp.checkpoint import (
     CheckpointError,
     check_writable,
@@ -37,13 +38,12 @@ from zeropp.topology import init_topology
 LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
 def learning_rate(config: Config, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    peak, warmup, total = config.optim.lr, config.optim.warmup_steps, config.train.steps
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """optim.schedule's learning rate for optimizer step `step` (zeropp.schedule)."""
+    return schedule.learning_rate(config.optim, config.train.steps, step)
 
 
 def checkpoint_to_resume(config: Config) -> Path | None:
@@ -93,7 +93,8 @@ class Trainer:
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = GPT(self.gpt)
         self.engine = ZeroEngine(
-            model, torch.optim.AdamW, self.hyperparameters(), config.zero, self.topology, seed=config.train.seed
+            model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
+            seed=config.train.seed,
         )
         if config.train.init_from is not None:
             load_pretrained(self.engine, config.train.init_from)
@@ -114,12 +115,14 @@ class Trainer:
         self.val_batches = Batches("val", *args)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """AdamW's settings; where it steps on the host, its fused kernel, several times faster than
-        foreach and without shard-sized temporaries (zeropp bench optimizer)."""
+        """The optimizer's settings; where it steps on the host, its fused kernel, several times faster
+        than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
         on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
-        betas = (optim.beta1, optim.beta2)
-        return dict(lr=optim.lr, betas=betas, weight_decay=optim.weight_decay, fused=on_host)
+        common = dict(lr=optim.lr, weight_decay=optim.weight_decay, fused=on_host)
+        if optim.optimizer == "sgd":
+            return dict(common, momentum=optim.momentum)
+        return dict(common, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
     def keep_run_hyperparameters(self) -> None:
         """After a resume the run's own optim config wins over the checkpoint's (lr follows the
