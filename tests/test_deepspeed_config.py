@@ -16,7 +16,8 @@ import torch
 from launcher import free_port
 
 from zeropp.config import Config, ConfigError, LossScaleConfig, OptimConfig, ZeroConfig
-from zeropp.deepspeed_config import MAPPED, translate
+from zeropp.deepspeed_config import translate
+from zeropp.deepspeed_keys import MAPPED
 from zeropp.precision import LossScaler
 from zeropp.schedule import learning_rate
 
