@@ -166,7 +166,7 @@ class _Reader:
 
     def refuse_unless(self, key: str, value: Any, harmless: Any, why: str) -> None:
         if value not in (harmless, AUTO):
-            raise ConfigError(f"DeepSpeed {key} = {json.dumps(value)} is not allowed: {why}")
+            raise ConfigError(f"DeepSpeed {key} = {json.dumps(value, default=str)} is not allowed: {why}")
 
     # -- blocks, in this order (the scheduler reads the optimizer's lr) ------------------------------
 
@@ -419,4 +419,4 @@ def _check_total(total: int, micro: int, steps: int, world: int) -> None:
 
 
 def _refuse(key: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"DeepSpeed {key} = {json.dumps(value)} is not allowed; expected {expected}")
+    return ConfigError(f"DeepSpeed {key} = {json.dumps(value, default=str)} is not allowed; expected {expected}")
