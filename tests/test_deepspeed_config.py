@@ -54,7 +54,7 @@ TABLE = {
     "fp16.loss_scale": (
         {"fp16": {"enabled": True, "loss_scale": 128}},
         {"zero.loss_scale.initial_scale": 128.0, "zero.loss_scale.growth_factor": 1.0,
-         "zero.loss_scale.backoff_factor": 1.0}),
+         "zero.loss_scale.min_scale": 128.0}),
     "fp16.initial_scale_power": ({"fp16": {"initial_scale_power": 8}}, {"zero.loss_scale.initial_scale": 256.0}),
     "fp16.loss_scale_window": ({"fp16": {"loss_scale_window": 500}}, {"zero.loss_scale.growth_interval": 500}),
     "fp16.hysteresis": ({"fp16": {"hysteresis": 4}}, {"zero.loss_scale.hysteresis": 4}),

@@ -55,8 +55,8 @@ class LossScaleConfig:
     def validate(self) -> None:
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
         _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
-        _require(  # 1 with growth_factor 1: a static scale
-            0 < self.backoff_factor <= 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1]"
+        _require(
+            0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)"
         )
         for key in ("growth_interval", "hysteresis"):
             value = getattr(self, key)

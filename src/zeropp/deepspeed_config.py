@@ -272,12 +272,12 @@ class _Reader:
         self.set(prefix + "initial_scale", static if static > 0 else float(2**power))
         if static > 0:  # DeepSpeed's static scale: overflowing steps are skipped, the scale stays
             self.set(prefix + "growth_factor", 1.0)
-            self.set(prefix + "backoff_factor", 1.0)
         self.set(prefix + "growth_interval", self.integer(key + "loss_scale_window", fp16["loss_scale_window"], 1))
         self.set(prefix + "hysteresis", self.integer(key + "hysteresis", fp16["hysteresis"], 1))
         consecutive = self.boolean(key + "consecutive_hysteresis", fp16["consecutive_hysteresis"])
         self.set(prefix + "consecutive_hysteresis", consecutive)
-        self.set(prefix + "min_scale", self.number(key + "min_loss_scale", fp16["min_loss_scale"]))
+        floor = static if static > 0 else self.number(key + "min_loss_scale", fp16["min_loss_scale"])
+        self.set(prefix + "min_scale", floor)  # a static scale is its own floor: it never backs off
 
     def grad_dtype(self) -> None:
         values = {"communication_data_type": self.data.get("communication_data_type", AUTO)}

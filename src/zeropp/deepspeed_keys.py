@@ -23,7 +23,7 @@ MAPPED = {
     "zero_optimization.cpu_offload": "zero.offload_optimizer",
     "fp16.enabled": "zero.precision",
     "bf16.enabled": "zero.precision",
-    "fp16.loss_scale": "zero.loss_scale.initial_scale + growth_factor, backoff_factor 1 (static) when > 0",
+    "fp16.loss_scale": "zero.loss_scale.initial_scale; when > 0 also min_scale (the same), growth_factor 1: static",
     "fp16.initial_scale_power": "zero.loss_scale.initial_scale = 2**power",
     "fp16.loss_scale_window": "zero.loss_scale.growth_interval",
     "fp16.hysteresis": "zero.loss_scale.hysteresis",
