@@ -119,10 +119,8 @@ class Trainer:
         than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
         on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
-        common = dict(lr=optim.lr, weight_decay=optim.weight_decay, fused=on_host)
-        if optim.optimizer == "sgd":
-            return dict(common, momentum=optim.momentum)
-        return dict(common, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        own = dict(momentum=optim.momentum) if optim.optimizer == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
 
     def keep_run_hyperparameters(self) -> None:
         """After a resume the run's own optim config wins over the checkpoint's (lr follows the
