@@ -30,6 +30,7 @@ from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
 from zeropp.comm import CollectiveTimeout, PeerLost
 from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
+from zeropp.deepspeed_config import Translation, translate
 from zeropp.fingerprint import ModelMismatch
 from zeropp.flags import add_config_flags
 from zeropp.launch import (
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--plot", type=Path, metavar="PNG", help="at the end, write a PNG of the training and validation loss here (default: none)"
     )
+    train.add_argument(
+        "--deepspeed", type=Path, metavar="DS_CONFIG.json",
+        help="a DeepSpeed JSON config, read as config keys: over --config, under the flags (default: none)",
+    )  # fmt: skip
     add_launch_flags(train)
     _train_config_flags(train)
     export = commands.add_parser(
@@ -150,9 +155,16 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         simulated = 2 if args.nproc_per_node % 2 == 0 else 1
         overrides["topology.nodes"] = simulated
         argv += ["--nodes", str(simulated)]
+    deepspeed = None
+    if args.deepspeed is not None:
+        world = int(os.environ["WORLD_SIZE"]) if is_rank() else args.nproc_per_node * nodes
+        deepspeed = _read_deepspeed(args.deepspeed, args.config, overrides, world)
+        overrides = {**deepspeed.overrides, **overrides}  # the flags win
     config = load_config(args.config, overrides)
     if config.zero.stage == 3:
         config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
+    if deepspeed is not None:
+        deepspeed.check_batch(config)
     if is_rank():
         Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
     else:
@@ -169,6 +181,17 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         if config.checkpoint.checkpoint_dir is not None:  # one run per folder
             runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     return config, nodes
+
+
+def _read_deepspeed(path: Path, config_file: Path | None, overrides: dict[str, Any], world: int) -> Translation:
+    """The DeepSpeed config's keys; its "auto" values resolved from the run's other settings and
+    model. The launcher (or rank 0 under a torchrun of the user's) prints its one-line note."""
+    base = load_config(config_file, overrides)
+    translation = translate(path, world_size=world, hidden_size=model_source(base).d_model, base=base)
+    note = translation.note()
+    if note and (not is_rank() or (LAUNCHER_PID not in os.environ and os.environ.get("RANK") == "0")):
+        print(note, flush=True)
+    return translation
 
 
 def _check_output(flag: str, path: Path) -> None:

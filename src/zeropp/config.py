@@ -49,6 +49,8 @@ class LossScaleConfig:
     backoff_factor: float = setting(0.5, "multiply the scale by this after an overflow (the step is skipped)")
     growth_interval: int = setting(1000, "steps without overflow before the scale grows")
     min_scale: float = setting(1.0, "the scale never falls below this")
+    hysteresis: int = setting(1, "overflows (each a skipped step) before the scale backs off; reset when it grows")
+    consecutive_hysteresis: bool = setting(False, "reset the hysteresis after every step without overflow instead")
 
     def validate(self) -> None:
         _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
@@ -56,7 +58,9 @@ class LossScaleConfig:
         _require(
             0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)"
         )
-        _require(self.growth_interval >= 1, "zero.loss_scale.growth_interval", self.growth_interval, "an integer >= 1")
+        for key in ("growth_interval", "hysteresis"):
+            value = getattr(self, key)
+            _require(value >= 1, f"zero.loss_scale.{key}", value, "an integer >= 1")
         _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
         _check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
 
@@ -157,6 +161,18 @@ class ZeroConfig:
                 "a power of 2 when zero.gradient_hadamard is on (the Hadamard transform's size)",
             )
 
+    @classmethod
+    def from_deepspeed(
+        cls, source: str | Path | Mapping[str, Any], hidden_size: int | None = None, world_size: int | None = None
+    ) -> ZeroConfig:
+        """The ZeroConfig of a DeepSpeed config (a JSON file or its dict), as zeropp.deepspeed_config
+        reads it: `hidden_size` resolves the "auto" bucket sizes, `world_size` (the data-parallel
+        ranks; default: torch.distributed's, or 1 outside it) the per-rank bucket sizes and the
+        batch-size check. Its optimizer and batch keys: ``deepspeed_config.translate(...).config()``."""
+        from zeropp.deepspeed_config import translate
+
+        return translate(source, world_size=world_size, hidden_size=hidden_size).config().zero
+
     def validate(self) -> None:
         _check_choices(self, "zero")
         _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
@@ -255,18 +271,41 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(3e-3, "peak learning rate (linear warm-up, then cosine decay to a tenth)")
-    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay")
-    beta1: float = setting(0.9, "AdamW's first-moment decay")
-    beta2: float = setting(0.95, "AdamW's second-moment decay")
-    warmup_steps: int = setting(20, "steps of linear learning-rate warm-up")
+    """The optimizer and learning-rate schedule of `zeropp train` (schedules: zeropp.schedule)."""
+
+    optimizer: Literal["adamw", "adam", "sgd"] = setting(
+        "adamw", "adamw (decoupled weight decay), adam (L2 weight decay) or sgd, from torch.optim"
+    )
+    lr: float = setting(3e-3, "peak learning rate of the schedule")
+    weight_decay: float = setting(0.1, "weight decay (decoupled for adamw)")
+    beta1: float = setting(0.9, "Adam's first-moment decay")
+    beta2: float = setting(0.95, "Adam's second-moment decay")
+    eps: float = setting(1e-8, "Adam's epsilon")
+    momentum: float = setting(0.0, "SGD's momentum")
+    schedule: Literal["cosine", "constant", "warmup", "warmup_decay", "warmup_cosine"] = setting(
+        "cosine", "cosine: linear warm-up, then cosine decay to min_lr_ratio; constant; warmup, warmup_decay, "
+        "warmup_cosine: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR"
+    )
+    warmup_steps: int = setting(20, "steps of learning-rate warm-up")
+    warmup_type: Literal["log", "linear"] = setting("log", "DeepSpeed's schedules: the warm-up curve")
+    warmup_start_ratio: float = setting(0.0, "DeepSpeed's schedules: the warm-up's first learning rate / lr")
+    min_lr_ratio: float = setting(0.1, "the decay's last learning rate / lr (cosine, warmup_decay, warmup_cosine)")
+    decay_steps: int | None = setting(None, "steps at which the decay ends; unset: train.steps")
 
     def validate(self) -> None:
+        _check_choices(self, "optim")
         _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
-        _require(0 <= self.beta1 < 1, "optim.beta1", self.beta1, "a number in [0, 1)")
-        _require(0 <= self.beta2 < 1, "optim.beta2", self.beta2, "a number in [0, 1)")
+        for key in ("beta1", "beta2", "momentum"):
+            value = getattr(self, key)
+            _require(0 <= value < 1, f"optim.{key}", value, "a number in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "a number > 0")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        for key in ("warmup_start_ratio", "min_lr_ratio"):
+            value = getattr(self, key)
+            _require(0 <= value <= 1, f"optim.{key}", value, "a number in [0, 1]")
+        if self.decay_steps is not None:
+            _require(self.decay_steps >= 1, "optim.decay_steps", self.decay_steps, "an integer >= 1, or unset")
         _check_finite(self, "optim")
 
 

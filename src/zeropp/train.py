@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from zeropp import schedule
 from zeropp.checkpoint import (
     CheckpointError,
     check_writable,
@@ -40,13 +41,12 @@ from zeropp.topology import init_topology
 LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
 def learning_rate(config: Config, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    peak, warmup, total = config.optim.lr, config.optim.warmup_steps, config.train.steps
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """optim.schedule's learning rate for optimizer step `step` (zeropp.schedule)."""
+    return schedule.learning_rate(config.optim, config.train.steps, step)
 
 
 def checkpoint_to_resume(config: Config) -> Path | None:
@@ -97,7 +97,8 @@ class Trainer:
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = self.source.build()
         self.engine = ZeroEngine(
-            model, torch.optim.AdamW, self.hyperparameters(), config.zero, self.topology, seed=config.train.seed
+            model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
+            seed=config.train.seed,
         )
         weights = config.train.init_from or self.source.weights
         if weights is not None:
@@ -123,12 +124,12 @@ class Trainer:
         self.peak_flops = peak_flops(self.topology.device)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """AdamW's settings; where it steps on the host, its fused kernel, several times faster than
-        foreach and without shard-sized temporaries (zeropp bench optimizer)."""
+        """The optimizer's settings; where it steps on the host, its fused kernel, several times faster
+        than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
         on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
-        betas = (optim.beta1, optim.beta2)
-        return dict(lr=optim.lr, betas=betas, weight_decay=optim.weight_decay, fused=on_host)
+        own = dict(momentum=optim.momentum) if optim.optimizer == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
 
     def keep_run_hyperparameters(self) -> None:
         """After a resume the run's own optim config wins over the checkpoint's (lr follows the

@@ -1,0 +1,423 @@
+"""DeepSpeed configs in, unchanged: every key mapped, DeepSpeed's tutorials' configs, "auto", refusals,
+the batch-size check, DeepSpeed's schedules and loss scaling, and zeropp train --deepspeed end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import free_port
+
+from zeropp.config import Config, ConfigError, LossScaleConfig, OptimConfig, ZeroConfig
+from zeropp.deepspeed_config import translate
+from zeropp.deepspeed_keys import MAPPED
+from zeropp.precision import LossScaler
+from zeropp.schedule import learning_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+ZERO3 = {"zero_optimization": {"stage": 3}}
+OFFLOAD = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+
+# DeepSpeed key -> (a config holding it, {zeropp key: the value it must give}), world size 4
+TABLE = {
+    "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, {"zero.stage": 2}),
+    "zero_optimization.reduce_bucket_size": (
+        {"zero_optimization": {"reduce_bucket_size": 4e6}}, {"zero.reduce_bucket_numel": 1_000_000}),
+    "zero_optimization.allgather_bucket_size": (
+        {"zero_optimization": {"allgather_bucket_size": 8e6}}, {"zero.allgather_bucket_numel": 2_000_000}),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}, {"zero.prefetch": 0}),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4}},
+        {"zero.persistence_threshold": 10_000}),
+    "zero_optimization.zero_quantized_weights": (
+        {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, {"zero.quantized_weights": True}),
+    "zero_optimization.zero_hpz_partition_size": (
+        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, {"zero.hpz_partition_size": 8}),
+    "zero_optimization.zero_quantized_gradients": (
+        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, {"zero.quantized_gradients": True}),
+    "zero_optimization.offload_optimizer.device": (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+        {"zero.offload_optimizer": "cpu"}),
+    "zero_optimization.offload_param.device": (
+        {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "cpu"}}}, {"zero.offload_params": "cpu"}),
+    "zero_optimization.cpu_offload": ({"zero_optimization": {"cpu_offload": True}}, {"zero.offload_optimizer": "cpu"}),
+    "fp16.enabled": ({"fp16": {"enabled": True}}, {"zero.precision": "fp16"}),
+    "bf16.enabled": ({"bf16": {"enabled": True}}, {"zero.precision": "bf16"}),
+    "fp16.loss_scale": (
+        {"fp16": {"enabled": True, "loss_scale": 128}},
+        {"zero.loss_scale.initial_scale": 128.0, "zero.loss_scale.growth_factor": 1.0,
+         "zero.loss_scale.min_scale": 128.0}),
+    "fp16.initial_scale_power": ({"fp16": {"initial_scale_power": 8}}, {"zero.loss_scale.initial_scale": 256.0}),
+    "fp16.loss_scale_window": ({"fp16": {"loss_scale_window": 500}}, {"zero.loss_scale.growth_interval": 500}),
+    "fp16.hysteresis": ({"fp16": {"hysteresis": 4}}, {"zero.loss_scale.hysteresis": 4}),
+    "fp16.consecutive_hysteresis": (
+        {"fp16": {"consecutive_hysteresis": True}}, {"zero.loss_scale.consecutive_hysteresis": True}),
+    "fp16.min_loss_scale": ({"fp16": {"min_loss_scale": 0.5}}, {"zero.loss_scale.min_scale": 0.5}),
+    "communication_data_type": ({"communication_data_type": "fp32"}, {"zero.grad_dtype": "fp32"}),
+    "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "fp32"}}, {"zero.grad_dtype": "fp32"}),
+    "gradient_clipping": ({"gradient_clipping": 0.5}, {"zero.max_grad_norm": 0.5}),
+    "gradient_accumulation_steps": ({"gradient_accumulation_steps": 3}, {"zero.gradient_accumulation_steps": 3}),
+    "train_micro_batch_size_per_gpu": ({"train_micro_batch_size_per_gpu": 6}, {"train.micro_batch_size": 6}),
+    "train_batch_size": (
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, {"zero.gradient_accumulation_steps": 4}),
+    "optimizer.type": ({"optimizer": {"type": "sgd"}}, {"optim.optimizer": "sgd"}),
+    "optimizer.params.lr": ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, {"optim.lr": 1e-4}),
+    "optimizer.params.betas": (
+        {"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.9]}}}, {"optim.beta1": 0.8, "optim.beta2": 0.9}),
+    "optimizer.params.eps": ({"optimizer": {"type": "Adam", "params": {"eps": 1e-6}}}, {"optim.eps": 1e-6}),
+    "optimizer.params.weight_decay": (
+        {"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.01}}}, {"optim.weight_decay": 0.01}),
+    "optimizer.params.momentum": ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, {"optim.momentum": 0.9}),
+    "optimizer.params.adam_w_mode": (
+        {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, {"optim.optimizer": "adam"}),
+    "scheduler.type": ({"scheduler": {"type": "WarmupLR"}}, {"optim.schedule": "warmup"}),
+    "scheduler.params.warmup_min_lr": (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3}}},
+        {"optim.warmup_start_ratio": 0.1}),
+    "scheduler.params.warmup_max_lr": (
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-3}}}, {"optim.lr": 2e-3}),
+    "scheduler.params.warmup_num_steps": (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}}, {"optim.warmup_steps": 50}),
+    "scheduler.params.warmup_type": (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}, {"optim.warmup_type": "linear"}),
+    "scheduler.params.total_num_steps": (
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500}}}, {"optim.decay_steps": 500}),
+    "scheduler.params.warmup_min_ratio": (
+        {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.2}}},
+        {"optim.warmup_start_ratio": 0.2}),
+    "scheduler.params.cos_min_ratio": (
+        {"scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.05}}}, {"optim.min_lr_ratio": 0.05}),
+}  # fmt: skip
+
+
+def value_at(config: Config, dotted: str):
+    node = config
+    for name in dotted.split("."):
+        node = getattr(node, name)
+    return node
+
+
+def test_the_table_covers_every_mapped_key():
+    assert set(TABLE) == set(MAPPED)
+
+
+@pytest.mark.parametrize("ds_key", sorted(TABLE))
+def test_each_deepspeed_key_sets_its_zeropp_key(ds_key):
+    ds, expected = TABLE[ds_key]
+    config = translate(ds, world_size=4, hidden_size=64).config()
+    for dotted, value in expected.items():
+        assert value_at(config, dotted) == (pytest.approx(value) if isinstance(value, float) else value), dotted
+
+
+def test_a_block_means_what_it_means_in_deepspeed_and_an_absent_one_keeps_zeropp():
+    config = translate({"zero_optimization": {}, "fp16": {"enabled": True}}, world_size=2).config()
+    assert config.zero.stage == 0 and not config.zero.quantized_weights  # DeepSpeed's defaults
+    assert (config.zero.loss_scale.initial_scale, config.zero.loss_scale.hysteresis) == (2.0**16, 2)
+    assert config.zero.persistence_threshold == 100_000 and config.zero.reduce_bucket_numel == 250_000_000
+    assert config.optim == OptimConfig()  # no optimizer or scheduler block: zeropp's
+    adam = translate({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}).config().optim
+    assert (adam.beta1, adam.beta2, adam.eps, adam.weight_decay) == (0.9, 0.999, 1e-8, 0.0)
+    assert translate({"gradient_clipping": 0}).config().zero.max_grad_norm is None
+    assert translate({"fp16": {"enabled": False}}).config().zero.precision == "fp32"
+
+
+def test_zero3_tutorial_config():
+    """DeepSpeed's ZeRO tutorial, ZeRO-Infinity with offload to CPU (written from its documentation)."""
+    tutorial = {
+        "zero_optimization": {
+            "stage": 3, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 1e7,
+            "stage3_param_persistence_threshold": 1e5, "reduce_bucket_size": 1e7, "sub_group_size": 1e9,
+            "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+        }
+    }  # fmt: skip
+    expected = ZeroConfig(
+        stage=3, reduce_bucket_numel=1_250_000, allgather_bucket_numel=62_500_000, persistence_threshold=100_000,
+        offload_optimizer="cpu", offload_params="cpu",
+    )  # fmt: skip
+    assert ZeroConfig.from_deepspeed(tutorial, world_size=8) == expected
+    note = translate(tutorial, world_size=8).note()
+    for key in ("contiguous_gradients", "stage3_max_live_parameters", "sub_group_size", "stage3_prefetch_bucket_size"):
+        assert f"zero_optimization.{key}" in note
+    assert "\n" not in note
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_tutorial_stage_1_and_2_configs(stage, tmp_path):
+    block = {"stage": stage, "reduce_bucket_size": 5e8}
+    if stage == 2:
+        block.update(contiguous_gradients=True, overlap_comm=True, reduce_scatter=True, allgather_bucket_size=5e8)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": block}))
+    zero = ZeroConfig.from_deepspeed(path, world_size=8)
+    assert (zero.stage, zero.reduce_bucket_numel, zero.allgather_bucket_numel) == (stage, 62_500_000, 62_500_000)
+
+
+def test_zeropp_tutorial_config():
+    """DeepSpeed's ZeRO++ tutorial: all three switches, hpZ over the 16 GPUs of a node."""
+    tutorial = {
+        "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": 10000000, "reduce_scatter": False,
+            "zero_quantized_weights": True, "zero_hpz_partition_size": 16, "zero_quantized_gradients": True,
+            "contiguous_gradients": True, "overlap_comm": True,
+        }
+    }  # fmt: skip
+    zero = ZeroConfig.from_deepspeed(tutorial, world_size=64)
+    assert zero == ZeroConfig(
+        stage=3, reduce_bucket_numel=156_250, allgather_bucket_numel=7_812_500, persistence_threshold=100_000,
+        quantized_weights=True, hpz_partition_size=16, quantized_gradients=True,
+    )  # fmt: skip
+    assert "zero_optimization.reduce_scatter" in translate(tutorial, world_size=64).note()
+
+
+HF_STYLE = {  # the Hugging Face integration's ZeRO-3 template: "auto" wherever the trainer knows the value
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}  # fmt: skip
+
+
+def test_auto_resolves_from_the_hidden_size_and_zeropp_settings():
+    base = Config()
+    base.optim.lr, base.optim.warmup_steps, base.train.micro_batch_size = 5e-4, 7, 3
+    base.zero.gradient_accumulation_steps, base.zero.max_grad_norm, base.zero.precision = 2, 1.0, "bf16"
+    translation = translate(HF_STYLE, world_size=4, hidden_size=64, base=base)
+    config = translation.config(base)
+    h = 64
+    assert config.zero.reduce_bucket_numel == h * h // 4  # h², one rank's quarter
+    assert config.zero.persistence_threshold == 10 * h
+    assert translation.resolved["zero_optimization.stage3_prefetch_bucket_size"] == int(0.9 * h * h)
+    assert config.zero.prefetch == 1  # prefetch counts units here: the resolved size is noted
+    assert (config.optim.lr, config.optim.warmup_steps, config.optim.schedule) == (5e-4, 7, "warmup_decay")
+    assert (config.optim.beta1, config.optim.beta2, config.optim.weight_decay) == (0.9, 0.95, 0.1)  # zeropp's
+    assert (config.optim.warmup_start_ratio, config.optim.min_lr_ratio, config.optim.decay_steps) == (0, 0, None)
+    assert (config.train.micro_batch_size, config.zero.gradient_accumulation_steps) == (3, 2)
+    assert (config.zero.max_grad_norm, config.zero.precision) == (1.0, "bf16")
+    note = translation.note()
+    assert note.count("\n") == 0 and f"zero_optimization.reduce_bucket_size = {h * h}" in note
+    with pytest.raises(ConfigError, match=r"reduce_bucket_size = \"auto\" needs the model's hidden size"):
+        translate(HF_STYLE, world_size=4)
+
+
+def test_train_batch_size_checked_and_derived():
+    ok = translate({"train_batch_size": 48, "gradient_accumulation_steps": 3}, world_size=4).config()
+    assert (ok.train.micro_batch_size, ok.zero.gradient_accumulation_steps) == (4, 3)
+    only_total = translate({"train_batch_size": 8}, world_size=4).config()
+    assert (only_total.train.micro_batch_size, only_total.zero.gradient_accumulation_steps) == (2, 1)
+    with pytest.raises(ConfigError) as error:
+        translate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+                  world_size=4)  # fmt: skip
+    assert str(error.value) == (
+        "DeepSpeed train_batch_size = 32 is not allowed; expected micro-batch 2 x gradient accumulation 2 x 4 ranks = 16"
+    )
+    with pytest.raises(ConfigError, match=r"train_batch_size = 30 is not allowed; expected a multiple of micro-batch 4 x 4"):
+        translate({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=4)
+    base = Config()
+    base.train.micro_batch_size = 8  # "auto" takes zeropp's value, then the total is checked
+    with pytest.raises(ConfigError, match="expected micro-batch 8 x gradient accumulation 1 x 2 ranks = 16"):
+        translate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+                  world_size=2, base=base)  # fmt: skip
+    derived = translate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto"}, world_size=2, base=base)
+    assert derived.config(base).zero.gradient_accumulation_steps == 2  # 32 / (8 x 2)
+
+
+@pytest.mark.parametrize(
+    ("ds", "message"),
+    [
+        ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+         'DeepSpeed zero_optimization.offload_param.device = "nvme" is not allowed: zeropp offloads to CPU memory only'),
+        ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+         "DeepSpeed zero_optimization.mics_shard_size is not allowed: MiCS is not implemented"),
+        ({"amp": {"enabled": True}}, "DeepSpeed amp is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16"),
+        ({"optimizer": {"type": "Lamb"}},
+         'DeepSpeed optimizer.type = "Lamb" is not allowed; expected "Adam", "AdamW" or "SGD" (in any case)'),
+        ({"scheduler": {"type": "OneCycle"}},
+         'DeepSpeed scheduler.type = "OneCycle" is not allowed; expected "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"'),
+        ({"activation_checkpointing": {"partition_activations": True}},
+         "DeepSpeed activation_checkpointing.partition_activations = true is not allowed: zeropp has no DeepSpeed "
+         "activation checkpointing (a model's own torch.utils.checkpoint works)"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+         "DeepSpeed fp16.enabled and bf16.enabled are both true; expected at most one"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+         "DeepSpeed bf16.bf16_master_weights_and_grads = true is not allowed: zeropp keeps fp32 master weights"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+         "DeepSpeed zero_optimization.offload_optimizer.ratio = 0.3 is not allowed: partial offload is not implemented"),
+        ({"zero_optimization": {"stage": 4}}, "DeepSpeed zero_optimization.stage = 4 is not allowed; expected one of 0, 1, 2, 3"),
+        ({"pipeline": {"stages": 2}}, "DeepSpeed pipeline is not allowed: zeropp has no pipeline parallelism"),
+    ],
+)  # fmt: skip
+def test_refused_keys_say_why_in_one_line(ds, message):
+    with pytest.raises(ConfigError) as error:
+        translate(ds, world_size=4)
+    assert str(error.value) == message
+
+
+def test_unknown_key_is_refused_with_the_keys_allowed_there():
+    with pytest.raises(ConfigError) as error:
+        translate({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5}})
+    text = str(error.value)
+    assert text.startswith("DeepSpeed key 'zero_optimization.stage3_prefetch_bucket' is not known to zeropp; allowed here:")
+    assert "stage3_prefetch_bucket_size" in text and "overlap_comm" in text and "\n" not in text
+
+
+def test_unreadable_files_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"DeepSpeed config '.*missing.json' does not exist; expected a JSON file"):
+        translate(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match=r"does not parse as JSON"):
+        translate(bad)
+
+
+# -- the schedules against DeepSpeed's own, the loss scaler's hysteresis ------------------------------
+
+SCHEDULE_CASES = {  # DeepSpeed scheduler params; zeropp's optim keys follow from translate
+    "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 10},
+    "WarmupDecayLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 5, "total_num_steps": 30,
+                      "warmup_type": "linear"},
+    "WarmupCosineLR": {"warmup_min_ratio": 0.1, "warmup_num_steps": 6, "total_num_steps": 25, "cos_min_ratio": 0.05},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULE_CASES))
+def test_schedules_follow_deepspeeds_scheduler_step_by_step(kind):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    params = SCHEDULE_CASES[kind]
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": kind, "params": params}}
+    optim = translate(ds).config().optim
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = getattr(lr_schedules, kind)(optimizer, **params)  # built before the first step, as the engine does
+    for step in range(40):
+        expected = optimizer.param_groups[0]["lr"]
+        assert learning_rate(optim, 1000, step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+        scheduler.step()
+
+
+def test_zeropps_own_cosine_schedule_is_unchanged():
+    optim = OptimConfig(lr=1.0, warmup_steps=4)
+    for step in range(30):
+        old = (step + 1) / 4 if step < 4 else 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - 4) / 16)))
+        assert learning_rate(optim, 20, step) == pytest.approx(old, rel=1e-12)
+
+
+def test_loss_scaler_hysteresis_and_static_scale():
+    scaler = LossScaler(LossScaleConfig(initial_scale=64.0, growth_interval=2, hysteresis=2), enabled=True)
+    scales = []
+    for overflow in (True, True, True, False, False, True):
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    # one overflow tolerated, then halved, then halved again (the hysteresis stays spent until growth)
+    assert scales == [64.0, 32.0, 16.0, 16.0, 32.0, 32.0]
+    consecutive = LossScaler(
+        LossScaleConfig(initial_scale=64.0, growth_interval=100, hysteresis=2, consecutive_hysteresis=True), True
+    )
+    for overflow in (True, False, True, False, True, True):
+        consecutive.update(overflow)
+    assert consecutive.scale == 32.0  # a clean step restores the hysteresis: only the last pair backs off
+    static = translate({"fp16": {"enabled": True, "loss_scale": 1024}}).config().zero.loss_scale
+    fixed = LossScaler(static, enabled=True)
+    for overflow in (True, False, True, True):
+        fixed.update(overflow)
+    assert fixed.scale == 1024.0
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_loss_scale_back_off_follows_deepspeeds_scaler_step_by_step(hysteresis, consecutive):
+    """Overflows, hysteresis and the floor as DeepSpeed's DynamicLossScaler (no growth within the run:
+    DeepSpeed 0.19 first grows after loss_scale_window + 1 clean steps, zeropp after the window)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    fp16 = {"enabled": True, "initial_scale_power": 20, "hysteresis": hysteresis, "consecutive_hysteresis": consecutive}
+    ours = LossScaler(translate({"fp16": fp16}).config().zero.loss_scale, enabled=True)
+    theirs = loss_scaler.DynamicLossScaler(
+        init_scale=2.0**20, scale_window=1000, min_scale=1, delayed_shift=hysteresis,
+        consecutive_hysteresis=consecutive, raise_error_at_min_scale=False,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(hysteresis)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it only logs with it
+        for overflow in (torch.rand(300, generator=generator) < 0.3).tolist():
+            ours.update(overflow)
+            theirs.update_scale(overflow)
+            assert ours.scale == theirs.cur_scale
+
+
+# -- zeropp train --deepspeed, and the README's example --------------------------------------------
+
+
+def readme_example() -> dict:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Coming from DeepSpeed", 1)[1].split("\n## ", 1)[0]
+    return json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+
+
+def test_readme_example_is_the_example_file():
+    example = json.loads((ROOT / "examples" / "ds_config.json").read_text())
+    assert readme_example() == example
+    readme = (ROOT / "README.md").read_text()
+    assert "zeropp train --deepspeed examples/ds_config.json" in readme
+
+
+def test_train_with_the_readme_deepspeed_config(tmp_path):
+    """The README's example on 2 simulated nodes x 2 ranks: its stage, ZeRO++ switches, precision,
+    optimizer, schedule and batch reach the run (summary and the checkpoint's optimizer)."""
+    config = tmp_path / "ds.json"
+    ds = readme_example()
+    ds["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}  # another optimizer than zeropp's
+    config.write_text(json.dumps(ds))
+    out, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"
+    result = subprocess.run(
+        [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4",
+         "--eval-batches", "1", "--master-port", str(free_port()), "--summary-json", str(out),
+         "--checkpoint-dir", str(ckpt)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("DeepSpeed config:")]
+    assert len(notes) == 1 and "zero_optimization.overlap_comm" in notes[0] and "steps_per_print" in notes[0]
+    summary = json.loads(out.read_text())
+    assert (summary["stage"], summary["precision"], summary["world_size"], summary["nodes"]) == (3, "bf16", 4, 2)
+    assert summary["zeropp"] == {"quantized_weights": True, "hpz_group_size": 2, "quantized_gradients": True}
+    run = summary["config"]
+    assert (run["train"]["micro_batch_size"], run["zero"]["gradient_accumulation_steps"]) == (4, 2)
+    assert run["zero"]["max_grad_norm"] == 1.0 and run["zero"]["persistence_threshold"] == 640  # "auto": 10 h
+    meta = json.loads((ckpt / "step-00000004" / "zeropp.json").read_text())
+    assert meta["optimizer"] == "torch.optim.sgd.SGD" and meta["param_groups"][0]["momentum"] == 0.9
+    # the last step's lr is WarmupCosineLR's after 3 scheduler steps of 4 (decay_steps "auto": --steps)
+    optim = OptimConfig(**run["optim"])
+    assert meta["param_groups"][0]["lr"] == pytest.approx(learning_rate(optim, 4, 3))
+    assert optim.schedule == "warmup_cosine" and optim.lr == 0.05
+
+
+def test_flags_override_the_deepspeed_file_and_the_batch_is_checked_after_them(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))
+    command = [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny"]
+    result = subprocess.run([*command, "--micro-batch-size", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "zeropp: error: DeepSpeed train_batch_size = 16 is not allowed; "
+        "expected micro-batch 2 x gradient accumulation 1 x 4 ranks = 8"
+    )
+    from zeropp.cli import _train_config, build_parser
+
+    argv = ["train", "--deepspeed", str(config), "--stage", "2", "--gradient-accumulation-steps", "1"]
+    config_, _ = _train_config(build_parser().parse_args(argv), argv)
+    assert config_.zero.stage == 2 and not config_.zero.quantized_weights  # the flag won; ZeRO++ off as the file says
