@@ -138,9 +138,9 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
     if config.zero.stage == 3:
         config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
     if is_rank():
-        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
+        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
     else:
-        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
+        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
         layout.hpz_group_size(config.zero.hpz_partition_size)
         resolve_backend(config.topology)
         gpt_config(config.model)

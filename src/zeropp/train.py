@@ -292,7 +292,8 @@ class Trainer:
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
-        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), topo.layout, zero), topo.layout, zero)
+        dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
