@@ -52,3 +52,66 @@ def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp):
     for rank_errors in results:
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
+
+
+def ledger_of_one_step(stage: int) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.comm.volume import zero3_step_bytes, zero3_units
+    from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    dp = topology.data_parallel
+    zero = ZeroConfig(stage=stage)
+    engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
+    engine.comm.ledger.reset()
+    with CommDebugMode() as observer:  # torch's own count of every collective, functional or not
+        x, y = rows(global_batch("gpt", 0, 0, dp.size), dp.rank)
+        engine.backward(loss_of("gpt", engine, x, y))
+        engine.step()
+    ledger = engine.comm.ledger
+    dp_layout = topology.layout.data_parallel_layout()
+    zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp_layout, zero), dp_layout, zero)
+    return dict(
+        ledger_calls=sum(ledger.calls.values()),
+        torch_calls=observer.get_total_counts(),
+        calls={f"{op}/{phase}": n for (op, phase), n in ledger.calls.items()},
+        tp_bytes={phase: ledger.total(op="tp.all_reduce", phase=phase) for phase in ("forward", "backward", "step")},
+        tp_total=sum(b for (op, _, _), b in ledger.bytes.items() if op.startswith("tp.")),
+        tp_inter=sum(b for (op, _, link), b in ledger.bytes.items() if op.startswith("tp.") and link == "inter"),
+        dp_bytes={
+            p: sum(b for (op, ph, _), b in ledger.bytes.items() if ph == p and not op.startswith("tp."))
+            for p in ("forward", "backward")
+        },
+        zero3_bytes={p: zero3[p]["intra"] + zero3[p]["inter"] for p in ("forward", "backward")},
+    )
+
+
+def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula():
+    from zeropp.tensor_parallel import megatron_bytes_per_block
+
+    layers, batch, seq, hidden = GPT_TEST.n_layer, 2, GPT_TEST.block_size, GPT_TEST.d_model
+    per_block = megatron_bytes_per_block(batch, seq, hidden, tp=2, element_bytes=4)
+    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3):
+        assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
+        # Megatron's layout: 2 all-reduces per block in forward, 2 in backward
+        assert result["calls"]["tp.all_reduce/forward"] == 2 * layers
+        assert result["calls"]["tp.all_reduce/backward"] == 2 * layers
+        assert result["tp_bytes"] == {
+            "forward": layers * per_block // 2,
+            "backward": layers * per_block // 2,
+            "step": 0,
+        }
+        assert result["tp_total"] == layers * per_block and result["tp_inter"] == 0  # inside a node
+        # ZeRO-3 over the data-parallel ranks on the tensor-parallel-local units: the traffic model's bytes
+        assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
+
+
+def test_a_collective_without_a_byte_model_stops_the_run():
+    from zeropp.comm.observed import ObservedCollectives, UncountedCollective
+
+    with pytest.raises(UncountedCollective, match="no byte model for the collective made_up"):
+        ObservedCollectives(comm=None)._record("made_up", (), None)

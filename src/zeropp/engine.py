@@ -183,7 +183,7 @@ class ZeroEngine:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        with self.comm.ledger.in_phase(phase):
+        with self.comm.in_phase(phase):
             return self.module(*args, **kwargs)
 
     # -- backward --------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class ZeroEngine:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
-        with self.comm.ledger.in_phase("backward"):
+        with self.comm.in_phase("backward"):
             self.runtime.backward(loss * scale, reduce=self.policy.shard_gradients or boundary)
         self.micro_step += 1
         self._at_boundary = boundary
@@ -207,7 +207,7 @@ class ZeroEngine:
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
-        with self.comm.ledger.in_phase("step"):
+        with self.comm.in_phase("step"):
             # offloaded masters: every unit's copy to the host is issued before any is waited for
             grads = [
                 unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
@@ -299,7 +299,8 @@ class ZeroEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
-        return state.full_state_dict(self.units, self.module)
+        with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
+            return state.full_state_dict(self.units, self.module)
 
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""

@@ -221,6 +221,13 @@ class Topology:
             self._built[name] = mine
         return self._built[name]
 
+    def group_named(self, name: str) -> Group:
+        """The group of this rank whose process group torch names `name` (functional collectives do)."""
+        for group in (self.world, *self._built.values()):
+            if group.pg is not None and group.pg.group_name == name:
+                return group
+        raise KeyError(f"zeropp: no process group named {name!r} on rank {self.rank}")
+
     def shard_groups(self, hpz_partition_size: int = 1) -> ShardGroups:
         """The groups units shard over, with hpZ's secondary groups for ``zero.hpz_partition_size``
         (built on first use; collective then)."""
