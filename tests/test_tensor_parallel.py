@@ -115,3 +115,34 @@ def test_a_collective_without_a_byte_model_stops_the_run():
 
     with pytest.raises(UncountedCollective, match="no byte model for the collective made_up"):
         ObservedCollectives(comm=None)._record("made_up", (), None)
+
+
+def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_parallel_run(tmp_path):
+    import json
+
+    from launcher import free_port
+    from test_cli import zeropp
+
+    common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2", "--init", "eager")
+    summaries = {}
+    for name, extra in (("tp", ("--nproc-per-node", "4", "--tensor-parallel", "2")), ("dp", ("--nproc-per-node", "2"))):
+        out = tmp_path / f"{name}.json"
+        result = zeropp(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[name] = json.loads(out.read_text())
+    tp, dp = summaries["tp"], summaries["dp"]
+    assert (tp["world_size"], tp["tensor_parallel_size"], dp["tensor_parallel_size"]) == (4, 2, 1)
+    # 2 data-parallel ranks both times, same micro-batch and initial weights: the same losses, step by step
+    assert tp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
+    assert tp["tokens_per_s"] > 0 and dp["tensor_parallel_bytes_per_step"] == 0
+    # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
+    from zeropp.config import load_config
+    from zeropp.models.gpt import PRESETS
+    from zeropp.tensor_parallel import megatron_bytes_per_block
+
+    gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
+    per_block = megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp=2, element_bytes=4)
+    assert tp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block
+    assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
+    # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
+    assert tp["param_count"] < dp["param_count"]

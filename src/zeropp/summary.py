@@ -68,6 +68,9 @@ class RunSummary:
     # model construction and engine set-up (and loading), and during the training steps
     init_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
     step_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
+    # the tensor-parallel group's size and its bytes per rank and step (the ledger's tp.* ops, mean over ranks)
+    tensor_parallel_size: int = 1
+    tensor_parallel_bytes_per_step: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

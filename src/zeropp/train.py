@@ -32,9 +32,11 @@ from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_byt
 from zeropp.models.gpt import GPT, gpt_config
 from zeropp.pretrained import load_pretrained
 from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
+from zeropp.tensor_parallel import parallelize
 from zeropp.topology import init_topology
 
-LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES))  # tp.*: on the tensor-parallel group
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -90,8 +92,9 @@ class Trainer:
         self.memory = PeakMeter(self.topology.device)  # from before the model exists
         torch.manual_seed(config.train.seed)
         self.gpt = gpt_config(config.model)
-        with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
-            model = GPT(self.gpt)
+        meta = config.train.init == "meta" and self.topology.tensor_parallel.size == 1  # tp: built on the host
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = parallelize(GPT(self.gpt), self.topology)
         self.engine = ZeroEngine(
             model, torch.optim.AdamW, self.hyperparameters(), config.zero, self.topology, seed=config.train.seed
         )
@@ -108,8 +111,8 @@ class Trainer:
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = 0
-        world, rank = self.topology.world_size, self.topology.rank
-        args = (self.gpt.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
+        dp = self.topology.data_parallel  # the tensor-parallel ranks of one data-parallel rank read the same rows
+        args = (self.gpt.block_size, config.train.micro_batch_size, dp.size, dp.rank, config.train.seed)
         self.train_batches = Batches("train", *args)
         self.val_batches = Batches("val", *args)
 
@@ -183,7 +186,7 @@ class Trainer:
             t.micro_batch_size
             * self.gpt.block_size
             * self.config.zero.gradient_accumulation_steps
-            * self.topology.world_size
+            * self.topology.data_parallel.size
         )
 
     def train_step(self, step: int) -> float:
@@ -310,8 +313,8 @@ class Trainer:
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r[0]) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
-                engine.param_count,
-                topo.world_size,
+                engine.param_count,  # this rank's tensor-parallel share, sharded over its data-parallel group
+                topo.data_parallel.size,
                 zero.stage,
                 zero.precision,
                 zero.grad_dtype,
@@ -326,6 +329,10 @@ class Trainer:
             inter_node_bytes_per_step_by_rank=[r[3] for r in rows],
             zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
+            tensor_parallel_size=topo.tensor_parallel.size,
+            tensor_parallel_bytes_per_step=sum(
+                sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
+            ),
             zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
             ledger=mean_ledger,
             config=self.config.to_dict(),
