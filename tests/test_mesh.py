@@ -64,3 +64,36 @@ def test_config_key_aliases_and_flag():
     add_config_flags(parser)
     for flag in ("--tensor-parallel", "--tensor-parallel-size", "--tensor-model-parallel-size"):
         assert vars(parser.parse_args([flag, "2"]))["topology.tensor_parallel_size"] == 2
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line_naming_its_class():
+    from torch import nn
+
+    from zeropp.tensor_parallel import plan_for
+
+    with pytest.raises(ConfigError) as error:
+        plan_for(nn.Sequential(nn.Linear(2, 2)), 2)
+    message = str(error.value)
+    assert "\n" not in message and "model class Sequential" in message and "plan=" in message
+
+
+def test_gpt_plan_needs_whole_heads_per_rank():
+    from zeropp.models.gpt import GPT, GPTConfig
+    from zeropp.tensor_parallel import plan_for
+
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, d_model=8))
+    assert set(plan_for(model, 2)) == {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0", "blocks.0.mlp.2"}
+    with pytest.raises(ConfigError, match="model.n_head = 2"):
+        plan_for(model, 4)
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("checkpoint", "resume", "auto"), ("train", "init_from", "x.safetensors"), ("zero", "precision", "bf16")],
+)
+def test_what_tensor_parallelism_does_not_support_yet_is_refused_in_one_line(section, key, value):
+    extra = {"checkpoint_dir": "ckpt"} if section == "checkpoint" else {}
+    source = {"topology": {"tensor_parallel_size": 2}, section: {key: value, **extra}}
+    with pytest.raises(ConfigError, match=f"{section}.{key} = .* with topology.tensor_parallel_size = 2"):
+        load_config(source)
+    load_config({section: {key: value, **extra}})  # fine without it

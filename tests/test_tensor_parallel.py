@@ -16,10 +16,10 @@ SCENARIOS = [
 ]
 
 
-def train_tensor_parallel(tp: int) -> dict[str, float]:
+def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.tensor_parallel import is_split, parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
@@ -28,19 +28,19 @@ def train_tensor_parallel(tp: int) -> dict[str, float]:
     for name, stage, accumulation, max_norm in SCENARIOS:
         optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
         config = ZeroConfig(stage=stage, gradient_accumulation_steps=accumulation, max_grad_norm=max_norm)
-        model = parallelize(make_model("gpt"), topology)
-        assert model.blocks[0].attn.qkv.weight.to_local().shape == (3 * GPT_TEST.d_model // tp, GPT_TEST.d_model)
+        model = parallelize(make_model(kind), topology)
+        assert sum(p.to_local().numel() if is_split(p) else 0 for p in model.parameters()) > 0
         engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, config, topology)
         clipped = False
         for step in range(STEPS):
             for micro in range(accumulation):
-                x, y = rows(global_batch("gpt", step, micro, dp.size), dp.rank)  # tp ranks read the same rows
-                engine.backward(loss_of("gpt", engine, x, y))
+                x, y = rows(global_batch(kind, step, micro, dp.size), dp.rank)  # tp ranks read the same rows
+                engine.backward(loss_of(kind, engine, x, y))
             assert engine.step()
             clipped |= max_norm is not None and engine.last_grad_norm > max_norm
         assert max_norm is None or clipped, f"{name}: clipping never engaged"
         ours = engine.full_state_dict()
-        ref = reference_state("gpt", STEPS, dp.size, accumulation, max_norm, optim_kwargs)
+        ref = reference_state(kind, STEPS, dp.size, accumulation, max_norm, optim_kwargs)
         assert ours.keys() == ref.keys(), name
         errors[name] = max((ours[k] - ref[k]).abs().max().item() for k in ref)
     return errors
@@ -54,10 +54,17 @@ def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp):
             assert error <= TOLERANCE, (name, error)
 
 
+def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process():
+    pytest.importorskip("transformers")
+    for rank_errors in run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama"):
+        for name, error in rank_errors.items():
+            assert error <= TOLERANCE, (name, error)
+
+
 def ledger_of_one_step(stage: int) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
     from zeropp.comm.volume import zero3_step_bytes, zero3_units
     from zeropp.config import TopologyConfig
     from zeropp.tensor_parallel import parallelize
@@ -66,6 +73,8 @@ def ledger_of_one_step(stage: int) -> dict:
     topology = init_topology(TopologyConfig(tensor_parallel_size=2))
     dp = topology.data_parallel
     zero = ZeroConfig(stage=stage)
+    with pytest.raises(ConfigError, match="call zeropp.parallelize"):  # before any collective of the engine
+        ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
     engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
     engine.comm.ledger.reset()
     with CommDebugMode() as observer:  # torch's own count of every collective, functional or not

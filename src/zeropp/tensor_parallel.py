@@ -63,7 +63,27 @@ def gpt_plan(model: nn.Module, tp: int) -> Plan:
     return plan
 
 
-PLANS: dict[str, Callable[[nn.Module, int], Plan]] = {"GPT": gpt_plan}
+def llama_plan(model: nn.Module, tp: int) -> Plan:
+    """Megatron's layout for Hugging Face ``LlamaForCausalLM``: q, k, v and the MLP's gate and up
+    projections column-wise (each rank whole query and key/value heads), o_proj and down_proj
+    row-wise; embeddings, norms and the LM head whole on every rank."""
+    config = model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, key) % tp:
+            raise ConfigError(
+                f"topology.tensor_parallel_size = {tp} is not allowed with {key} = {getattr(config, key)}; "
+                "expected a divisor of it (each rank computes whole heads)"
+            )
+    layer = "model.layers.*"
+    return {
+        **{f"{layer}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+        f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        **{f"{layer}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+        f"{layer}.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+PLANS: dict[str, Callable[[nn.Module, int], Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
 
 
 def plan_for(model: nn.Module, tp: int) -> Plan:
