@@ -4,6 +4,7 @@ from zeropp.comm import Communicator, Ledger
 from zeropp.config import Config, ConfigError, ZeroConfig, load_config
 from zeropp.engine import ZeroEngine
 from zeropp.pretrained import load_pretrained
+from zeropp.tensor_parallel import parallelize
 from zeropp.topology import Topology, init_topology, shutdown
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "init_topology",
     "load_config",
     "load_pretrained",
+    "parallelize",
     "shutdown",
 ]

@@ -166,9 +166,9 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
     if deepspeed is not None:
         deepspeed.check_batch(config)
     if is_rank():
-        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1)
+        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
     else:
-        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes)
+        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
         layout.hpz_group_size(config.zero.hpz_partition_size)
         resolve_backend(config.topology)
         training_text(config, model_source(config))  # model, tokenizer and data: refused here in one line

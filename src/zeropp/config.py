@@ -222,18 +222,29 @@ class ZeroConfig:
 
 @dataclass
 class TopologyConfig:
-    """How ranks map to nodes. Real nodes come from torchrun; `nodes` simulates them on one machine."""
+    """How ranks map to nodes and the mesh. Real nodes come from torchrun; `nodes` simulates them on one machine."""
+
+    # Megatron's and DeepSpeed's names for the tensor-parallel size, and the short flag
+    ALIASES: ClassVar[dict[str, str]] = {
+        "tensor_parallel": "tensor_parallel_size",
+        "tensor_model_parallel_size": "tensor_parallel_size",
+        "model_parallel_size": "tensor_parallel_size",
+    }
 
     nodes: int | None = setting(
         None, "simulate this many nodes on one machine (consecutive ranks share a node); unset: torchrun's nodes"
     )
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "collective backend; auto: NCCL with CUDA, else gloo")
     timeout_s: float = setting(300.0, "seconds a collective may wait for the other ranks before a one-line error")
+    tensor_parallel_size: int = setting(
+        1, "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest"
+    )
 
     def validate(self) -> None:
         _check_choices(self, "topology")
         if self.nodes is not None:
             _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
+        _require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
         _require(
             0 < self.timeout_s <= MAX_TIMEOUT_S,
             "topology.timeout_s",
@@ -372,6 +383,18 @@ class Config:
     def validate(self) -> Config:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        if self.topology.tensor_parallel_size > 1:  # the state layout is per data-parallel shard only
+            for key, value in (
+                ("checkpoint.save_interval", self.checkpoint.save_interval or None),
+                ("checkpoint.resume", self.checkpoint.resume),
+                ("train.init_from", self.train.init_from),
+                ("zero.precision", None if self.zero.precision == "fp32" else self.zero.precision),
+            ):
+                if value is not None:
+                    raise ConfigError(
+                        f"{key} = {value!r} is not allowed with topology.tensor_parallel_size = "
+                        f"{self.topology.tensor_parallel_size} (not supported yet); expected it unset (fp32 for precision)"
+                    )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -511,6 +534,16 @@ class Key(typing.NamedTuple):
     hint: Any  # its type
     meaning: str  # one line
     default: Any
+
+
+def key_aliases(cls: type = Config) -> dict[str, str]:
+    """Every section's other names for its keys (``ALIASES``): alias -> leaf name."""
+    out: dict[str, str] = dict(getattr(cls, "ALIASES", {}))
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(key_aliases(hint))
+    return out
 
 
 def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, Key]:

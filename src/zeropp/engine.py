@@ -34,6 +34,7 @@ from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for
 from zeropp.runtime import Runtime
 from zeropp.stages import StagePolicy
+from zeropp.tensor_parallel import is_split
 from zeropp.topology import Topology
 from zeropp.units import FlatUnit, UnitOptions
 
@@ -75,6 +76,7 @@ class ZeroEngine:
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model
+        self._check_tensor_parallel(model)
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
         self.units = self._build_units(model, unit_modules, init_fn, seed)
@@ -91,6 +93,17 @@ class ZeroEngine:
         self.measured_model_state_bytes = 0
 
     # -- construction ----------------------------------------------------------------------------
+
+    def _check_tensor_parallel(self, model: nn.Module) -> None:
+        """A tensor-parallel topology needs a model split by zeropp.parallelize, and only it (one line)."""
+        tp, split = self.topology.tensor_parallel.size, any(is_split(p) for p in model.parameters())
+        if tp > 1 and not split:
+            raise ConfigError(
+                f"topology.tensor_parallel_size = {tp} but no parameter of the model is split; "
+                "call zeropp.parallelize(model, topology) before the engine"
+            )
+        if split and tp == 1:
+            raise ConfigError("the model has DTensor-split parameters but topology.tensor_parallel_size = 1")
 
     def _host_flat(
         self, params: list[tuple[str, nn.Parameter]], options: UnitOptions
@@ -173,7 +186,7 @@ class ZeroEngine:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        with self.comm.ledger.in_phase(phase):
+        with self.comm.in_phase(phase):
             return self.module(*args, **kwargs)
 
     # -- backward --------------------------------------------------------------------------------
@@ -182,7 +195,7 @@ class ZeroEngine:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
-        with self.comm.ledger.in_phase("backward"):
+        with self.comm.in_phase("backward"):
             self.runtime.backward(loss * scale, reduce=self.policy.shard_gradients or boundary)
         self.micro_step += 1
         self._at_boundary = boundary
@@ -197,7 +210,7 @@ class ZeroEngine:
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
-        with self.comm.ledger.in_phase("step"):
+        with self.comm.in_phase("step"):
             # offloaded masters: every unit's copy to the host is issued before any is waited for
             grads = [
                 unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
@@ -255,9 +268,11 @@ class ZeroEngine:
                 unit.error_feedback.reset()
 
     def _reduce_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Combine a per-rank statistic of the gradient shards over ranks (sharded optimizer only)."""
-        if self.policy.shard_optimizer:
-            self.comm.all_reduce(local, self.groups.shard, reduce=reduce)
+        """Combine a per-rank statistic of the gradients over the ranks whose masters differ: the
+        tensor-parallel ranks, and the data-parallel ones where the optimizer state is sharded."""
+        topology = self.topology
+        group = topology.world if self.policy.shard_optimizer else topology.tensor_parallel
+        self.comm.all_reduce(local, group, reduce=reduce)
         return local
 
     def _any_overflow(self) -> bool:
@@ -268,10 +283,12 @@ class ZeroEngine:
         return bool(self._reduce_over_shards(local, "max").item())
 
     def _clip_gradients(self) -> float:
-        """Global gradient norm over all shards; clip to max_grad_norm like clip_grad_norm_."""
+        """Global gradient norm over all shards (parameters whole on every tensor-parallel rank counted
+        on its first only); clip to max_grad_norm like clip_grad_norm_."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
+        count_whole = self.topology.tensor_parallel.rank == 0
         for unit in self.units:
-            squares += unit.master.grad.pow(2).sum().to(squares.device)
+            squares += unit.grad_squares(count_whole).to(squares.device)
         norm = self._reduce_over_shards(squares, "sum").sqrt()
         if self.config.max_grad_norm is not None:
             coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
@@ -293,7 +310,14 @@ class ZeroEngine:
     @functools.cached_property
     def state_mesh(self) -> DeviceMesh:
         """The data-parallel ranks as a DTensor device mesh (built once, on first use)."""
+        self._refuse_tensor_parallel()
         return DeviceMesh.from_group(self.groups.shard.pg, self.topology.device.type)
+
+    def _refuse_tensor_parallel(self) -> None:
+        if self.topology.tensor_parallel.size > 1:
+            raise ConfigError(
+                "sharded state dicts (DCP checkpoints) are not supported with topology.tensor_parallel_size > 1 yet"
+            )
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
@@ -306,11 +330,13 @@ class ZeroEngine:
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
+        self._refuse_tensor_parallel()
         state.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
-        return state.full_state_dict(self.units, self.module)
+        with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
+            return state.full_state_dict(self.units, self.module)
 
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""

@@ -2,7 +2,7 @@
 
 Every key is a flag of its own leaf name (``zero.stage`` -> ``--stage``, ``zero.quantized_weights``
 -> ``--quantized-weights`` / ``--no-quantized-weights``) whose value lands under the dotted key, as
-``load_config``'s overrides take it. A key's other names (``ZeroConfig.ALIASES``: DeepSpeed's, and
+``load_config``'s overrides take it. A key's other names (a section's ``ALIASES``: DeepSpeed's, Megatron's,
 former ones) are flags too, left out of the help. A flag's help is its field's meaning
 (``config.setting``) and default.
 """
@@ -15,7 +15,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zeropp.config import Key, ZeroConfig, leaf_keys
+from zeropp.config import Key, key_aliases, leaf_keys
 
 METAVARS = {
     "checkpoint.resume": "auto|PATH",
@@ -37,7 +37,7 @@ def add_config_flags(
     names = list(keys if names is None else names)
     for name in names:
         _add_flag(group, name, keys[name], _help(keys[name], stage3_defaults or {}))
-    for alias, name in ZeroConfig.ALIASES.items():
+    for alias, name in key_aliases().items():
         if name in names:
             _add_flag(group, alias, keys[name], argparse.SUPPRESS)
 

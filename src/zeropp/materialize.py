@@ -178,17 +178,17 @@ def place_fixed(
                 module._buffers[key] = tensor.to(device, dtype)
                 moved.append(module._buffers[key])
     if broadcast_from is not None:
-        _broadcast_packed(comm, moved, broadcast_from)
+        broadcast_packed(comm, moved, broadcast_from)
 
 
-def _broadcast_packed(comm: Communicator, tensors: list[torch.Tensor], group: Group) -> None:
-    """Broadcast rank 0's `tensors` as one flat buffer per dtype."""
+def broadcast_packed(comm: Communicator, tensors: list[torch.Tensor], group: Group) -> None:
+    """Broadcast the group's first rank's `tensors` as one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        comm.broadcast(flat, group, src=0)
+        comm.broadcast(flat, group, src=group.ranks[0])
         for t, piece in zip(same, flat.split([t.numel() for t in same]), strict=True):
             t.copy_(piece.view(t.shape))

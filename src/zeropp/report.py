@@ -87,6 +87,11 @@ def print_summary(summary: RunSummary) -> None:
         on.append(f"hpZ (groups of {switches.hpz_group_size})")
     head.add_row("ZeRO++", ", ".join(on) or "off")
     head.add_row("world / nodes", f"{summary.world_size} ranks on {summary.nodes} node(s)")
+    if summary.tensor_parallel_size > 1:
+        head.add_row(
+            "tensor parallel",
+            f"{summary.tensor_parallel_size} ranks per group, {si(summary.tensor_parallel_bytes_per_step)}/step per rank",
+        )
     head.add_row("parameters", f"{summary.param_count:,}")
     head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
     head.add_row("tokens/s all ranks / per rank", f"{summary.tokens_per_s:,.0f} / {summary.tokens_per_s_per_rank:,.0f}")

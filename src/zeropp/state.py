@@ -134,7 +134,7 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
     for unit in units:
         flat = unit.gather_flat(unit.master.data)
         for p, view in zip(unit.params, unit.layout.split(flat), strict=True):
-            full[id(p)] = view.to("cpu", copy=True)
+            full[id(p)] = _whole(p, view).to("cpu", copy=True)
     state = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in full:
@@ -143,6 +143,15 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
             dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
             state[name] = tensor.detach().to("cpu", dtype, copy=True)
     return state
+
+
+def _whole(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value from this rank's piece: a tensor-parallel DTensor parameter's pieces
+    gathered over its mesh (collective), any other as it is."""
+    if not isinstance(param, DTensor):
+        return local
+    mesh, placements = param.device_mesh, param.placements
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()).full_tensor()
 
 
 def _managed(units: list[FlatUnit]) -> Iterator[tuple[str, nn.Parameter]]:

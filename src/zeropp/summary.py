@@ -77,6 +77,9 @@ class RunSummary:
     model: str = "the embedded GPT"
     # qgZ error feedback's fp32 residuals on rank 0 (part of model_state_bytes_per_rank; 0 when off)
     qgz_residual_bytes_per_rank: int = 0
+    # the tensor-parallel group's size and its bytes per rank and step (the ledger's tp.* ops, mean over ranks)
+    tensor_parallel_size: int = 1
+    tensor_parallel_bytes_per_step: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

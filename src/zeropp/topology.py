@@ -4,11 +4,14 @@ Ranks are laid out node-major: rank r lives on node r // ranks_per_node with loc
 r % ranks_per_node. That holds for torchrun (it numbers ranks node by node) and is how a single
 machine simulates several nodes.
 
-The mesh. The world is partitioned into data-parallel groups: the ranks that hold one replica's
-model states between them, which ZeRO shards, gathers and reduces over. Today there is one such
-group, every rank. A tensor-parallel dimension (inside a node) would make them the ranks with the
-same tensor-parallel index: only :meth:`Layout.data_parallel_groups` changes, since everything
-below is derived from a data-parallel group's ranks. For each data-parallel group:
+The mesh. The world is a (data-parallel x tensor-parallel) grid, the tensor-parallel dimension
+innermost: runs of ``tensor_parallel_size`` consecutive ranks, inside one node, split each weight
+matrix between them (DTensor, :mod:`zeropp.tensor_parallel`). The data-parallel groups are the
+ranks with the same tensor-parallel index: they hold one tensor-parallel shard's model states
+between them, which ZeRO shards, gathers and reduces over (without tensor parallelism: one group,
+every rank). Everything below is derived from a data-parallel group's ranks, so it follows the
+group's own node structure (2 nodes x 4 ranks with tp 2: each data-parallel group has 2 ranks per
+node). For each data-parallel group:
 
 - intra-node: its ranks on one node;
 - inter-node: its ranks with the same position inside their node, one per node;
@@ -39,12 +42,19 @@ class Layout:
 
     world_size: int
     nodes: int
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.nodes < 1 or self.world_size % self.nodes:
             raise ConfigError(
                 f"topology.nodes = {self.nodes} does not divide world size {self.world_size}; "
                 f"allowed: a divisor of {self.world_size}"
+            )
+        tp, per_node = self.tensor_parallel_size, self.ranks_per_node
+        if tp < 1 or per_node % tp:
+            raise ConfigError(
+                f"topology.tensor_parallel_size = {tp} does not divide the {per_node} ranks per node "
+                f"({self.world_size} ranks on {self.nodes} node(s)); allowed: a divisor of {per_node}"
             )
 
     @property
@@ -54,9 +64,20 @@ class Layout:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    def tensor_parallel_groups(self) -> Partition:
+        """Runs of tensor_parallel_size consecutive ranks (inside one node, since it divides a node's ranks)."""
+        tp = self.tensor_parallel_size
+        return [tuple(range(start, start + tp)) for start in range(0, self.world_size, tp)]
+
     def data_parallel_groups(self) -> Partition:
-        """The world cut into data-parallel groups (see the module docstring): one, every rank."""
-        return [tuple(range(self.world_size))]
+        """The ranks with the same tensor-parallel index, one group per index (see the module docstring)."""
+        tp = self.tensor_parallel_size
+        return [tuple(range(index, self.world_size, tp)) for index in range(tp)]
+
+    def data_parallel_layout(self) -> Layout:
+        """One data-parallel group seen as a world of its own on the same nodes (its ranks are
+        node-major too): what the traffic model prices ZeRO's collectives on."""
+        return Layout(self.data_parallel_size, self.nodes)
 
     @property
     def data_parallel_size(self) -> int:
@@ -155,6 +176,7 @@ class Topology:
     intra_node: Group
     inter_node: Group
     data_parallel: Group
+    tensor_parallel: Group
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     _built: dict[str, Group] = field(default_factory=dict)
 
@@ -199,6 +221,13 @@ class Topology:
             self._built[name] = mine
         return self._built[name]
 
+    def group_named(self, name: str) -> Group:
+        """The group of this rank whose process group torch names `name` (functional collectives do)."""
+        for group in (self.world, *self._built.values()):
+            if group.pg is not None and group.pg.group_name == name:
+                return group
+        raise KeyError(f"zeropp: no process group named {name!r} on rank {self.rank}")
+
     def shard_groups(self, hpz_partition_size: int = 1) -> ShardGroups:
         """The groups units shard over, with hpZ's secondary groups for ``zero.hpz_partition_size``
         (built on first use; collective then)."""
@@ -224,7 +253,7 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     config = config or TopologyConfig()
     config.validate()
     rank, world_size, env_nodes = read_world_from_env()
-    layout = Layout(world_size, config.nodes or env_nodes or 1)
+    layout = Layout(world_size, config.nodes or env_nodes or 1, config.tensor_parallel_size)
     backend = resolve_backend(config)
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -275,11 +304,12 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 def build_topology(
     layout: Layout, rank: int, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> Topology:
-    """Build the mesh's groups: data-parallel, intra-node, inter-node (collective: every rank calls it
-    identically)."""
+    """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node (collective:
+    every rank calls it identically)."""
     world = Group(_register(dist.group.WORLD), tuple(range(layout.world_size)), rank)
-    topo = Topology(layout, rank, device, world, world, world, world, timeout)
+    topo = Topology(layout, rank, device, world, world, world, world, world, timeout)
     topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
+    topo.tensor_parallel = topo.subgroups("tensor_parallel", layout.tensor_parallel_groups())
     topo.intra_node = topo.subgroups("intra_node", layout.intra_node_groups())
     topo.inter_node = topo.subgroups("inter_node", layout.inter_node_groups())
     return topo

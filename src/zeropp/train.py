@@ -36,9 +36,11 @@ from zeropp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import load_pretrained
 from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
+from zeropp.tensor_parallel import parallelize
 from zeropp.topology import init_topology
 
-LEDGER_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES))  # tp.*: on the tensor-parallel group
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -94,8 +96,9 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.source = model_source(config)
         text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
-        with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
-            model = self.source.build()
+        meta = config.train.init == "meta" and self.topology.tensor_parallel.size == 1  # tp: built on the host
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = parallelize(self.source.build(), self.topology)
         self.engine = ZeroEngine(
             model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
             seed=config.train.seed,
@@ -114,8 +117,8 @@ class Trainer:
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = self.last_step_peak_memory = 0
-        world, rank = self.topology.world_size, self.topology.rank
-        args = (self.source.block_size, config.train.micro_batch_size, world, rank, config.train.seed)
+        dp = self.topology.data_parallel  # the tensor-parallel ranks of one data-parallel rank read the same rows
+        args = (self.source.block_size, config.train.micro_batch_size, dp.size, dp.rank, config.train.seed)
         self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
         self.val_batches = Batches("val", *args, tokens=None if text is None else text[1])
         self.flops_per_token = flops_per_token(
@@ -203,7 +206,7 @@ class Trainer:
             t.micro_batch_size
             * self.source.block_size
             * self.config.zero.gradient_accumulation_steps
-            * self.topology.world_size
+            * self.topology.data_parallel.size
         )
 
     def train_step(self, step: int) -> float:
@@ -338,7 +341,8 @@ class Trainer:
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
-        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), topo.layout, zero), topo.layout, zero)
+        dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
@@ -355,8 +359,8 @@ class Trainer:
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r[0]) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
-                engine.param_count,
-                topo.world_size,
+                engine.param_count,  # this rank's tensor-parallel share, sharded over its data-parallel group
+                topo.data_parallel.size,
                 zero.stage,
                 zero.precision,
                 zero.grad_dtype,
@@ -373,6 +377,10 @@ class Trainer:
             inter_node_bytes_per_step_by_rank=[r[3] for r in rows],
             zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
+            tensor_parallel_size=topo.tensor_parallel.size,
+            tensor_parallel_bytes_per_step=sum(
+                sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
+            ),
             zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
             ledger=mean_ledger,
             config=self.config.to_dict(),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
@@ -31,9 +32,18 @@ from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from zeropp.partition import FlatLayout, chunk_range, secondary_range
 from zeropp.quant import QuantKernels, QuantSpec
 from zeropp.stages import StagePolicy
+from zeropp.tensor_parallel import is_split, local_tensor
 from zeropp.topology import ShardGroups
 
 _RELEASED = torch.empty(0)
+
+
+def _point_at(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make `param` (a DTensor parameter: its local shard, as FSDP2 does) use `tensor`."""
+    if isinstance(param, DTensor):
+        param._local_tensor = tensor
+    else:
+        param.data = tensor
 
 
 class ShardState(enum.Enum):
@@ -166,9 +176,10 @@ class FlatUnit:
         if flat is None:
             flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
         for p, view in zip(self.params, self.layout.split(flat), strict=True):
-            if p.data_ptr() != view.data_ptr():  # not initialized in place (or shared with another scope)
-                view.copy_(p.detach())
-            p.data = _RELEASED.to(p.dtype)
+            local = local_tensor(p)
+            if local.data_ptr() != view.data_ptr():  # not initialized in place (or shared with another scope)
+                view.copy_(local.detach())
+            _point_at(p, _RELEASED.to(p.dtype))
         full32 = flat.to(device)
         if broadcast:  # the padding holds zeros everywhere already
             self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
@@ -199,7 +210,7 @@ class FlatUnit:
         if not self.resident:  # holds memory only while gathered (storage freed by the first reshard)
             self.compute_flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=options.device)
         for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
-            p.data = view
+            _point_at(p, view)
 
     @staticmethod
     def layout_of(
@@ -207,7 +218,7 @@ class FlatUnit:
     ) -> FlatLayout:
         """The flat layout a unit of `params` gets (padded for the ranks its optimizer state spans)."""
         shard_world = groups.shard.size if policy.shard_optimizer else 1
-        return FlatLayout(tuple(tuple(p.shape) for p in params), shard_world, options.alignment)
+        return FlatLayout(tuple(tuple(local_tensor(p).shape) for p in params), shard_world, options.alignment)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -287,6 +298,11 @@ class FlatUnit:
             )
         if self.grad_flat is None:
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
+        if isinstance(grad, DTensor):  # tensor parallelism: in the parameter's own placement, this rank's piece
+            param = self.params[index]
+            if grad.placements != param.placements:  # e.g. partial sums: all-reduced over the tensor-parallel group
+                grad = grad.redistribute(placements=param.placements)
+            grad = grad.to_local()
         start, stop = self.layout.param_range(index)
         self.grad_flat[start:stop].add_(grad.reshape(-1))
         self._grads_missing -= 1
@@ -360,6 +376,23 @@ class FlatUnit:
                 self.grad_shard = torch.zeros(self.master.numel(), dtype=self.grad_dtype, device=self.options.device)
             return self.grad_shard
         return self.shard_of(self.grad_flat)
+
+    def grad_squares(self, count_whole: bool) -> torch.Tensor:
+        """Sum of squares of the master's gradient on this rank, the parameters whole on every
+        tensor-parallel rank (not split by a DTensor plan) included only where `count_whole`, so that
+        a sum over the tensor-parallel ranks counts them once."""
+        grad = self.master.grad
+        if count_whole:
+            return grad.pow(2).sum()
+        offset = 0 if self.shard_world == 1 else self.layout.shard_range(self.groups.shard.rank)[0]
+        total = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        for index, param in enumerate(self.params):
+            if is_split(param):
+                start, stop = self.layout.param_range(index)
+                start, stop = max(start - offset, 0), min(stop - offset, grad.numel())
+                if start < stop:
+                    total += grad[start:stop].pow(2).sum()
+        return total
 
     def clear_gradients(self) -> None:
         if self.policy.shard_gradients:

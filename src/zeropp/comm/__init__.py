@@ -5,17 +5,23 @@ documented there), under the ledger's current phase. All-gathers and reduce-scat
 the configured bucket are split into constant-size pieces (ZeRO-R's CB), each a separate
 collective; the ledger counts one call per logical operation (a quantized collective moves data and
 scales in two, and counts two).
+
+Collectives on the tensor-parallel group are recorded as ``tp.<op>``. DTensor issues its own (tensor
+parallelism): inside :meth:`Communicator.in_phase` they are observed (:mod:`zeropp.comm.observed`)
+and recorded with the same byte model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from zeropp.comm.ledger import Ledger, ring_bytes
+from zeropp.comm.observed import ObservedCollectives
 from zeropp.topology import Group, Topology
 
 __all__ = ["CollectiveTimeout", "Communicator", "Ledger", "Pending", "PeerLost"]
@@ -106,10 +112,44 @@ class Communicator:
         successor = group.ranks[(group.rank + 1) % group.size]
         return self.topology.node_of(successor) == self.topology.node_of(self.topology.rank)
 
+    def _label(self, op: str, group: Group) -> str:
+        """The ledger's name of an op on `group`: ``tp.<op>`` on the tensor-parallel group."""
+        tp = self.topology.tensor_parallel
+        return f"tp.{op}" if tp.size > 1 and group.ranks == tp.ranks else op
+
     def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1) -> None:
         sent = ring_bytes(buffer_bytes, group.size, passes)
         intra = self._successor_is_intra(group)
-        self.ledger.record(op, sent if intra else 0, 0 if intra else sent)
+        self.ledger.record(self._label(op, group), sent if intra else 0, 0 if intra else sent)
+
+    def _record_pairwise(self, op: str, group: Group, buffer_bytes: int) -> None:
+        """An all-to-all: B/n straight to each other rank of the group, intra- or inter-node by peer."""
+        chunk = buffer_bytes // group.size
+        here = self.topology.node_of(self.topology.rank)
+        peers = [r for r in group.ranks if r != self.topology.rank]
+        inter = sum(chunk for r in peers if self.topology.node_of(r) != here)
+        self.ledger.record(self._label(op, group), chunk * len(peers) - inter, inter)
+
+    def record_observed(self, op: str, group: Group, buffer_bytes: int, passes: int | None) -> None:
+        """A collective issued outside zeropp (DTensor's), priced like ours: a ring of `passes`, a
+        pairwise exchange (None), or a broadcast (0: the whole buffer forwarded once)."""
+        if group.size == 1:
+            return
+        if passes is None:
+            self._record_pairwise(op, group, buffer_bytes)
+        elif passes == 0:
+            intra = self._successor_is_intra(group)
+            self.ledger.record(self._label(op, group), buffer_bytes if intra else 0, 0 if intra else buffer_bytes)
+        else:
+            self._record_ring(op, group, buffer_bytes, passes)
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """The ledger's phase for what runs inside; with tensor parallelism DTensor's own collectives
+        are observed and recorded too."""
+        observe = self.topology.tensor_parallel.size > 1
+        with self.ledger.in_phase(phase), ObservedCollectives(self) if observe else contextlib.nullcontext():
+            yield
 
     # -- collectives -----------------------------------------------------------------------------
 
@@ -185,11 +225,7 @@ class Communicator:
         if n == 1:
             out.copy_(inp)
             return Pending([])
-        chunk = inp.numel() * inp.element_size() // n
-        here = self.topology.node_of(self.topology.rank)
-        peers = [r for r in group.ranks if r != self.topology.rank]
-        inter = sum(chunk for r in peers if self.topology.node_of(r) != here)
-        self.ledger.record("all_to_all", chunk * len(peers) - inter, inter)
+        self._record_pairwise("all_to_all", group, inp.numel() * inp.element_size())
         work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
         return self._done(Pending([work]), async_op)
 
@@ -207,7 +243,7 @@ class Communicator:
         if group.ranks[(group.rank + 1) % group.size] != src:
             sent = tensor.numel() * tensor.element_size()
             intra = self._successor_is_intra(group)
-            self.ledger.record("broadcast", sent if intra else 0, 0 if intra else sent)
+            self.ledger.record(self._label("broadcast", group), sent if intra else 0, 0 if intra else sent)
         self._done(Pending([dist.broadcast(tensor, src=src, group=group.pg, async_op=True)]), async_op=False)
 
     @staticmethod

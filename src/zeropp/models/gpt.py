@@ -54,11 +54,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """qkv's output features are laid out head by head (q, k, v of head 0, then of head 1, ...), so
+        a column-wise split over tensor-parallel ranks gives each rank whole heads: the head count is
+        read from the output (-1), the head size from the input, which every rank holds whole."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        head_size = C // self.n_head
+        q, k, v = self.qkv(x).view(B, T, -1, 3 * head_size).transpose(1, 2).split(head_size, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Block(nn.Module):

@@ -1,0 +1,139 @@
+"""Tensor parallelism from outside the model, the torch-native way: a DTensor plan applied with
+``parallelize_module`` before the engine wraps the model (as torchtitan does)::
+
+    topology = zeropp.init_topology(TopologyConfig(tensor_parallel_size=2))
+    model = zeropp.parallelize(GPT(config), topology)          # or plan={"name": ColwiseParallel(), ...}
+    engine = zeropp.ZeroEngine(model, torch.optim.AdamW, {...}, ZeroConfig(stage=3), topology)
+
+The split weights become DTensor parameters on the tensor-parallel group (consecutive ranks of one
+node, :class:`~zeropp.topology.Layout`); the engine flattens each rank's local shard of them and
+shards that over the data-parallel group. Everything the plan leaves out stays whole on every
+tensor-parallel rank, equal there (taken from the group's first rank here) and kept equal: its
+inputs and output gradients are the same on every tensor-parallel rank, so are its gradients.
+
+Traffic (Megatron's layout, per transformer block and micro-batch, b x s x h activations in the
+compute dtype): a column-wise linear takes its input whole and all-reduces the input's gradient in
+backward; a row-wise linear all-reduces its output in forward. Two of each per block, so 2
+all-reduces in forward and 2 in backward, each of b*s*h elements. An all-reduce is a reduce-scatter
+and an all-gather (the ZeRO paper's 2 x message size), so a block moves 8 * b*s*h elements per
+micro-batch, 12 * b*s*h with activation checkpointing (the forward's 2 again in recomputation: ZeRO
+§8's "12 x seq x hidden x batch per layer"); per rank on a ring of t ranks that is (t-1)/t of it:
+:func:`megatron_bytes_per_block`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from zeropp.comm import Communicator, Ledger
+from zeropp.comm.ledger import ring_bytes
+from zeropp.config import ConfigError
+from zeropp.materialize import broadcast_packed, is_meta
+from zeropp.topology import Topology
+
+Plan = dict[str, ParallelStyle]  # module name (fnmatch patterns allowed) -> how to split it
+
+
+def gpt_plan(model: nn.Module, tp: int) -> Plan:
+    """Megatron's layout for the embedded GPT (:mod:`zeropp.models.gpt`): attention's qkv and the
+    MLP's first linear split column-wise (each rank whole heads, a slice of the hidden units), their
+    output projections row-wise.
+
+    Embeddings, layer norms and the LM head stay whole on every rank: the head is tied to the token
+    embedding, and splitting the vocabulary would take a vocabulary-parallel embedding plus a
+    loss-parallel cross-entropy for one vocab x d_model matrix; whole, they cost no traffic."""
+    config = model.config
+    if config.n_head % tp:
+        raise ConfigError(
+            f"topology.tensor_parallel_size = {tp} is not allowed with model.n_head = {config.n_head}; "
+            f"expected a divisor of n_head (each rank computes whole heads)"
+        )
+    plan: Plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+    return plan
+
+
+def llama_plan(model: nn.Module, tp: int) -> Plan:
+    """Megatron's layout for Hugging Face ``LlamaForCausalLM``: q, k, v and the MLP's gate and up
+    projections column-wise (each rank whole query and key/value heads), o_proj and down_proj
+    row-wise; embeddings, norms and the LM head whole on every rank."""
+    config = model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, key) % tp:
+            raise ConfigError(
+                f"topology.tensor_parallel_size = {tp} is not allowed with {key} = {getattr(config, key)}; "
+                "expected a divisor of it (each rank computes whole heads)"
+            )
+    layer = "model.layers.*"
+    return {
+        **{f"{layer}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+        f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        **{f"{layer}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+        f"{layer}.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+PLANS: dict[str, Callable[[nn.Module, int], Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
+
+
+def plan_for(model: nn.Module, tp: int) -> Plan:
+    """The shipped plan for this model's class; a one-line ConfigError where there is none."""
+    name = type(model).__name__
+    if name not in PLANS:
+        raise ConfigError(
+            f"no tensor-parallel plan for model class {name} (plans exist for {', '.join(sorted(PLANS))}); "
+            "pass one: zeropp.parallelize(model, topology, plan={'module.name': ColwiseParallel(), ...})"
+        )
+    return PLANS[name](model, tp)
+
+
+def tensor_parallel_mesh(topology: Topology) -> DeviceMesh:
+    """This rank's tensor-parallel group as a 1-D DTensor device mesh."""
+    return DeviceMesh.from_group(topology.tensor_parallel.pg, topology.device.type)
+
+
+def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) -> nn.Module:
+    """Split `model` over the topology's tensor-parallel group with `plan` (default: the shipped plan for
+    its class); a no-op without tensor parallelism. Collective over the tensor-parallel group."""
+    tp = topology.tensor_parallel
+    if tp.size == 1:
+        return model
+    if is_meta(model):
+        raise ConfigError(
+            "tensor parallelism with a meta-device model is not supported; build the model on the host "
+            "(the split weights are distributed from each tensor-parallel group's first rank)"
+        )
+    plan = plan_for(model, tp.size) if plan is None else plan
+    parallelize_module(model, tensor_parallel_mesh(topology), plan)
+    whole = [t.data for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
+    broadcast_packed(Communicator(topology, Ledger()), whole, tp)  # set-up, not the model's traffic
+    return model
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Whether a parameter is split over the tensor-parallel ranks (else each holds all of it)."""
+    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as this rank holds it: a DTensor's local shard, else itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def megatron_bytes_per_block(
+    batch: int, seq: int, hidden: int, tp: int, element_bytes: int, checkpointed: bool = False
+) -> int:
+    """Bytes one rank sends per transformer block and micro-batch under Megatron's layout: 4 ring
+    all-reduces of batch*seq*hidden (6 with activation checkpointing), 2 (tp-1)/tp of it each."""
+    all_reduces = 6 if checkpointed else 4
+    return all_reduces * ring_bytes(batch * seq * hidden * element_bytes, tp, passes=2)

@@ -1,0 +1,99 @@
+"""The (data-parallel x tensor-parallel) mesh as rank arithmetic, without processes (topology.Layout)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropp.config import ConfigError, TopologyConfig, load_config
+from zeropp.flags import add_config_flags
+from zeropp.topology import Layout
+
+
+def test_two_nodes_of_four_with_tp2():
+    layout = Layout(8, 2, tensor_parallel_size=2)
+    assert layout.tensor_parallel_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.data_parallel_groups() == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert (layout.data_parallel_size, layout.data_parallel_per_node) == (4, 2)
+    # qgZ's hops follow each data-parallel group's own node structure: 2 of its ranks per node
+    assert layout.intra_node_groups() == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert layout.inter_node_groups() == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    # hpZ's default secondary group: one node's data-parallel ranks
+    assert layout.hpz_group_size(0) == 2
+    assert layout.hpz_groups(2) == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert layout.data_parallel_layout() == Layout(4, 2)
+
+
+def test_every_rank_in_exactly_one_group_of_each_dimension():
+    for world, nodes, tp in [(8, 2, 4), (12, 3, 2), (4, 1, 4), (6, 2, 3), (16, 4, 2)]:
+        layout = Layout(world, nodes, tp)
+        for partition in (layout.tensor_parallel_groups(), layout.data_parallel_groups()):
+            assert sorted(r for group in partition for r in group) == list(range(world))
+        for group in layout.tensor_parallel_groups():  # inside one node, consecutive
+            assert len({layout.node_of(r) for r in group}) == 1 and len(group) == tp
+        for dp, tp_group in [(d, t) for d in layout.data_parallel_groups() for t in layout.tensor_parallel_groups()]:
+            assert len(set(dp) & set(tp_group)) == 1  # a grid: each dp group meets each tp group once
+        for group in layout.inter_node_groups():
+            assert [layout.node_of(r) for r in group] == list(range(nodes))
+
+
+def test_without_tensor_parallelism_the_data_parallel_group_is_the_world():
+    layout = Layout(4, 2)
+    assert layout.data_parallel_groups() == [(0, 1, 2, 3)]
+    assert layout.tensor_parallel_groups() == [(0,), (1,), (2,), (3,)]
+    assert layout.intra_node_groups() == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("world,nodes,tp", [(8, 2, 3), (4, 2, 4), (4, 1, 8), (4, 2, 0)])
+def test_tp_not_dividing_the_ranks_per_node_is_refused_in_one_line(world, nodes, tp):
+    with pytest.raises(ConfigError) as error:
+        Layout(world, nodes, tp)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"topology.tensor_parallel_size = {tp}" in message
+    assert f"a divisor of {world // nodes}" in message
+
+
+def test_config_key_aliases_and_flag():
+    assert load_config({"topology": {"tensor_parallel": 2}}).topology.tensor_parallel_size == 2
+    assert load_config({"topology": {"tensor_model_parallel_size": 4}}).topology.tensor_parallel_size == 4
+    with pytest.raises(ConfigError, match="topology.tensor_parallel_size = 0"):
+        TopologyConfig(tensor_parallel_size=0).validate()
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    for flag in ("--tensor-parallel", "--tensor-parallel-size", "--tensor-model-parallel-size"):
+        assert vars(parser.parse_args([flag, "2"]))["topology.tensor_parallel_size"] == 2
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line_naming_its_class():
+    from torch import nn
+
+    from zeropp.tensor_parallel import plan_for
+
+    with pytest.raises(ConfigError) as error:
+        plan_for(nn.Sequential(nn.Linear(2, 2)), 2)
+    message = str(error.value)
+    assert "\n" not in message and "model class Sequential" in message and "plan=" in message
+
+
+def test_gpt_plan_needs_whole_heads_per_rank():
+    from zeropp.models.gpt import GPT, GPTConfig
+    from zeropp.tensor_parallel import plan_for
+
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, d_model=8))
+    assert set(plan_for(model, 2)) == {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0", "blocks.0.mlp.2"}
+    with pytest.raises(ConfigError, match="model.n_head = 2"):
+        plan_for(model, 4)
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("checkpoint", "resume", "auto"), ("train", "init_from", "x.safetensors"), ("zero", "precision", "bf16")],
+)
+def test_what_tensor_parallelism_does_not_support_yet_is_refused_in_one_line(section, key, value):
+    extra = {"checkpoint_dir": "ckpt"} if section == "checkpoint" else {}
+    source = {"topology": {"tensor_parallel_size": 2}, section: {key: value, **extra}}
+    with pytest.raises(ConfigError, match=f"{section}.{key} = .* with topology.tensor_parallel_size = 2"):
+        load_config(source)
+    load_config({section: {key: value, **extra}})  # fine without it

@@ -1,0 +1,157 @@
+"""Tensor parallelism composed with ZeRO on real gloo ranks: exactness against one process, the
+tensor-parallel traffic in the ledger, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import GPT_TEST, global_batch, loss_of, make_model, reference_state, rows
+from test_exactness import ADAM_EPS, STEPS, TOLERANCE
+
+# (name, stage, accumulation, max_grad_norm)
+SCENARIOS = [
+    *[(f"stage{stage}", stage, 1, None) for stage in (0, 1, 2, 3)],
+    *[(f"stage{stage}-accum2-clip", stage, 2, 0.05) for stage in (1, 3)],
+]
+
+
+def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import is_split, parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
+    dp = topology.data_parallel
+    errors = {}
+    for name, stage, accumulation, max_norm in SCENARIOS:
+        optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
+        config = ZeroConfig(stage=stage, gradient_accumulation_steps=accumulation, max_grad_norm=max_norm)
+        model = parallelize(make_model(kind), topology)
+        assert sum(p.to_local().numel() if is_split(p) else 0 for p in model.parameters()) > 0
+        engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, config, topology)
+        clipped = False
+        for step in range(STEPS):
+            for micro in range(accumulation):
+                x, y = rows(global_batch(kind, step, micro, dp.size), dp.rank)  # tp ranks read the same rows
+                engine.backward(loss_of(kind, engine, x, y))
+            assert engine.step()
+            clipped |= max_norm is not None and engine.last_grad_norm > max_norm
+        assert max_norm is None or clipped, f"{name}: clipping never engaged"
+        ours = engine.full_state_dict()
+        ref = reference_state(kind, STEPS, dp.size, accumulation, max_norm, optim_kwargs)
+        assert ours.keys() == ref.keys(), name
+        errors[name] = max((ours[k] - ref[k]).abs().max().item() for k in ref)
+    return errors
+
+
+@pytest.mark.parametrize("world,nodes,tp", [(4, 2, 2), (2, 1, 2)], ids=["dp2xtp2-2nodes", "dp1xtp2"])
+def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp):
+    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=tp)
+    for rank_errors in results:
+        for name, error in rank_errors.items():
+            assert error <= TOLERANCE, (name, error)
+
+
+def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process():
+    pytest.importorskip("transformers")
+    for rank_errors in run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama"):
+        for name, error in rank_errors.items():
+            assert error <= TOLERANCE, (name, error)
+
+
+def ledger_of_one_step(stage: int) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
+    from zeropp.comm.volume import zero3_step_bytes, zero3_units
+    from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    dp = topology.data_parallel
+    zero = ZeroConfig(stage=stage)
+    with pytest.raises(ConfigError, match="call zeropp.parallelize"):  # before any collective of the engine
+        ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
+    engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
+    engine.comm.ledger.reset()
+    with CommDebugMode() as observer:  # torch's own count of every collective, functional or not
+        x, y = rows(global_batch("gpt", 0, 0, dp.size), dp.rank)
+        engine.backward(loss_of("gpt", engine, x, y))
+        engine.step()
+    ledger = engine.comm.ledger
+    dp_layout = topology.layout.data_parallel_layout()
+    zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp_layout, zero), dp_layout, zero)
+    return dict(
+        ledger_calls=sum(ledger.calls.values()),
+        torch_calls=observer.get_total_counts(),
+        calls={f"{op}/{phase}": n for (op, phase), n in ledger.calls.items()},
+        tp_bytes={phase: ledger.total(op="tp.all_reduce", phase=phase) for phase in ("forward", "backward", "step")},
+        tp_total=sum(b for (op, _, _), b in ledger.bytes.items() if op.startswith("tp.")),
+        tp_inter=sum(b for (op, _, link), b in ledger.bytes.items() if op.startswith("tp.") and link == "inter"),
+        dp_bytes={
+            p: sum(b for (op, ph, _), b in ledger.bytes.items() if ph == p and not op.startswith("tp."))
+            for p in ("forward", "backward")
+        },
+        zero3_bytes={p: zero3[p]["intra"] + zero3[p]["inter"] for p in ("forward", "backward")},
+    )
+
+
+def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula():
+    from zeropp.tensor_parallel import megatron_bytes_per_block
+
+    layers, batch, seq, hidden = GPT_TEST.n_layer, 2, GPT_TEST.block_size, GPT_TEST.d_model
+    per_block = megatron_bytes_per_block(batch, seq, hidden, tp=2, element_bytes=4)
+    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3):
+        assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
+        # Megatron's layout: 2 all-reduces per block in forward, 2 in backward
+        assert result["calls"]["tp.all_reduce/forward"] == 2 * layers
+        assert result["calls"]["tp.all_reduce/backward"] == 2 * layers
+        assert result["tp_bytes"] == {
+            "forward": layers * per_block // 2,
+            "backward": layers * per_block // 2,
+            "step": 0,
+        }
+        assert result["tp_total"] == layers * per_block and result["tp_inter"] == 0  # inside a node
+        # ZeRO-3 over the data-parallel ranks on the tensor-parallel-local units: the traffic model's bytes
+        assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
+
+
+def test_a_collective_without_a_byte_model_stops_the_run():
+    from zeropp.comm.observed import ObservedCollectives, UncountedCollective
+
+    with pytest.raises(UncountedCollective, match="no byte model for the collective made_up"):
+        ObservedCollectives(comm=None)._record("made_up", (), None)
+
+
+def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_parallel_run(tmp_path):
+    import json
+
+    from launcher import free_port
+    from test_cli import zeropp
+
+    common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2", "--init", "eager")
+    summaries = {}
+    for name, extra in (("tp", ("--nproc-per-node", "4", "--tensor-parallel", "2")), ("dp", ("--nproc-per-node", "2"))):
+        out = tmp_path / f"{name}.json"
+        result = zeropp(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[name] = json.loads(out.read_text())
+    tp, dp = summaries["tp"], summaries["dp"]
+    assert (tp["world_size"], tp["tensor_parallel_size"], dp["tensor_parallel_size"]) == (4, 2, 1)
+    # 2 data-parallel ranks both times, same micro-batch and initial weights: the same losses, step by step
+    assert tp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
+    assert tp["tokens_per_s"] > 0 and dp["tensor_parallel_bytes_per_step"] == 0
+    # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
+    from zeropp.config import load_config
+    from zeropp.models.gpt import PRESETS
+    from zeropp.tensor_parallel import megatron_bytes_per_block
+
+    gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
+    per_block = megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp=2, element_bytes=4)
+    assert tp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block
+    assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
+    # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
+    assert tp["param_count"] < dp["param_count"]
