@@ -236,8 +236,8 @@ class ZeroEngine:
     def _clip_gradients(self) -> float:
         """Global gradient norm over all shards; clip to max_grad_norm like clip_grad_norm_."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
-        for unit in self.units:
-            squares += unit.master.grad.pow(2).sum().to(squares.device)
+        for unit in self.units:  # a norm per unit, no squared copy of the gradient
+            squares += torch.linalg.vector_norm(unit.master.grad).square().to(squares.device)
         norm = self._reduce_over_shards(squares, "sum").sqrt()
         if self.config.max_grad_norm is not None:
             coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
