@@ -135,6 +135,9 @@ class ZeroConfig:
     offload_params: Literal["none", "cpu"] = setting(
         "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
     )
+    compile: bool = setting(
+        False, "torch.compile every unit's forward that calls no other unit (the blocks); hooks stay eager"
+    )
 
     def _validate_qgz_options(self) -> None:
         _require(

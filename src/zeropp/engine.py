@@ -16,7 +16,7 @@ runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zerop
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,8 @@ class ZeroEngine:
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
+        if self.config.compile:
+            compile_units(self.units)
 
         self.micro_step = 0
         self.global_step = 0
@@ -287,7 +289,7 @@ class ZeroEngine:
         on its first only); clip to max_grad_norm like clip_grad_norm_."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         count_whole = self.topology.tensor_parallel.rank == 0
-        for unit in self.units:
+        for unit in self.units:  # a norm per unit, no squared copy of the gradient
             squares += unit.grad_squares(count_whole).to(squares.device)
         norm = self._reduce_over_shards(squares, "sum").sqrt()
         if self.config.max_grad_norm is not None:
@@ -354,3 +356,14 @@ class ZeroEngine:
     @property
     def param_count(self) -> int:
         return sum(unit.layout.numel for unit in self.units)
+
+
+def compile_units(units: Sequence[FlatUnit]) -> None:
+    """``torch.compile`` the forward of every unit that calls no other unit (the blocks: per block, as
+    FSDP2 recommends). Only ``forward`` is replaced, so ``nn.Module.__call__`` still runs the hooks
+    that gather and reshard eagerly around it, and the compiled code sees gathered parameters only.
+    A unit that contains others (the root) stays eager: its forward calls the hooked units."""
+    modules = {id(unit.module) for unit in units}
+    for unit in units:
+        if not any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
+            unit.module.forward = torch.compile(unit.module.forward)

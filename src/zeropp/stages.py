@@ -28,7 +28,12 @@ class StagePolicy:
     def for_stage(cls, stage: int) -> StagePolicy:
         return cls(stage, shard_optimizer=stage >= 1, shard_gradients=stage >= 2, shard_parameters=stage >= 3)
 
-    def keeps_resident(self, numel: int, persistence_threshold: int) -> bool:
+    def keeps_resident(
+        self, numel: int, persistence_threshold: int, shard_ranks: int, params_offloaded: bool = False
+    ) -> bool:
         """Whether a unit of `numel` elements stays gathered between uses: always below stage 3, and at
-        stage 3 when it is small enough that gathering it every use costs more than it saves."""
-        return not self.shard_parameters or numel <= persistence_threshold
+        stage 3 when it is small enough that gathering it every use costs more than it saves, or when
+        its shard group is one rank (its shard is the whole unit: nothing to gather) and its
+        parameters are not offloaded (then the compute copy's home is the host, not the device)."""
+        alone = shard_ranks == 1 and not params_offloaded
+        return not self.shard_parameters or numel <= persistence_threshold or alone

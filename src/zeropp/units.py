@@ -143,7 +143,9 @@ class FlatUnit:
         self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
         self.shard_world = groups.shard.size if policy.shard_optimizer else 1
         self.layout = self.layout_of(self.params, groups, policy, options)
-        self.resident = policy.keeps_resident(self.layout.numel, options.persistence_threshold)
+        self.resident = policy.keeps_resident(
+            self.layout.numel, options.persistence_threshold, groups.shard.size, options.compute_shard_device is not None
+        )
         device = options.device
 
         self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
@@ -161,6 +163,7 @@ class FlatUnit:
         self.training_state = TrainingState.IDLE
         self._gather: Pending | None = None
         self._grads_missing = 0
+        self._unwritten: set[int] | None = None  # parameters with nothing in a fresh grad_flat yet
         self.reshard()
         if groups.secondary is not None and not self.resident:  # filled by the first gather's reshard
             secondary = groups.secondary
@@ -296,15 +299,20 @@ class FlatUnit:
                 f"zeropp: parameter {self.names[index]} received a second gradient after its unit was reduced "
                 "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
             )
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
+        if self.grad_flat is None:  # fresh: each parameter's first gradient is copied in, not added to zeros
+            self.grad_flat = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=grad.device)
+            self._unwritten = set(range(len(self.params)))
         if isinstance(grad, DTensor):  # tensor parallelism: in the parameter's own placement, this rank's piece
             param = self.params[index]
             if grad.placements != param.placements:  # e.g. partial sums: all-reduced over the tensor-parallel group
                 grad = grad.redistribute(placements=param.placements)
             grad = grad.to_local()
         start, stop = self.layout.param_range(index)
-        self.grad_flat[start:stop].add_(grad.reshape(-1))
+        if self._unwritten is not None and index in self._unwritten:
+            self._unwritten.discard(index)
+            self.grad_flat[start:stop].copy_(grad.reshape(-1))
+        else:
+            self.grad_flat[start:stop].add_(grad.reshape(-1))
         self._grads_missing -= 1
         return self._grads_missing == 0
 
@@ -331,10 +339,16 @@ class FlatUnit:
         """
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.options.device)
+        self._zero_unwritten()
         if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
         flat = self.grad_flat
         mine = self.shard_of(flat)
+        if self.shard_world == 1:  # the mean over one rank is the gradient itself: nothing to move
+            if not self.policy.shard_gradients:
+                return Pending([])
+            self.grad_flat = None
+            return Pending([], lambda: self._accumulate_reduced(flat))
         out = flat.new_empty(mine.numel())
         pending = self._reduce_scatter(out, flat)
         if not self.policy.shard_gradients:  # stage 1: the mean shard goes back into its own slice
@@ -363,6 +377,17 @@ class FlatUnit:
             feedback=self.error_feedback,
         )
 
+    def _zero_unwritten(self) -> None:
+        """Zero what no gradient was copied into since ``grad_flat`` was allocated: the slices of
+        parameters that got none, and the padding."""
+        if self._unwritten is None:
+            return
+        for index in self._unwritten:
+            start, stop = self.layout.param_range(index)
+            self.grad_flat[start:stop].zero_()
+        self.grad_flat[self.layout.numel :].zero_()
+        self._unwritten = None
+
     def _accumulate_reduced(self, shard: torch.Tensor) -> None:
         if self.grad_shard is None:
             self.grad_shard = shard
@@ -383,7 +408,7 @@ class FlatUnit:
         a sum over the tensor-parallel ranks counts them once."""
         grad = self.master.grad
         if count_whole:
-            return grad.pow(2).sum()
+            return torch.linalg.vector_norm(grad).square()
         offset = 0 if self.shard_world == 1 else self.layout.shard_range(self.groups.shard.rank)[0]
         total = torch.zeros((), dtype=grad.dtype, device=grad.device)
         for index, param in enumerate(self.params):
@@ -391,7 +416,7 @@ class FlatUnit:
                 start, stop = self.layout.param_range(index)
                 start, stop = max(start - offset, 0), min(stop - offset, grad.numel())
                 if start < stop:
-                    total += grad[start:stop].pow(2).sum()
+                    total += torch.linalg.vector_norm(grad[start:stop]).square()
         return total
 
     def clear_gradients(self) -> None:

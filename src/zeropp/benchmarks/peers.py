@@ -15,9 +15,10 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,11 @@ class PeerSummary:
         return cls(**data)
 
 
+def adamw(lr: float) -> dict[str, Any]:
+    """The AdamW settings every peer and zeropp variant of the benchmarks trains with."""
+    return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+
+
 def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_batch: int, lr: float):
     """DeepSpeed's engine for `peer`, with the same AdamW (a torch optimizer: no compiled ops needed)."""
     import deepspeed
@@ -71,7 +77,7 @@ def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_bat
     if peer == "deepspeed-zeropp":
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": zero}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw(lr))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -82,6 +88,8 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Mod
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    if peer == "pytorch":  # no data parallelism: the single-process baseline
+        return model
     if peer == "ddp":
         return DistributedDataParallel(model)
     if peer == "fsdp2-hsdp":
@@ -95,6 +103,33 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Mod
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
+
+
+def training_step(
+    gpt: nn.Module, peer: str, world: int, ranks_per_node: int, micro_batch: int, lr: float
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`peer`'s whole training step on a batch (forward, backward, optimizer step); returns the loss."""
+    if peer.startswith("deepspeed"):
+        engine = deepspeed_engine(gpt, peer, ranks_per_node, micro_batch, lr)
+
+        def deepspeed_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return deepspeed_step
+    model = wrap(gpt, peer, world, ranks_per_node)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw(lr))
+
+    def torch_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return torch_step
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,29 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch.device("meta"):  # the weights zeropp train starts from (train.seed 0, meta init)
         gpt = GPT(config)
     initialize_model(gpt, repeated_blocks(gpt), seed=0)
-    if args.peer.startswith("deepspeed"):
-        engine = deepspeed_engine(gpt, args.peer, ranks_per_node, args.micro_batch_size, args.lr)
-        backward, update = engine.backward, engine.step
-        model = engine
-    else:
-        model = wrap(gpt, args.peer, world, ranks_per_node)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-
-        def backward(loss: torch.Tensor) -> None:
-            loss.backward()
-
-        def update() -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    train_step = training_step(gpt, args.peer, world, ranks_per_node, args.micro_batch_size, args.lr)
 
     batches = Batches("train", config.block_size, args.micro_batch_size, world, rank, seed=0)
     times, losses = [], []
     for step in range(args.steps):
         tick = time.perf_counter()
         x, y = batches.local_batch(step)
-        loss = model(x, y)
-        backward(loss)
-        update()
+        loss = train_step(x, y)
         mean = loss.detach().clone()
         comm.all_reduce(mean, topology.world)
         losses.append(mean.item())

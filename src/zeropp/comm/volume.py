@@ -102,8 +102,9 @@ def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig)
     for one rank)."""
     stage3 = StagePolicy.for_stage(3)
     threshold = zero.persistence_threshold
+    world = layout.world_size
     return [
-        (dataclasses.replace(f, world=layout.world_size).padded_numel, stage3.keeps_resident(f.numel, threshold))
+        (dataclasses.replace(f, world=world).padded_numel, stage3.keeps_resident(f.numel, threshold, world))
         for f in layouts
     ]
 

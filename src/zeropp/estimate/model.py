@@ -154,7 +154,7 @@ def estimate(
         Unit(
             n,
             FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel,
-            policy.keeps_resident(n, zero.persistence_threshold),
+            policy.keeps_resident(n, zero.persistence_threshold, world, zero.offload_params != "none"),
         )
         for n in numels
     )

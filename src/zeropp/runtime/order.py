@@ -16,6 +16,7 @@ class ExecutionOrder:
     def __init__(self) -> None:
         self.units: list[FlatUnit] = []
         self.recording = True
+        self._position: dict[int, int] = {}  # id(unit) -> its index in units, once frozen
 
     def record(self, unit: FlatUnit) -> None:
         if self.recording and unit not in self.units:
@@ -23,10 +24,11 @@ class ExecutionOrder:
 
     def freeze(self) -> None:
         self.recording = False
+        self._position = {id(unit): i for i, unit in enumerate(self.units)}
 
     def after(self, unit: FlatUnit, count: int) -> list[FlatUnit]:
         """The `count` units recorded after `unit` (none while recording, or for an unrecorded unit)."""
-        if self.recording or unit not in self.units:
+        position = self._position.get(id(unit))
+        if position is None:  # still recording, or a unit that was not recorded
             return []
-        position = self.units.index(unit)
         return self.units[position + 1 : position + 1 + count]
