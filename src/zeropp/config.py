@@ -6,24 +6,22 @@ Every error is a one-line :class:`ConfigError` naming the key, the value and wha
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed. The message is one line: key, value, what is allowed."""
-
+from zeropp.schema import (
+    ConfigError,
+    check_choices,
+    check_finite,
+    deep_copy,
+    from_dict,
+    read_config_file,
+    require,
+    setting,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -33,11 +31,6 @@ MAX_SHARD_ALIGNMENT = 2**16  # elements; padding costs up to world size x this p
 # ZeroConfig keys that turn on all three ZeRO++ switches (qwZ, hpZ over each node, qgZ): zeropp train's
 # default at stage 3, the estimator's ZeRO++ column, the benchmarks' "ZeRO++" configuration
 ZEROPP_SWITCHES: dict[str, Any] = {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}
-
-
-def setting(default: Any, meaning: str) -> Any:
-    """A config key: its default and its one-line meaning (the flag's help, ``leaf_keys``)."""
-    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass
@@ -53,16 +46,16 @@ class LossScaleConfig:
     consecutive_hysteresis: bool = setting(False, "reset the hysteresis after every step without overflow instead")
 
     def validate(self) -> None:
-        _require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
-        _require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
-        _require(
+        require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
+        require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
+        require(
             0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)"
         )
         for key in ("growth_interval", "hysteresis"):
             value = getattr(self, key)
-            _require(value >= 1, f"zero.loss_scale.{key}", value, "an integer >= 1")
-        _require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
-        _check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
+            require(value >= 1, f"zero.loss_scale.{key}", value, "an integer >= 1")
+        require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
+        check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
 
 
 @dataclass
@@ -140,16 +133,16 @@ class ZeroConfig:
     )
 
     def _validate_qgz_options(self) -> None:
-        _require(
+        require(
             0 <= self.gradient_error_beta < 1, "zero.gradient_error_beta", self.gradient_error_beta, "a number in [0, 1)"
         )
-        _require(
+        require(
             self.gradient_error_reset_steps >= 0,
             "zero.gradient_error_reset_steps",
             self.gradient_error_reset_steps,
             "an integer >= 0 (0: never reset)",
         )
-        _require(
+        require(
             0 < self.quantized_gradients_until <= 1,
             "zero.quantized_gradients_until",
             self.quantized_gradients_until,
@@ -157,7 +150,7 @@ class ZeroConfig:
         )
         if self.gradient_hadamard:
             block = self.gradient_block_size
-            _require(
+            require(
                 block >= 2 and block & (block - 1) == 0,
                 "zero.gradient_block_size",
                 block,
@@ -177,12 +170,12 @@ class ZeroConfig:
         return translate(source, world_size=world_size, hidden_size=hidden_size).config().zero
 
     def validate(self) -> None:
-        _check_choices(self, "zero")
-        _require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
+        check_choices(self, "zero")
+        require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
         for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
             value = getattr(self, key)
-            _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
-        _require(
+            require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        require(
             self.shard_alignment <= MAX_SHARD_ALIGNMENT,
             "zero.shard_alignment",
             self.shard_alignment,
@@ -190,16 +183,16 @@ class ZeroConfig:
         )
         for key in ("prefetch", "persistence_threshold"):
             value = getattr(self, key)
-            _require(value >= 0, f"zero.{key}", value, "an integer >= 0")
+            require(value >= 0, f"zero.{key}", value, "an integer >= 0")
         if self.max_grad_norm is not None:
-            _require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
+            require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
-            _require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
+            require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
         self._validate_qgz_options()
         for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_chunks"):
             value = getattr(self, key)
-            _require(value >= 1, f"zero.{key}", value, "an integer >= 1")
-        _require(
+            require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        require(
             self.hpz_partition_size >= 0,
             "zero.hpz_partition_size",
             self.hpz_partition_size,
@@ -208,18 +201,18 @@ class ZeroConfig:
         if self.stage != 3:
             for key, off in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
                 value = getattr(self, key)
-                _require(
+                require(
                     value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
                 )
         if self.offload_params != "none":
-            _require(self.stage == 3, "zero.offload_params", self.offload_params, "'none' unless zero.stage = 3")
-            _require(
+            require(self.stage == 3, "zero.offload_params", self.offload_params, "'none' unless zero.stage = 3")
+            require(
                 self.offload_optimizer != "none",
                 "zero.offload_params",
                 self.offload_params,
                 "'none' unless zero.offload_optimizer is 'cpu' too",
             )
-        _check_finite(self, "zero")
+        check_finite(self, "zero")
         self.loss_scale.validate()
 
 
@@ -244,17 +237,17 @@ class TopologyConfig:
     )
 
     def validate(self) -> None:
-        _check_choices(self, "topology")
+        check_choices(self, "topology")
         if self.nodes is not None:
-            _require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
-        _require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
-        _require(
+            require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
+        require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        require(
             0 < self.timeout_s <= MAX_TIMEOUT_S,
             "topology.timeout_s",
             self.timeout_s,
             f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}",
         )
-        _check_finite(self, "topology")
+        check_finite(self, "topology")
 
 
 @dataclass
@@ -274,13 +267,13 @@ class ModelConfig:
     hf_config: str | None = setting(None, "train a randomly initialized Hugging Face causal LM of this local config.json")
 
     def validate(self) -> None:
-        _check_choices(self, "model")
+        check_choices(self, "model")
         if self.hf_model is not None and self.hf_config is not None:
-            _require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
+            require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
         for key in ("n_layer", "n_head", "d_model", "block_size"):
             value = getattr(self, key)
             if value is not None:
-                _require(value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the preset's value")
+                require(value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the preset's value")
 
 
 @dataclass
@@ -307,20 +300,20 @@ class OptimConfig:
     decay_steps: int | None = setting(None, "steps at which the decay ends; unset: train.steps")
 
     def validate(self) -> None:
-        _check_choices(self, "optim")
-        _require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
-        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        check_choices(self, "optim")
+        require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
         for key in ("beta1", "beta2", "momentum"):
             value = getattr(self, key)
-            _require(0 <= value < 1, f"optim.{key}", value, "a number in [0, 1)")
-        _require(self.eps > 0, "optim.eps", self.eps, "a number > 0")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+            require(0 <= value < 1, f"optim.{key}", value, "a number in [0, 1)")
+        require(self.eps > 0, "optim.eps", self.eps, "a number > 0")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
         for key in ("warmup_start_ratio", "min_lr_ratio"):
             value = getattr(self, key)
-            _require(0 <= value <= 1, f"optim.{key}", value, "a number in [0, 1]")
+            require(0 <= value <= 1, f"optim.{key}", value, "a number in [0, 1]")
         if self.decay_steps is not None:
-            _require(self.decay_steps >= 1, "optim.decay_steps", self.decay_steps, "an integer >= 1, or unset")
-        _check_finite(self, "optim")
+            require(self.decay_steps >= 1, "optim.decay_steps", self.decay_steps, "an integer >= 1, or unset")
+        check_finite(self, "optim")
 
 
 @dataclass
@@ -346,10 +339,10 @@ class TrainConfig:
     tokenizer: str | None = setting(None, "a local Hugging Face tokenizer folder for train.data; unset: UTF-8 bytes")
 
     def validate(self) -> None:
-        _check_choices(self, "train")
+        check_choices(self, "train")
         for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches", "max_consecutive_skipped_steps"):
             value = getattr(self, key)
-            _require(value >= 1, f"train.{key}", value, "an integer >= 1")
+            require(value >= 1, f"train.{key}", value, "an integer >= 1")
 
 
 @dataclass
@@ -368,10 +361,10 @@ class CheckpointConfig:
     def validate(self) -> None:
         for key in ("save_interval", "keep_last"):
             value = getattr(self, key)
-            _require(value >= 0, f"checkpoint.{key}", value, "an integer >= 0")
+            require(value >= 0, f"checkpoint.{key}", value, "an integer >= 0")
         if self.save_interval or self.resume == "auto":
             what = "checkpoint.save_interval" if self.save_interval else "checkpoint.resume = 'auto'"
-            _require(self.checkpoint_dir is not None, "checkpoint.checkpoint_dir", None, f"a directory when {what}")
+            require(self.checkpoint_dir is not None, "checkpoint.checkpoint_dir", None, f"a directory when {what}")
 
 
 @dataclass
@@ -404,75 +397,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _check_choices(section: Any, prefix: str) -> None:
-    """Refuse a value outside its Literal type, also for configs built in code rather than loaded."""
-    for name, hint in typing.get_type_hints(type(section)).items():
-        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-        for option in options:
-            if typing.get_origin(option) is Literal:
-                value = getattr(section, name)
-                allowed = typing.get_args(option)
-                if value not in allowed and not (value is None and type(None) in options):
-                    expected = f"one of {', '.join(map(repr, allowed))}"
-                    _require(False, f"{prefix}.{name}", value, expected)
-
-
-def _check_finite(section: Any, prefix: str) -> None:
-    """Refuse inf and nan in every float key (``--lr inf`` parses, and would train to nan)."""
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            _require(False, f"{prefix}.{f.name}", value, "a finite number")
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} = {value!r} is not allowed; expected {allowed}")
-
-
-def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """Build dataclass `cls` from a (nested) mapping, checking every key and type; does not validate ranges."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} = {data!r} is not allowed; expected a table")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    aliases = getattr(cls, "ALIASES", {})
-    for key, value in data.items():
-        key = aliases.get(key, key)
-        if key not in names:
-            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join(names)}")
-        kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
-    return cls(**kwargs)
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, prefix=f"{key}.")
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _coerce(key, value, option)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[0] + (", or unset" if type(None) in options else ""))
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        if value not in allowed:
-            raise ConfigError(f"{key} = {value!r} is not allowed; expected one of {', '.join(map(repr, allowed))}")
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, bool, str) and (type(value) is not hint):
-        raise ConfigError(f"{key} = {value!r} has type {type(value).__name__}; expected {hint.__name__}")
-    return value
-
-
 def load_config(
     source: str | Path | Mapping[str, Any] | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -486,9 +410,9 @@ def load_config(
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, Mapping):
-        data = _deep_copy(source)
+        data = deep_copy(source)
     else:
-        data = _read_config_file(Path(source))
+        data = read_config_file(Path(source))
     for dotted, value in (defaults or {}).items():
         *sections, leaf = dotted.split(".")
         node = data
@@ -505,29 +429,6 @@ def load_config(
                 raise ConfigError(f"override {dotted!r} goes through {where} = {node!r}, which is not a table")
         node[leaf] = value
     return from_dict(Config, data).validate()
-
-
-def _read_config_file(path: Path) -> dict[str, Any]:
-    """A TOML or JSON config file's contents; every way it can be unreadable is one ConfigError."""
-    where = f"config file {str(path)!r}"
-    if path.suffix not in (".toml", ".json"):
-        raise ConfigError(f"{where} is not allowed; expected a .toml or .json file")
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise ConfigError(f"{where} {what}; expected a .toml or .json file")
-    try:
-        text = path.read_text(encoding="utf-8")
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except OSError as error:
-        raise ConfigError(f"{where} cannot be read ({error.strerror})") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}); expected UTF-8") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{where} does not parse: {error}") from None
-
-
-def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
 class Key(typing.NamedTuple):
