@@ -14,7 +14,8 @@ from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
 from zeropp.stages import StagePolicy
 from zeropp.topology import Group, Layout, ShardGroups, Topology
-from zeropp.units import FlatUnit, TrainingState, UnitOptions
+from zeropp.unit_options import UnitOptions
+from zeropp.units import FlatUnit, TrainingState
 
 
 def test_order_is_recorded_once_and_prefetch_follows_it():

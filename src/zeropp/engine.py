@@ -36,7 +36,8 @@ from zeropp.runtime import Runtime
 from zeropp.stages import StagePolicy
 from zeropp.tensor_parallel import is_split
 from zeropp.topology import Topology
-from zeropp.units import FlatUnit, UnitOptions
+from zeropp.unit_options import UnitOptions
+from zeropp.units import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,10 +29,10 @@ from zeropp.comm import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from zeropp.partition import FlatLayout, chunk_range, secondary_range
-from zeropp.quant import QuantKernels, QuantSpec
 from zeropp.stages import StagePolicy
 from zeropp.tensor_parallel import is_split, local_tensor
 from zeropp.topology import ShardGroups
+from zeropp.unit_options import UnitOptions
 
 _RELEASED = torch.empty(0)
 
@@ -57,35 +56,6 @@ class TrainingState(enum.Enum):
     PRE_BACKWARD = "pre_backward"  # backward has begun; no output gradient has reached the unit yet
     BACKWARD = "backward"  # gathered for backward; parameter gradients are arriving
     POST_BACKWARD = "post_backward"  # every gradient of this backward is in (reduced, or kept to accumulate)
-
-
-@dataclass(frozen=True)
-class UnitOptions:
-    """How every unit stores and communicates (the engine builds one from ZeroConfig)."""
-
-    device: torch.device
-    compute_dtype: torch.dtype
-    grad_dtype: torch.dtype
-    alignment: int
-    persistence_threshold: int
-    allgather_bucket: int
-    reduce_bucket: int
-    weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
-    grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
-    grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: grad_quant's)
-    grad_hadamard: bool = False  # qgZ: random Hadamard rotation of every block (zeropp.quant.hadamard)
-    grad_error_beta: float | None = None  # qgZ: LoCo error feedback with this beta (None: off)
-    qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
-    kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
-    quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
-    master_device: torch.device | None = None  # ZeRO-Offload: the fp32 master's home (None: `device`)
-    compute_shard_device: torch.device | None = None  # offloaded parameters: the compute shard's home
-
-    def host_empty(self, numel: int, dtype: torch.dtype, where: torch.device | None) -> torch.Tensor:
-        """An empty tensor at `where` (default: the device); host memory is pinned when the device is CUDA."""
-        where = where or self.device
-        pin = where.type == "cpu" and self.device.type == "cuda"
-        return torch.empty(numel, dtype=dtype, device=where, pin_memory=pin)
 
 
 class FlatUnit:
