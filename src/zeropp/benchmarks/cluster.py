@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.benchmarks.peers import PeerSummary
-from zeropp.benchmarks.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS
+from zeropp.benchmarks.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
 from zeropp.cluster import run_cluster
 from zeropp.cluster.errors import ClusterError
 from zeropp.cluster.links import check_privileges, parse_bandwidth
@@ -167,12 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
             )
     report = "\n\n".join(markdown(rows, bandwidth) for bandwidth, rows in results.items())
-    (args.out / "results.md").write_text(report + "\n")
-    print(report)
-    try:
-        plot(results, args.out)
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
+    publish_report(args.out, report, lambda: plot(results, args.out))
     return 0
 
 

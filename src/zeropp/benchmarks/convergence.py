@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zeropp.benchmarks.runs import ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, train_summary
+from zeropp.benchmarks.runs import ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report, train_summary
 
 CONFIGS = {
     "ZeRO-3": ZEROPP_OFF_FLAGS,
@@ -187,12 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "results.json").write_text(
         json.dumps({"args": _jsonable(args), "runs": runs, "curves": curves(runs), "weight_errors": errors}, indent=1)
     )
-    (args.out / "results.md").write_text(report + "\n")
-    print(report)
-    try:
-        plot(runs, args.out)
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    publish_report(args.out, report, lambda: plot(runs, args.out))
     return 0
 
 

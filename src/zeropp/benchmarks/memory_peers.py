@@ -29,16 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeropp.benchmarks.peers import TrainingStep, engine_step, module_step
 from zeropp.comm import Communicator
 from zeropp.config import ModelConfig, TopologyConfig
 from zeropp.memory import PeakMeter
 from zeropp.models.gpt import GPT, GPTConfig, gpt_config
 from zeropp.topology import Topology, init_topology, shutdown
 
-TrainStep = Callable[[torch.Tensor], None]
 
-
-def fsdp2(config: GPTConfig, topology: Topology) -> TrainStep:
+def fsdp2(config: GPTConfig, topology: Topology) -> TrainingStep:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -54,17 +53,10 @@ def fsdp2(config: GPTConfig, topology: Topology) -> TrainStep:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
             GPT._init_weights(module)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(x: torch.Tensor) -> None:
-        model(x, x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
+    return module_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
-def deepspeed_zero_init(config: GPTConfig, topology: Topology) -> TrainStep:
+def deepspeed_zero_init(config: GPTConfig, topology: Topology) -> TrainingStep:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -73,15 +65,10 @@ def deepspeed_zero_init(config: GPTConfig, topology: Topology) -> TrainStep:
         model: nn.Module = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-
-    def step(x: torch.Tensor) -> None:
-        engine.backward(engine(x, x))
-        engine.step()
-
-    return step
+    return engine_step(engine)
 
 
-PEERS: dict[str, Callable[[GPTConfig, Topology], TrainStep]] = {
+PEERS: dict[str, Callable[[GPTConfig, Topology], TrainingStep]] = {
     "FSDP2 meta": fsdp2,
     "DeepSpeed zero.Init": deepspeed_zero_init,
 }
@@ -130,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     init = meter.peak()
     meter.reset_peak()
     for _ in range(args.steps):
-        step(torch.randint(0, config.vocab_size, (1, config.block_size)))
+        x = torch.randint(0, config.vocab_size, (1, config.block_size))
+        step(x, x)
     peaks = torch.tensor([float(init), float(meter.peak())])
     rows = torch.zeros(2 * topology.world_size)
     Communicator(topology).all_gather(rows, peaks, topology.world, bucket_numel=2)  # zeropp's door, not the peer's

@@ -105,31 +105,43 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Mod
     return model
 
 
-def training_step(
-    gpt: nn.Module, peer: str, world: int, ranks_per_node: int, micro_batch: int, lr: float
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`peer`'s whole training step on a batch (forward, backward, optimizer step); returns the loss."""
-    if peer.startswith("deepspeed"):
-        engine = deepspeed_engine(gpt, peer, ranks_per_node, micro_batch, lr)
+TrainingStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-        def deepspeed_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
 
-        return deepspeed_step
-    model = wrap(gpt, peer, world, ranks_per_node)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw(lr))
+def engine_step(engine: Any) -> TrainingStep:
+    """The training step of an engine with DeepSpeed's interface (``engine(x, y)`` returns the loss,
+    then ``engine.backward(loss)`` and ``engine.step()``): DeepSpeed's engine and zeropp's ZeroEngine."""
 
-    def torch_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+def module_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainingStep:
+    """The training step of a module whose forward returns the loss, with a torch optimizer."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = model(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return torch_step
+    return step
+
+
+def training_step(
+    gpt: nn.Module, peer: str, world: int, ranks_per_node: int, micro_batch: int, lr: float
+) -> TrainingStep:
+    """`peer`'s whole training step on a batch (forward, backward, optimizer step); returns the loss."""
+    if peer.startswith("deepspeed"):
+        return engine_step(deepspeed_engine(gpt, peer, ranks_per_node, micro_batch, lr))
+    model = wrap(gpt, peer, world, ranks_per_node)
+    return module_step(model, torch.optim.AdamW(model.parameters(), **adamw(lr)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

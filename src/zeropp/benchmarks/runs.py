@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from zeropp.config import ZEROPP_SWITCHES, ZeroConfig
@@ -26,3 +26,14 @@ def train_summary(args: Sequence[str]) -> RunSummary:
         command = [sys.executable, "-m", "zeropp.cli", "train", *args, "--summary-json", str(out)]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return RunSummary.from_json(out.read_text())
+
+
+def publish_report(out: Path, report: str, plot: Callable[[], None]) -> None:
+    """Write the markdown `report` to ``out/results.md``, print it, and draw the plots when
+    matplotlib (the ``bench`` extra) is installed."""
+    (out / "results.md").write_text(report + "\n")
+    print(report)
+    try:
+        plot()
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")

@@ -52,7 +52,7 @@ NODES_AT = {4: 2}  # world size -> simulated nodes (hpZ and qgZ's two hops need 
 def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse.Namespace) -> Callable:
     """`variant`'s training step (forward, backward, optimizer step) on (x, y); returns the loss."""
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.benchmarks.peers import adamw, training_step
+    from zeropp.benchmarks.peers import adamw, engine_step, training_step
     from zeropp.config import ZEROPP_SWITCHES
 
     compiled = variant.endswith("-compiled")
@@ -61,15 +61,7 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
         stage = 3 if name == "zeropp++" else int(name.removeprefix("zeropp-"))
         switches = ZEROPP_SWITCHES if name == "zeropp++" else {}
         config = ZeroConfig(stage=stage, compile=compiled, **switches)
-        engine = ZeroEngine(gpt, torch.optim.AdamW, adamw(args.lr), config, topology, seed=0)
-
-        def zeropp_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        return zeropp_step
+        return engine_step(ZeroEngine(gpt, torch.optim.AdamW, adamw(args.lr), config, topology, seed=0))
     from zeropp.grouping import repeated_blocks
     from zeropp.materialize import initialize_model
 
