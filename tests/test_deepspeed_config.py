@@ -421,3 +421,18 @@ def test_flags_override_the_deepspeed_file_and_the_batch_is_checked_after_them(t
     argv = ["train", "--deepspeed", str(config), "--stage", "2", "--gradient-accumulation-steps", "1"]
     config_, _ = _train_config(build_parser().parse_args(argv), argv)
     assert config_.zero.stage == 2 and not config_.zero.quantized_weights  # the flag won; ZeRO++ off as the file says
+
+
+def test_deepspeed_batch_sizes_count_data_parallel_ranks_under_tensor_parallelism(tmp_path):
+    """4 ranks with tensor parallelism 2 are 2 data-parallel ranks: DeepSpeed's train_batch_size is
+    micro-batch x accumulation x 2, and the full world's count is refused (before any rank starts)."""
+    from zeropp.cli import _train_config, build_parser
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**ZERO3, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    argv = ["train", "--deepspeed", str(config), "--preset", "tiny", "--tensor-parallel", "2", "--stage", "2"]
+    run, _ = _train_config(build_parser().parse_args(argv), argv)
+    assert (run.train.micro_batch_size, run.zero.gradient_accumulation_steps) == (4, 1)
+    config.write_text(json.dumps({**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    with pytest.raises(ConfigError, match=r"expected micro-batch 4 x gradient accumulation 1 x 2 ranks = 8"):
+        _train_config(build_parser().parse_args(argv), argv)

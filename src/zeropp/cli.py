@@ -187,7 +187,8 @@ def _read_deepspeed(path: Path, config_file: Path | None, overrides: dict[str, A
     """The DeepSpeed config's keys; its "auto" values resolved from the run's other settings and
     model. The launcher (or rank 0 under a torchrun of the user's) prints its one-line note."""
     base = load_config(config_file, overrides)
-    translation = translate(path, world_size=world, hidden_size=model_source(base).d_model, base=base)
+    data_parallel = world // base.topology.tensor_parallel_size  # DeepSpeed's batch sizes count data-parallel ranks
+    translation = translate(path, world_size=data_parallel, hidden_size=model_source(base).d_model, base=base)
     note = translation.note()
     if note and (not is_rank() or (LAUNCHER_PID not in os.environ and os.environ.get("RANK") == "0")):
         print(note, flush=True)

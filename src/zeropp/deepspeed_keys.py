@@ -84,7 +84,7 @@ REFUSED = {
     "data_efficiency": "DeepSpeed's data-efficiency library is not part of zeropp",
     "compression_training": "DeepSpeed's compression library is not part of zeropp",
     "autotuning": "the DeepSpeed autotuner is not part of zeropp",
-    "tensor_parallel": "zeropp train has no tensor parallelism",
+    "tensor_parallel": "DeepSpeed's AutoTP block is not read; use --tensor-parallel (topology.tensor_parallel_size)",
     "zero_optimization.mics_shard_size": "MiCS is not implemented",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS is not implemented",
     "zero_optimization.zenflow": "ZenFlow is not implemented",
