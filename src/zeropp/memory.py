@@ -22,14 +22,24 @@ units being gathered.
 qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
 rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
 partial sums, split over its X ranks): :func:`qgz_residual_bytes`.
+
+Activation checkpoints (ZeRO-R, the SC20 ZeRO paper §6.1): with activation checkpointing each
+transformer block keeps its input, b x s x h elements in the compute dtype, from its forward to its
+recomputation in backward. Tensor parallelism replicates that input on every tensor-parallel rank;
+Pa keeps 1/tp of it per rank (padded to a multiple of tp), Pa+cpu keeps that partition in host
+memory: :class:`Activations`.
 """
 
 from __future__ import annotations
 
+import math
 import resource
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from zeropp.schema import ConfigError
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -69,6 +79,48 @@ def analytic_model_state_bytes(
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:
     """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ, and hop 2's 4Ψ/X across nodes."""
     return 4 * psi + (4 * psi / ranks_per_node if nodes > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A transformer's activations per micro-batch on one data-parallel rank: `layers` blocks whose input
+    is batch x seq x hidden elements (what Megatron's layout all-reduces, :mod:`zeropp.comm.volume`,
+    and what an activation checkpoint holds), and the ZeRO-R switches."""
+
+    layers: int
+    hidden: int
+    seq: int
+    batch: int
+    activation_checkpointing: bool = False
+    partition_activations: bool = False  # Pa: each checkpoint split over the tensor-parallel ranks
+    cpu_checkpointing: bool = False  # Pa+cpu: the partitions kept in host memory
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "seq", "batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"activations: {key} = {getattr(self, key)} is not allowed; expected an integer >= 1")
+        for key, needs in (
+            ("partition_activations", "activation_checkpointing"),
+            ("cpu_checkpointing", "partition_activations"),
+        ):
+            if getattr(self, key) and not getattr(self, needs):
+                raise ConfigError(f"{key} = True is not allowed without {needs}; expected {needs} too")
+
+    @property
+    def block_elements(self) -> int:
+        """One block's input: batch x seq x hidden."""
+        return self.batch * self.seq * self.hidden
+
+    def checkpoint_elements(self, tp: int) -> int:
+        """Elements of one block's checkpoint on one rank: the whole input, or with Pa its 1/tp (padded)."""
+        return math.ceil(self.block_elements / tp) if self.partition_activations else self.block_elements
+
+    def checkpoint_bytes(self, tp: int, element_bytes: int, where: Literal["device", "host"] = "device") -> int:
+        """Activation-checkpoint bytes one rank holds between forward and backward (every block's), on
+        the device or, with Pa+cpu, on the host; 0 without checkpointing."""
+        if not self.activation_checkpointing or (where == "host") != self.cpu_checkpointing:
+            return 0
+        return self.layers * self.checkpoint_elements(tp) * element_bytes
 
 
 class PeakMeter:

@@ -18,12 +18,14 @@ all-reduces in forward and 2 in backward, each of b*s*h elements. An all-reduce 
 and an all-gather (the ZeRO paper's 2 x message size), so a block moves 8 * b*s*h elements per
 micro-batch, 12 * b*s*h with activation checkpointing (the forward's 2 again in recomputation: ZeRO
 §8's "12 x seq x hidden x batch per layer"); per rank on a ring of t ranks that is (t-1)/t of it:
-:func:`megatron_bytes_per_block`.
+:func:`megatron_bytes_per_block`, from the traffic model's :func:`~zeropp.comm.volume.megatron_transfers`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from zeropp.comm import Communicator, Ledger
-from zeropp.comm.ledger import ring_bytes
+from zeropp.comm.volume import megatron_transfers
 from zeropp.config import ConfigError
 from zeropp.materialize import broadcast_packed, is_meta
 from zeropp.topology import Topology
@@ -130,10 +132,42 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
+# (style, module type) -> {parameter: the dimension the style shards it on}; what parallelize_module does
+SHARDED_DIMS: tuple[tuple[type[ParallelStyle], type[nn.Module], dict[str, int]], ...] = (
+    (ColwiseParallel, nn.Linear, {"weight": 0, "bias": 0}),
+    (ColwiseParallel, nn.Embedding, {"weight": 1}),
+    (RowwiseParallel, nn.Linear, {"weight": 1}),  # the bias stays whole: added once, after the all-reduce
+    (RowwiseParallel, nn.Embedding, {"weight": 0}),
+)
+
+
+def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
+    """{parameter name: elements the first tensor-parallel rank holds} once `plan` splits `model` over
+    tp ranks, without splitting it (the model may live on the meta device): a sharded dimension of n
+    becomes ceil(n / tp), as ``torch.chunk`` gives the first rank; the rest stays whole."""
+    styles = {}
+    for name, module in model.named_modules():
+        for pattern, style in plan.items():
+            atoms, names = pattern.split("."), name.split(".")
+            if len(atoms) == len(names) and all(fnmatch(n, a) for n, a in zip(names, atoms, strict=True)):
+                styles[name] = (style, module)
+    out = {}
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        dims = {}
+        if owner in styles:
+            style, module = styles[owner]
+            dims = next((d for s, m, d in SHARDED_DIMS if isinstance(style, s) and isinstance(module, m)), {})
+        shape = list(param.shape)
+        if leaf in dims:
+            shape[dims[leaf]] = math.ceil(shape[dims[leaf]] / tp)
+        out[name] = math.prod(shape)
+    return out
+
+
 def megatron_bytes_per_block(
     batch: int, seq: int, hidden: int, tp: int, element_bytes: int, checkpointed: bool = False
 ) -> int:
     """Bytes one rank sends per transformer block and micro-batch under Megatron's layout: 4 ring
     all-reduces of batch*seq*hidden (6 with activation checkpointing), 2 (tp-1)/tp of it each."""
-    all_reduces = 6 if checkpointed else 4
-    return all_reduces * ring_bytes(batch * seq * hidden * element_bytes, tp, passes=2)
+    return sum(t.sent for t in megatron_transfers(batch * seq * hidden, element_bytes, tp, checkpointed))

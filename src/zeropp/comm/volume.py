@@ -9,8 +9,17 @@ lives here, beside the ledger, rather than in the estimate package so that train
 without the estimator's command line.
 
 Units are given as (padded numel, resident): padded as :class:`~zeropp.partition.FlatLayout` pads
-them for the world, resident when the unit is not gathered per use (stages 0-2, or small enough:
-:meth:`~zeropp.stages.StagePolicy.keeps_resident`).
+them for the data-parallel ranks, resident when the unit is not gathered per use (stages 0-2, or
+small enough: :meth:`~zeropp.stages.StagePolicy.keeps_resident`).
+
+With tensor parallelism (a data-parallel x tensor-parallel :class:`~zeropp.topology.Layout`) the
+units are one tensor-parallel rank's local shards, and ZeRO's collectives run inside one
+data-parallel group, priced on :meth:`~zeropp.topology.Layout.data_parallel_layout` (every group
+sends the same). The tensor-parallel traffic is Megatron's (:func:`megatron_transfers`): per block
+and micro-batch 2 all-reduces of b x s x h in forward and 2 in backward, 2 more in backward with
+activation checkpointing (recomputation), and with Pa one all-gather of the block's checkpoint
+before its recomputation (:func:`activation_transfers`; the SC20 ZeRO paper §8). All stay inside a
+node (tensor-parallel groups are consecutive ranks of one node).
 """
 
 from __future__ import annotations
@@ -22,13 +31,14 @@ from dataclasses import dataclass
 
 from zeropp.comm.ledger import ring_bytes
 from zeropp.config import ZeroConfig
-from zeropp.memory import BYTES
+from zeropp.memory import BYTES, Activations
 from zeropp.partition import FlatLayout, column_chunks
 from zeropp.quant import QuantSpec
 from zeropp.stages import StagePolicy
 from zeropp.topology import Layout
 
 STEP_PHASES = ("forward", "backward", "step")
+PA_GATHER = "pa.all_gather"  # the ledger's name of Pa's all-gather (on the tensor-parallel group)
 SCALE_BYTES = 4  # one fp32 scale per quantization block
 
 UnitSize = tuple[int, bool]  # (padded numel, resident)
@@ -41,15 +51,23 @@ class Transfer:
     `crossing` is the share of ranks whose bytes leave their node. A ring over consecutive ranks
     crosses at the last rank of each node it spans (the node's *edge* rank): (nodes spanned) / (group
     size), or 0 inside one node. An all-to-all hop is 0 (inside a node) or 1 (between nodes).
+    `over_world`: the group is the world, else one data-parallel group (or, for ``tp.*`` and ``pa.*``
+    ops, which never cross, one tensor-parallel group).
     """
 
     op: str
     phase: str
     sent: int
     crossing: float
+    over_world: bool = False
 
-    def crosses(self, rank: int, ranks_per_node: int) -> bool:
-        return self.crossing == 1 or (self.crossing > 0 and rank % ranks_per_node == ranks_per_node - 1)
+    def crosses(self, rank: int, layout: Layout) -> bool:
+        """Whether global `rank` sends this transfer's bytes off its node (to its ring successor)."""
+        if self.crossing in (0, 1):
+            return self.crossing == 1
+        if not self.over_world:  # the rank's place in its data-parallel group, a node-major world of its own
+            rank, layout = rank // layout.tensor_parallel_size, layout.data_parallel_layout()
+        return rank % layout.ranks_per_node == layout.ranks_per_node - 1
 
 
 def ring_crossing(group_size: int, ranks_per_node: int) -> float:
@@ -58,13 +76,49 @@ def ring_crossing(group_size: int, ranks_per_node: int) -> float:
     return spanned / group_size if spanned > 1 else 0.0
 
 
-def step_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
-    """The engine's collectives in one step: :func:`unit_transfers`, then the step's scalars (the
-    gradient norm over the shards, and fp16's overflow check: one fp32 all-reduce each)."""
-    yield from unit_transfers(units, layout, zero, hpz)
-    if zero.stage >= 1:
+def step_transfers(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, activations: Activations | None = None
+) -> Iterator[Transfer]:
+    """The engine's collectives in one step on the (data-parallel x tensor-parallel) `layout`:
+    :func:`unit_transfers` over a data-parallel group, the tensor-parallel traffic of `activations`
+    (:func:`activation_transfers`; None: no tensor-parallel traffic is priced), then the step's
+    scalars (the gradient norm, and fp16's overflow check: one fp32 all-reduce each, over the ranks
+    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group)."""
+    tp = layout.tensor_parallel_size
+    yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz)
+    if activations is not None:
+        yield from activation_transfers(activations, tp, BYTES[zero.precision], zero.gradient_accumulation_steps)
+    if zero.stage >= 1 or tp > 1:
         for _ in range(2 if zero.precision == "fp16" else 1):
-            yield Transfer("all_reduce", "step", ring_bytes(4, layout.world_size, 2), _world_crossing(layout))
+            if zero.stage >= 1:
+                yield Transfer("all_reduce", "step", ring_bytes(4, layout.world_size, 2), _world_crossing(layout), True)
+            else:
+                yield Transfer("tp.all_reduce", "step", ring_bytes(4, tp, 2), 0.0)
+
+
+def megatron_transfers(block_elements: int, element_bytes: int, tp: int, checkpointed: bool) -> Iterator[Transfer]:
+    """One block's tensor-parallel all-reduces in one micro-batch under Megatron's layout (a ring over
+    the tp ranks, 2 (tp-1)/tp of the buffer each): the row-wise linears' outputs in forward (2), the
+    column-wise linears' input gradients in backward (2), and with activation checkpointing the
+    forward's 2 again in recomputation, which runs in backward."""
+    sent = ring_bytes(block_elements * element_bytes, tp, passes=2)
+    for phase, count in (("forward", 2), ("backward", 4 if checkpointed else 2)):
+        for _ in range(count):
+            yield Transfer("tp.all_reduce", phase, sent, 0.0)
+
+
+def activation_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:
+    """The tensor-parallel traffic of one step: every block's :func:`megatron_transfers` per micro-batch
+    and, with Pa, the all-gather of its partitioned checkpoint (tp partitions of ceil(bsh/tp)) right
+    before its recomputation: bsh (tp-1)/tp bytes per block, 1/12 of the block's all-reduces (ZeRO §8)."""
+    if tp == 1:
+        return
+    checkpointed = activations.activation_checkpointing
+    gathered = tp * activations.checkpoint_elements(tp) * element_bytes
+    for _ in range(micro * activations.layers):
+        yield from megatron_transfers(activations.block_elements, element_bytes, tp, checkpointed)
+        if activations.partition_activations:
+            yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
 
 
 def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:

@@ -12,11 +12,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from zeropp.config import ConfigError, load_config
-from zeropp.estimate.model import estimate, gpt_unit_numels
-from zeropp.estimate.papers import hpz_example, zero_table, zeropp_table
-from zeropp.estimate.show import print_estimate, print_zero_table, print_zeropp_table
+from zeropp.config import Config, ConfigError, load_config
+from zeropp.estimate.model import estimate, gpt_activations, gpt_unit_numels
+from zeropp.estimate.papers import (
+    hpz_example,
+    max_model_table,
+    mp_example,
+    pa_example,
+    trillion_example,
+    zero_table,
+    zeropp_table,
+)
+from zeropp.estimate.show import (
+    print_estimate,
+    print_max_model_table,
+    print_pa_example,
+    print_zero_table,
+    print_zeropp_table,
+)
 from zeropp.flags import add_config_flags
+from zeropp.memory import Activations
 from zeropp.rates import RateError, parse_bandwidth
 from zeropp.topology import Layout
 
@@ -26,6 +41,9 @@ ZERO_FLAGS = (
     "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks",
 )  # fmt: skip
 MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
+SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
+ZERO_R_FLAGS = ("activation_checkpointing", "partition_activations", "cpu_checkpointing")  # zero.* keys of train
+TP_KEY = "topology.tensor_parallel_size"
 DEFAULT_BANDWIDTH = {"intra": "100gbit", "inter": "200mbit"}  # inter: the emulated cluster's tc limit
 
 
@@ -64,6 +82,13 @@ def _at_least(minimum: int):
     return parse
 
 
+ZERO_R_HELP = {
+    "activation_checkpointing": "keep only every block's input from forward to backward (recomputed there)",
+    "partition_activations": "Pa (ZeRO-R): each tensor-parallel rank keeps 1/tp of every checkpoint",
+    "cpu_checkpointing": "Pa+cpu (ZeRO-R): the checkpoint partitions wait in host memory",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zeropp estimate",
@@ -79,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = cluster.add_mutually_exclusive_group()
     nodes.add_argument("--nodes", dest="topology.nodes", type=int, metavar="N", help="nodes (default 1)")
     nodes.add_argument("--ranks-per-node", type=_at_least(1), metavar="N")
+    add_config_flags(cluster, ("tensor_parallel_size",))
     for link in ("intra", "inter"):
         cluster.add_argument(
             f"--{link}-node-bandwidth",
@@ -92,8 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     zero.add_argument(
         "--optimizer-state-bytes", type=_at_least(0), default=8, metavar="N", help="beside the fp32 master (Adam: 8)"
     )
+    acts = parser.add_argument_group(
+        "activations (tensor-parallel traffic, ZeRO-R's checkpoints; with --params: give --n-layer, --d-model, --block-size)"
+    )
+    add_config_flags(acts, ("micro_batch_size",))
+    for name in ZERO_R_FLAGS:
+        acts.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=ZERO_R_HELP[name])
     out = parser.add_argument_group("output")
-    out.add_argument("--zero-table", action="store_true", help="the ZeRO paper's Table 1, computed")
+    out.add_argument(
+        "--zero-table",
+        action="store_true",
+        help="the ZeRO paper's Table 1 (with --tensor-parallel N: at model parallelism N), Table 2, §7-8's examples",
+    )
+    out.add_argument("--zero-r-example", action="store_true", help="the ZeRO paper's Pa example (SC20 §6.1, §8)")
     out.add_argument("--zeropp-table", action="store_true", help="the ZeRO++ paper's Table 1 and hpZ example (Fig. 4)")
     out.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON")
     return parser
@@ -102,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        result, shows = _tables(args) if args.zero_table or args.zeropp_table else _estimate(args)
+        tables = args.zero_table or args.zeropp_table or args.zero_r_example
+        result, shows = _tables(args) if tables else _estimate(args)
     except _UsageError as error:
         print(f"zeropp estimate: error: {error}", file=sys.stderr)
         return 2
@@ -119,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _flag_names(message: str) -> str:
     """Config keys in an error message as the flags that set them (zero.stage -> --stage)."""
-    flags = {f"zero.{n}" for n in ZERO_FLAGS} | {f"model.{n}" for n in MODEL_FLAGS} | {"topology.nodes"}
+    flags = {f"zero.{n}" for n in ZERO_FLAGS} | {f"model.{n}" for n in MODEL_FLAGS} | {"topology.nodes", TP_KEY}
     return re.sub(
         r"\b(?:zero|model|topology)\.\w+",
         lambda m: "--" + m[0].split(".")[1].replace("_", "-") if m[0] in flags else m[0],
@@ -132,21 +170,61 @@ Shows = list[Callable[[], None]]  # what to print, after the JSON is written
 
 def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     if args.world is None:
-        raise _UsageError("argument --world is required (or ask for --zero-table / --zeropp-table)")
+        raise _UsageError("argument --world is required (or ask for --zero-table / --zeropp-table / --zero-r-example)")
     if args.config is not None and not args.config.is_file():
         raise _UsageError(f"argument --config: {str(args.config)!r} is not allowed; expected a .toml or .json file")
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     nodes = _nodes(args, overrides.get("topology.nodes"))
     if nodes is not None:
         overrides["topology.nodes"] = nodes
+    # the estimator prices the method: what training refuses with tensor parallelism for now (a precision)
+    # is not refused here, so the tensor-parallel size is applied after the config is read
+    tp = overrides.pop(TP_KEY, None)
     config = load_config(args.config, overrides)
-    model = args.params if args.params is not None else gpt_unit_numels(config.model)
+    tp = tp or config.topology.tensor_parallel_size
+    activations = _activations(args, config)
+    model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
     est = estimate(
-        model, args.world, config.topology.nodes or 1, config.zero, optimizer_bytes=args.optimizer_state_bytes
+        model,
+        args.world,
+        config.topology.nodes or 1,
+        config.zero,
+        optimizer_bytes=args.optimizer_state_bytes,
+        tensor_parallel=tp,
+        activations=activations,
     )
     result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth)
     result["model"] = {"params": args.params} if args.params is not None else dataclasses.asdict(config.model)
     return result, [lambda: print_estimate(est, result)]
+
+
+def _activations(args: argparse.Namespace, config: Config) -> Activations | None:
+    """The transformer's activations: the embedded GPT's, or a --params model's from --n-layer, --d-model
+    and --block-size (None without them: its tensor-parallel traffic and checkpoints are not priced)."""
+    switches = {name: getattr(args, name) for name in ZERO_R_FLAGS}
+    for name, needs in (
+        ("partition_activations", "activation_checkpointing"),
+        ("cpu_checkpointing", "partition_activations"),
+    ):
+        if switches[name] and not switches[needs]:
+            raise _UsageError(f"argument --{_dashed(name)} is not allowed without --{_dashed(needs)}")
+    micro = config.train.micro_batch_size
+    if args.params is None:
+        return gpt_activations(config.model, micro, **switches)
+    shape = {name: getattr(config.model, name) for name in SHAPE_FLAGS}
+    missing = [f"--{_dashed(name)}" for name, value in shape.items() if value is None]
+    if not missing:
+        return Activations(shape["n_layer"], shape["d_model"], shape["block_size"], micro, **switches)
+    if len(missing) < len(shape) or any(switches.values()):
+        what = "activation checkpoints" if any(switches.values()) else "the activations"
+        raise _UsageError(
+            f"argument --params: {what} of a --params model need its shape; expected {', '.join(missing)} too"
+        )
+    return None
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def _nodes(args: argparse.Namespace, nodes: int | None) -> int | None:
@@ -164,8 +242,17 @@ def _tables(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     result: dict[str, Any] = {}
     shows: Shows = []
     if args.zero_table:
-        result["zero_table_1_gb"] = zero_table()
-        shows.append(lambda: print_zero_table(result["zero_table_1_gb"]))
+        mp = getattr(args, TP_KEY) or 1
+        result["zero_table_1_gb"] = zero_table(mp)
+        result["zero_table_1_mp"] = mp
+        result["zero_table_2_max_params"] = max_model_table()
+        result["zero_section_7_example_gb"] = mp_example()
+        result["zero_trillion_example"] = trillion_example()
+        shows.append(lambda: print_zero_table(result["zero_table_1_gb"], mp))
+        shows.append(lambda: print_max_model_table(result))
+    if args.zero_r_example:
+        result["zero_r_pa_example"] = pa_example()
+        shows.append(lambda: print_pa_example(result["zero_r_pa_example"]))
     if args.zeropp_table:
         nodes, per_node = 64, 8
         if args.world is not None:
