@@ -1,7 +1,9 @@
 """zeropp estimate: the papers' published numbers, zeropp's own byte models, and the engine's ledger.
 
-Published values: ZeRO (Rajbhandari et al., arXiv 1910.02054) Table 1; ZeRO++ (Wang et al.,
-arXiv 2306.10209) Table 1 and the hpZ memory example of section 3.2.2 / Fig. 4.
+Published values: ZeRO (Rajbhandari et al., arXiv 1910.02054) Table 1, Table 2, §7's and §8's
+examples with model parallelism, and (SC20 version) ZeRO-R's Pa example (§6.1, Table 4's 100B
+model) and communication analysis (§8); ZeRO++ (Wang et al., arXiv 2306.10209) Table 1 and the hpZ
+memory example of section 3.2.2 / Fig. 4.
 """
 
 from __future__ import annotations
@@ -13,21 +15,28 @@ import pytest
 import torch
 from launcher import run_ranks
 
+from zeropp import tensor_parallel
 from zeropp.comm.ledger import ring_bytes
 from zeropp.comm.volume import zero3_step_bytes
-from zeropp.config import LossScaleConfig, ModelConfig, ZeroConfig
+from zeropp.config import ConfigError, LossScaleConfig, ModelConfig, ZeroConfig
 from zeropp.estimate import (
     ZERO_TABLE_DP,
     ZEROPP_SWITCHES,
     estimate,
+    gpt_activations,
     gpt_unit_numels,
     hpz_example,
     main,
+    max_model_table,
+    mp_example,
+    pa_example,
     paper_gb,
     parse_bandwidth,
+    trillion_example,
     zero_table,
     zeropp_table,
 )
+from zeropp.memory import Activations
 from zeropp.models.gpt import PRESETS
 from zeropp.topology import Layout
 
@@ -69,6 +78,81 @@ def test_zero_table_1_every_published_cell():
     # the worked examples of the text (section 5.1-5.2): 7.5B at Nd = 64
     assert computed["7.5B"]["Pos"][64] == pytest.approx(31.4, abs=0.05)
     assert computed["7.5B"]["Pos+g"][64] == pytest.approx(16.6, abs=0.05)
+
+
+def test_zero_table_1_with_model_parallelism_16():
+    """ZeRO §7: with N_m-way model parallelism each device holds Ψ/N_m, so every cell is Table 1's / 16,
+    and P_os+g+p at N_d is 16Ψ/(16 N_d): Table 1's printed cell at DP = 16 N_d."""
+    plain, mp16 = zero_table(), zero_table(16)
+    for model, stages in mp16.items():
+        for stage, cells in stages.items():
+            for n, gb in cells.items():
+                assert gb == pytest.approx(plain[model][stage][n] / 16, rel=1e-12)
+        for n in (1, 4, 16, 64):
+            published = ZERO_TABLE_1[model]["Pos+g+p"][ZERO_TABLE_DP.index(16 * n)]
+            assert paper_gb(stages["Pos+g+p"][n]) == published, (model, n)
+
+
+def test_zero_section_7_example_32b_with_mp16_dp64():
+    """'a 32 B parameter with 16-way model parallelism and 64-way data parallelism will consume 8.4GB,
+    4.4GB and 0.5GB, with P_os, P_os+g and P_os+g+p respectively, while without using ZeRO, it would
+    consume at least 32GB'."""
+    gb = mp_example()
+    assert {name: round(v, 1) for name, v in gb.items()} == {"Baseline": 32.0, "Pos": 8.4, "Pos+g": 4.4, "Pos+g+p": 0.5}
+
+
+# ZeRO Table 2 (left): the largest model on 32 GB V100s with MP x 64-way DP, as printed
+ZERO_TABLE_2 = {
+    1: ("2B", "7.6B", "14.4B", "128B"),
+    2: ("4B", "15.2B", "28.8B", "256B"),
+    4: ("8B", "30.4B", "57.6B", "0.5T"),
+    8: ("16B", "60.8B", "115.2B", "1T"),
+    16: ("32B", "121.6B", "230.4B", "2T"),
+}
+
+
+def test_zero_table_2_largest_model_with_model_parallelism():
+    ours = max_model_table()
+    for mp, published in ZERO_TABLE_2.items():
+        row = list(ours[mp].values())
+        printed = [float(p[:-1]) * (1e12 if p.endswith("T") else 1e9) for p in published]
+        assert row[0] == printed[0] == 2e9 * mp  # baseline: 16Ψ/N_m <= 32 GB
+        # P_os and P_os+g: the paper prints its MP = 1 figure, cut to 0.1B, times MP
+        for column in (1, 2):
+            cut = math.floor(ours[1][list(ours[1])[column]] / 1e8) / 10
+            assert round(cut * mp, 1) == printed[column] / 1e9, (mp, column)
+            assert abs(row[column] - printed[column]) < 0.1e9 * mp
+        # P_os+g+p: 16Ψ/(64 N_m) <= 32 GB, Ψ = 128B x N_m; the paper rounds to one figure in T from 0.5T
+        assert row[3] == 128e9 * mp
+        assert float(f"{row[3] / 1e12:.1g}") == printed[3] / 1e12 if mp >= 4 else row[3] == printed[3]
+
+
+def test_a_trillion_parameters_on_1024_gpus_with_mp16_dp64():
+    """ZeRO §8: 'ZeRO could fit more than 1 Trillion parameters on 1024 GPUs with 16-way model
+    parallelism (within each DGX2 node) and 64-way data parallelism across nodes': only P_os+g+p fits a
+    32 GB V100, at Table 1's 1T cell for 1024 devices (16Ψ / 1024 = 15.6 GB)."""
+    got = trillion_example()
+    assert (got["gpus"], got["mp"], got["dp"]) == (1024, 16, 64)
+    assert got["fits"] == {"Baseline": False, "Pos": False, "Pos+g": False, "Pos+g+p": True}
+    padded = math.ceil(10**12 / 16 / (64 * 32)) * 64 * 32  # this rank's Ψ/16, padded for 64 shards
+    used = got["bytes_per_gpu"]
+    assert used["Pos+g+p"] == 16 * padded / 64
+    assert paper_gb(used["Pos+g+p"] / 1e9) == ZERO_TABLE_1["1T"]["Pos+g+p"][-1] == "15.6"
+    assert used["Baseline"] == 16 * 10**12 / 16  # stage 0 shards nothing: Ψ/16 pads to 32 elements only
+    assert paper_gb(used["Pos"] / 1e9) == "261"  # (4 + 12/64) x 62.5 GB: P_os alone does not fit
+    assert max_model_table()[16]["Pos+g+p"] >= 2e12  # Table 2: up to 2T at MP 16
+
+
+def test_gpt_units_on_one_tensor_parallel_rank():
+    """Megatron's layout: per block, qkv and the MLP's first linear split with their biases, the output
+    projections' weights split and biases whole, layer norms whole; the root (embeddings, ln_f) whole."""
+    model = ModelConfig(preset="small")
+    d, layers = PRESETS["small"].d_model, PRESETS["small"].n_layer
+    whole = gpt_unit_numels(model)
+    for tp in (2, 4):
+        local = gpt_unit_numels(model, tp)
+        assert local[:-1] == [(12 * d * d + 7 * d) // tp + 6 * d] * layers
+        assert local[-1] == whole[-1]
 
 
 def test_paper_rounding_rule():
@@ -118,6 +202,77 @@ def test_hpz_example_fig_4():
     assert (got["dp_bytes"], got["zero3_bytes"], got["hpz_bytes"]) == (1.6e12, 1.5625e9, 14.0625e9)
     assert round(got["dp_over_hpz"]) == 114
     assert got["hpz_over_zero3"] == 9.0 == 1 + 2 * 64 / 16  # paper: 8.9 (Fig. 4's own figures are an image)
+
+
+# -- ZeRO-R: partitioned activation checkpoints (SC20 §6.1, §8) ----------------------------------------
+
+
+def test_pa_example_sc20_section_6_1():
+    """'Consider training a 100B model shown in Table 4 with a batch size of 32, sequence length of 1024
+    and a MP degree of 16. If we checkpoint a single activation for each transformer layer, it would
+    require about 33 GB of memory per GPU [...] with Pa [...] about 2 GB per GPU [...] offloaded to the
+    CPU reducing the memory footprint for activations to nearly zero.' Table 4: 100B = 125 layers of
+    hidden 8192. The paper's 33 and 2 are the element counts (b s h L = 33.55G, /16 = 2.10G); in fp16
+    bytes they are twice that, 67.1 GB = 62.5 GiB, which is §3.2's 'a GPT-like model with 100 billion
+    parameters requires around 60 GB of memory for batch size 32, even when using activation
+    checkpointing'."""
+    got = pa_example()
+    assert abs(got["params"] / 1e11 - 1) < 0.01  # 12 h^2 L = 100.7B
+    elements, stored = got["checkpoint_elements"], got["checkpoint_bytes"]
+    assert elements["without Pa"] == 32 * 1024 * 8192 * 125 and int(elements["without Pa"] / 1e9) == 33
+    assert elements["Pa"] * 16 == elements["without Pa"] and round(elements["Pa"] / 1e9) == 2
+    assert stored["without Pa"] == 2 * elements["without Pa"] and round(stored["without Pa"] / 2**30, -1) == 60
+    assert stored["Pa"] * 16 == stored["without Pa"]  # Pa divides by the MP degree
+    assert stored["Pa+cpu"] == 0 and stored["Pa+cpu host"] == stored["Pa"]
+
+
+def test_pa_adds_under_a_tenth_to_tensor_parallel_traffic():
+    """SC20 §8: per block, Megatron with checkpointing all-reduces b s h six times (12 b s h moved), Pa
+    all-gathers it once (b s h): 1/12 < 1/10. In the ring model both carry (t-1)/t."""
+    got = pa_example()
+    bsh, ring = 32 * 1024 * 8192 * 2, 15 / 16
+    assert got["pa_bytes_per_step"] == 125 * bsh * ring
+    assert got["tensor_parallel_bytes_per_step"] == 125 * 12 * bsh * ring
+    assert got["pa_over_tensor_parallel"] == 1 / 12 < 0.1
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
+    model = ModelConfig(preset="small")
+    gpt, micro = PRESETS["small"], 3
+    bsh = micro * gpt.block_size * gpt.d_model
+    zero = ZeroConfig(stage=3, gradient_accumulation_steps=2)
+
+    def run(**switches):
+        acts = gpt_activations(model, micro, **switches)
+        return estimate(gpt_unit_numels(model, tp), 8, 2, zero, tensor_parallel=tp, activations=acts)
+
+    plain, checkpointed = run(), run(activation_checkpointing=True)
+    pa = run(activation_checkpointing=True, partition_activations=True)
+    cpu = run(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True)
+    per_block = tensor_parallel.megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp, 4)
+    assert plain.bytes_of("tp") == 2 * gpt.n_layer * per_block  # 2 micro-batches
+    assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") * 6 / 4  # recomputation all-reduces again
+    assert plain.bytes_of("pa") == checkpointed.bytes_of("pa") == 0
+    assert pa.bytes_of("pa") == 2 * gpt.n_layer * ring_bytes(4 * bsh, tp) == pa.bytes_of("tp") / 12
+    assert plain.activation_checkpoint_bytes() == 0
+    assert checkpointed.activation_checkpoint_bytes() == gpt.n_layer * bsh * 4
+    assert pa.activation_checkpoint_bytes() == gpt.n_layer * bsh * 4 // tp
+    assert (
+        cpu.activation_checkpoint_bytes() == 0
+        and cpu.activation_checkpoint_bytes("host") == gpt.n_layer * bsh * 4 // tp
+    )
+    for est in (plain, checkpointed, pa, cpu):  # all inside a node; ZeRO's bytes as without tensor-parallel traffic
+        assert (
+            est.ledger().total(op="tp.all_reduce", link="inter")
+            == est.ledger().total(op="pa.all_gather", link="inter")
+            == 0
+        )
+        assert est.model_state_bytes == plain.model_state_bytes
+    with pytest.raises(
+        ConfigError, match="partition_activations = True is not allowed without activation_checkpointing"
+    ):
+        Activations(1, 1, 1, 1, partition_activations=True)
 
 
 # -- zeropp's own byte models ---------------------------------------------------------------------------
@@ -307,6 +462,32 @@ def test_cli_examples(capsys, tmp_path):
     assert result["bandwidth_bits_per_s"] == {"intra": 100e9, "inter": 200e6}
 
 
+def test_cli_tensor_parallel_and_zero_r(capsys, tmp_path):
+    out = tmp_path / "trillion.json"
+    mesh = ["--world", "1024", "--nodes", "64", "--tensor-parallel", "16", "--stage", "3", "--precision", "fp16"]
+    assert main(["--params", "1e12", *mesh, "--json", str(out)]) == 0
+    assert "64 data-parallel x 16 tensor-parallel" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["model_state_bytes_per_rank"] == trillion_example()["bytes_per_gpu"]["Pos+g+p"]
+    assert (result["tensor_parallel_size"], result["data_parallel_size"]) == (16, 64)
+    assert result["tensor_parallel_bytes_per_step"] is None and result["activations"] is None  # no shape given
+    # SC20 §6.1's 100B model (Table 4), batch 32, sequence 1024, MP 16: Pa's checkpoints and all-gathers
+    shape = ["--n-layer", "125", "--d-model", "8192", "--block-size", "1024", "--micro-batch-size", "32"]
+    zero_r = ["--activation-checkpointing", "--partition-activations"]
+    assert main(["--params", str(12 * 8192**2 * 125), *mesh, *shape, *zero_r, "--json", str(out)]) == 0
+    assert "Pa's all-gathers" in capsys.readouterr().out
+    result, example = json.loads(out.read_text()), pa_example()
+    assert result["activation_checkpoint_bytes_per_rank"] == example["checkpoint_bytes"]["Pa"]
+    assert result["tensor_parallel_bytes_per_step"] == example["tensor_parallel_bytes_per_step"]
+    assert result["partitioned_activation_bytes_per_step"] * 12 == result["tensor_parallel_bytes_per_step"]
+    assert (
+        main(["--preset", "small", "--world", "8", "--nodes", "2", "--tensor-parallel", "2", "--json", str(out)]) == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["unit_numels"] == gpt_unit_numels(ModelConfig(preset="small"), 2)
+    assert result["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0 and result["tensor_parallel_bytes_per_step"] > 0
+
+
 def test_cli_tables(capsys, tmp_path):
     out = tmp_path / "tables.json"
     assert main(["--zero-table", "--zeropp-table", "--json", str(out)]) == 0
@@ -318,6 +499,14 @@ def test_cli_tables(capsys, tmp_path):
     assert math.isclose(result["zeropp_table_1"]["ratios"][0], 0.5 * (1 + SCALES_INT8), rel_tol=1e-6)
     assert main(["--zeropp-table", "--world", "16", "--ranks-per-node", "4"]) == 0
     assert "4 nodes x 4 ranks" in capsys.readouterr().out
+    assert main(["--zero-table", "--tensor-parallel", "16", "--zero-r-example", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "model parallelism 16" in text and "ZeRO Table 2" in text and "fits 32 GB" in text and "0.0833" in text
+    result = json.loads(out.read_text())
+    assert (
+        result["zero_table_1_mp"] == 16 and result["zero_table_1_gb"]["1T"]["Pos+g+p"]["64"] == 1e12 * 16 / 1024 / 1e9
+    )
+    assert result["zero_r_pa_example"] == pa_example()
 
 
 @pytest.mark.parametrize(
@@ -337,6 +526,12 @@ def test_cli_tables(capsys, tmp_path):
         (["--zeropp-table", "--world", "8"], "--nodes"),
         (["--world", "4", "--config", "missing.toml"], "--config"),
         (["--world", "4", "--optimizer-state-bytes", "-1"], "--optimizer-state-bytes"),
+        (["--world", "8", "--nodes", "2", "--tensor-parallel", "3"], "--tensor-parallel-size = 3"),
+        (["--world", "8", "--tensor-parallel", "8"], "--tensor-parallel-size = 8 is not allowed with --n-head = 4"),
+        (["--world", "4", "--partition-activations"], "--partition-activations"),
+        (["--world", "4", "--activation-checkpointing", "--cpu-checkpointing"], "--cpu-checkpointing"),
+        (["--params", "1e9", "--world", "4", "--activation-checkpointing"], "--n-layer, --d-model, --block-size"),
+        (["--params", "1e9", "--world", "4", "--n-layer", "2"], "--d-model, --block-size"),
     ],
 )
 def test_cli_bad_input_is_one_line_naming_the_flag(capsys, argv, names):

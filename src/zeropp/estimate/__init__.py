@@ -3,7 +3,9 @@
 Three models (derivations, paper references and the reproduced tables: docs/estimate.md):
 
 - **Memory** of model states per rank: :func:`zeropp.memory.analytic_model_state_bytes` (ZeRO Table 1,
-  hpZ's secondary copy), per unit, on the padded unit sizes the engine allocates.
+  hpZ's secondary copy), per unit, on the padded unit sizes the engine allocates; with tensor
+  parallelism on one tensor-parallel rank's share, over the data-parallel ranks. Activation
+  checkpoints per rank (ZeRO-R: Pa, Pa+cpu): :class:`zeropp.memory.Activations`.
 - **Communication**: every collective the engine issues in one optimizer step, priced with the ledger's
   byte model (comm/ledger.py), so the estimate is what the ledger records: exactly, unit for unit
   (:mod:`zeropp.comm.volume`, the same model ``zeropp train`` prices its ZeRO-3 baseline with). The
@@ -22,8 +24,18 @@ Modules: ``model`` (units, :class:`Estimate`, :func:`estimate`), ``papers`` (the
 from zeropp.comm.volume import Transfer, ring_crossing
 from zeropp.config import ZEROPP_SWITCHES
 from zeropp.estimate.cli import build_parser, main
-from zeropp.estimate.model import Estimate, Unit, estimate, gpt_unit_numels
-from zeropp.estimate.papers import ZERO_TABLE_DP, hpz_example, paper_gb, zero_table, zeropp_table
+from zeropp.estimate.model import Estimate, Unit, estimate, gpt_activations, gpt_unit_numels
+from zeropp.estimate.papers import (
+    ZERO_TABLE_DP,
+    hpz_example,
+    max_model_table,
+    mp_example,
+    pa_example,
+    paper_gb,
+    trillion_example,
+    zero_table,
+    zeropp_table,
+)
 from zeropp.rates import parse_bandwidth
 
 __all__ = [
@@ -34,12 +46,17 @@ __all__ = [
     "Unit",
     "build_parser",
     "estimate",
+    "gpt_activations",
     "gpt_unit_numels",
     "hpz_example",
     "main",
+    "max_model_table",
+    "mp_example",
+    "pa_example",
     "paper_gb",
     "parse_bandwidth",
     "ring_crossing",
+    "trillion_example",
     "zero_table",
     "zeropp_table",
 ]

@@ -127,6 +127,17 @@ class Estimate:
         mean = self.ledger()
         return sum(mean.total(op=op) for op in mean.as_dict() if op.startswith(f"{prefix}."))
 
+    def _activation_fields(self) -> dict[str, Any]:
+        """What depends on the activations: None each where they are unknown (not priced)."""
+        known = self.activations is not None
+        return {
+            "activations": dataclasses.asdict(self.activations) if known else None,
+            "activation_checkpoint_bytes_per_rank": self.activation_checkpoint_bytes() if known else None,
+            "activation_checkpoint_host_bytes_per_rank": self.activation_checkpoint_bytes("host") if known else None,
+            "tensor_parallel_bytes_per_step": self.bytes_of("tp") if known else None,
+            "partitioned_activation_bytes_per_step": self.bytes_of("pa") if known else None,
+        }
+
     def as_dict(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, Any]:
         mean, zero3 = self.ledger(), self.zero3_bytes()
         return {
@@ -142,11 +153,7 @@ class Estimate:
             "hpz_group_size": self.hpz_group_size,
             "optimizer_state_bytes": self.optimizer_bytes,
             "model_state_bytes_per_rank": self.model_state_bytes,
-            "activations": None if self.activations is None else dataclasses.asdict(self.activations),
-            "activation_checkpoint_bytes_per_rank": self.activation_checkpoint_bytes(),
-            "activation_checkpoint_host_bytes_per_rank": self.activation_checkpoint_bytes("host"),
-            "tensor_parallel_bytes_per_step": self.bytes_of("tp"),
-            "partitioned_activation_bytes_per_step": self.bytes_of("pa"),
+            **self._activation_fields(),
             "bytes_per_step": {
                 phase: {link: mean.total(phase=phase, link=link) for link in ("intra", "inter")}
                 for phase in STEP_PHASES
