@@ -270,7 +270,7 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
         )
         assert est.model_state_bytes == plain.model_state_bytes
     with pytest.raises(
-        ConfigError, match="partition_activations = True is not allowed without activation_checkpointing"
+        ConfigError, match="zero.partition_activations = True is not allowed without zero.activation_checkpointing"
     ):
         Activations(1, 1, 1, 1, partition_activations=True)
 
@@ -528,8 +528,11 @@ def test_cli_tables(capsys, tmp_path):
         (["--world", "4", "--optimizer-state-bytes", "-1"], "--optimizer-state-bytes"),
         (["--world", "8", "--nodes", "2", "--tensor-parallel", "3"], "--tensor-parallel-size = 3"),
         (["--world", "8", "--tensor-parallel", "8"], "--tensor-parallel-size = 8 is not allowed with --n-head = 4"),
-        (["--world", "4", "--partition-activations"], "--partition-activations"),
-        (["--world", "4", "--activation-checkpointing", "--cpu-checkpointing"], "--cpu-checkpointing"),
+        (
+            ["--world", "4", "--partition-activations"],
+            "--partition-activations = True is not allowed without --activation",
+        ),
+        (["--world", "4", "--activation-checkpointing", "--cpu-checkpointing"], "--cpu-checkpointing = True"),
         (["--params", "1e9", "--world", "4", "--activation-checkpointing"], "--n-layer, --d-model, --block-size"),
         (["--params", "1e9", "--world", "4", "--n-layer", "2"], "--d-model, --block-size"),
     ],

@@ -104,7 +104,7 @@ class Activations:
             ("cpu_checkpointing", "partition_activations"),
         ):
             if getattr(self, key) and not getattr(self, needs):
-                raise ConfigError(f"{key} = True is not allowed without {needs}; expected {needs} too")
+                raise ConfigError(f"zero.{key} = True is not allowed without zero.{needs}; expected both or neither")
 
     @property
     def block_elements(self) -> int:

@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _flag_names(message: str) -> str:
     """Config keys in an error message as the flags that set them (zero.stage -> --stage)."""
-    flags = {f"zero.{n}" for n in ZERO_FLAGS} | {f"model.{n}" for n in MODEL_FLAGS} | {"topology.nodes", TP_KEY}
+    flags = {f"zero.{n}" for n in (*ZERO_FLAGS, *ZERO_R_FLAGS)} | {f"model.{n}" for n in MODEL_FLAGS}
+    flags |= {"topology.nodes", TP_KEY}
     return re.sub(
         r"\b(?:zero|model|topology)\.\w+",
         lambda m: "--" + m[0].split(".")[1].replace("_", "-") if m[0] in flags else m[0],
@@ -202,12 +203,6 @@ def _activations(args: argparse.Namespace, config: Config) -> Activations | None
     """The transformer's activations: the embedded GPT's, or a --params model's from --n-layer, --d-model
     and --block-size (None without them: its tensor-parallel traffic and checkpoints are not priced)."""
     switches = {name: getattr(args, name) for name in ZERO_R_FLAGS}
-    for name, needs in (
-        ("partition_activations", "activation_checkpointing"),
-        ("cpu_checkpointing", "partition_activations"),
-    ):
-        if switches[name] and not switches[needs]:
-            raise _UsageError(f"argument --{_dashed(name)} is not allowed without --{_dashed(needs)}")
     micro = config.train.micro_batch_size
     if args.params is None:
         return gpt_activations(config.model, micro, **switches)
