@@ -21,7 +21,8 @@ delayed, not lost, except what a reset (every ``gradient_error_reset_steps`` ste
 Where residuals live (per unit): hop 1 quantizes this rank's own gradient of the whole unit, so its
 residual has the unit's padded size (rows in qgZ's send order); hop 2 quantizes the node's partial
 sums this rank forwards, Y of the W slices, so its residual is sharded over the node's X ranks like
-those partial sums are. Both are rank-specific: a checkpoint keeps them per rank, and a run on
+those partial sums are. They are freed when qgZ is switched off (``quantized_gradients_until``'s
+schedule). Both are rank-specific: a checkpoint keeps them per rank, and a run on
 another world size or node count starts them from zero.
 """
 
@@ -63,6 +64,11 @@ class ErrorFeedback:
     def reset(self) -> None:
         for residual in self.residuals.values():
             residual.zero_()
+
+    def free(self) -> None:
+        """Drop the residuals (qgZ is off for the rest of the run: nothing will be compensated). What
+        they still held is lost, one quantization's error; a later qgZ reduction starts from zero."""
+        self.residuals.clear()
 
     def scale(self, factor: float) -> None:
         """Follow a change of the fp16 loss scale (residuals are in scaled gradient units)."""
