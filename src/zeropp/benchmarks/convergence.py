@@ -17,7 +17,7 @@ differences) at every evaluation after warm-up; cross-node bytes per rank and st
 error after ``--weight-steps`` AdamW steps on one fixed batch against the exact run (ZeRO-3):
 :mod:`zeropp.benchmarks.weight_error`.
 
-    zeropp bench convergence [--seeds 1 2 3] [--steps 400] [--lr 1e-3] [--warmup-steps 50] [--resume]
+    zeropp bench convergence [--seeds 1 2 3] [--steps 300] [--lr 1e-3] [--warmup-steps 50] [--resume]
                              [--preset tiny] [--out results/bench_convergence]
 
 Writes results.json (every run's summary), results.md and curves.png (means with +-1 std bands).
@@ -40,7 +40,7 @@ from zeropp.flags import as_flags
 # The recipe (docs/benchmarks.md, "ZeRO++ convergence"): at lr 1e-3 with 50 warm-up steps ZeRO-3's
 # seeds leave the unigram plateau by step ~100 together; at zeropp train's 3e-3 each run leaves it at
 # a step that depends on chance.
-LR, WARMUP_STEPS, STEPS = 1e-3, 50, 400
+LR, WARMUP_STEPS, STEPS = 1e-3, 50, 300
 
 CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3": ZEROPP_OFF,
