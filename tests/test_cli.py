@@ -55,7 +55,7 @@ def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_p
     assert progress[-1].startswith("step 4/4") and f"val {summary['final_val_loss']:.4f}" in progress[-1]
 
 
-def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residuals_and_switches(tmp_path):
+def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residuals_frees_them_and_switches(tmp_path):
     from zeropp.memory import qgz_residual_bytes
 
     out = tmp_path / "summary.json"
@@ -71,9 +71,13 @@ def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residua
     residuals = summary["qgz_residual_bytes_per_rank"]
     padding = 3 * (4 * 32) * 6  # 3 units, each padded by < world x alignment, 4 + 2 B/element
     assert abs(residuals - qgz_residual_bytes(summary["param_count"], 2, 2)) <= padding
+    # qgZ for steps 1-2, the full-precision reduce-scatter for steps 3-4: the residuals are freed from
+    # step 3, so the last step's model-state bytes (measured and analytic) hold none; kept, they would
+    # add 6Ψ to the 6Ψ measured (fp32 ZeRO-3's 4Ψ + hpZ's 2Ψ)
+    assert summary["qgz_residuals_freed_at_step"] == 3
     measured, analytic = summary["model_state_bytes_per_rank"][0], summary["analytic_model_state_bytes_per_rank"]
     assert abs(measured - analytic) <= 0.05 * analytic + 3 * (4 * 32) * 24
-    # qgZ for steps 1-2, the full-precision reduce-scatter for steps 3-4
+    assert analytic < residuals * 1.5
     backward = summary["ledger"]
     assert backward["all_to_all"]["backward"]["inter"] > 0 and backward["reduce_scatter"]["backward"]["inter"] > 0
     assert summary["val_losses"] == [[2, summary["val_losses"][0][1]], [4, summary["final_val_loss"]]]

@@ -70,6 +70,18 @@ def test_loco_moving_average_keeps_the_scaled_residual_invariant():
     assert feedback.residuals["intra"].abs().max() == 0
 
 
+def test_freed_residuals_take_no_memory_and_the_next_quantization_starts_from_zero():
+    spec, (first, second) = QuantSpec(4, 64), _inputs(2, 2, 256)
+    feedback = ErrorFeedback(0.0)
+    feedback.quantize(KERNELS, "intra", first, spec, 0, 256)
+    assert feedback.numel() == 2 * 256 and feedback.residuals["intra"].abs().max() > 0
+    feedback.free()
+    assert feedback.numel() == 0 and not feedback.residuals
+    again = feedback.quantize(KERNELS, "intra", second, spec, 0, 256)
+    plain = KERNELS.quantize(second, spec)
+    assert torch.equal(KERNELS.dequantize(again, torch.float32), KERNELS.dequantize(plain, torch.float32))
+
+
 @pytest.mark.parametrize("block", [2, 16, 256])
 def test_hadamard_rotation_is_orthogonal_and_inverts_within_fp32_rounding(block):
     x = torch.randn(5, 3 * block + max(1, block // 2), generator=torch.Generator().manual_seed(block)) * 10

@@ -246,9 +246,12 @@ class ZeroEngine:
 
     def set_quantized_gradients(self, on: bool) -> None:
         """Reduce gradients with qgZ (on) or a full-precision reduce-scatter (off; the paper's schedule
-        turns qgZ off for the end of a run). Every rank must switch at the same step."""
+        turns qgZ off for the end of a run, and its error-feedback residuals are freed then). Every rank
+        must switch at the same step."""
         for unit in self.units:
             unit.quantize_gradients = on and unit.options.grad_quant is not None
+            if not on and unit.error_feedback is not None:
+                unit.error_feedback.free()
 
     def qgz_residual_bytes(self) -> int:
         """Bytes of qgZ error-feedback residuals this rank holds (created at a unit's first qgZ reduction)."""

@@ -21,7 +21,8 @@ units being gathered.
 
 qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
 rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
-partial sums, split over its X ranks): :func:`qgz_residual_bytes`.
+partial sums, split over its X ranks): :func:`qgz_residual_bytes`, while qgZ is on; the schedule
+that turns qgZ off (``quantized_gradients_until``) frees them.
 
 Activation checkpoints (ZeRO-R, the SC20 ZeRO paper §6.1): with activation checkpointing each
 transformer block keeps its input, b x s x h elements in the compute dtype, from its forward to its

@@ -75,8 +75,11 @@ class RunSummary:
     mfu: float | None = None
     val_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     model: str = "the embedded GPT"
-    # qgZ error feedback's fp32 residuals on rank 0 (part of model_state_bytes_per_rank; 0 when off)
+    # qgZ error feedback's fp32 residuals: the most rank 0 held (while qgZ was on; 0 when off), and the
+    # step from which the schedule (quantized_gradients_until) turned qgZ off and freed them (None: held
+    # to the end, and part of model_state_bytes_per_rank, measured at the last step)
     qgz_residual_bytes_per_rank: int = 0
+    qgz_residuals_freed_at_step: int | None = None
     # the tensor-parallel group's size and its bytes per rank and step (the ledger's tp.* ops, mean over ranks)
     tensor_parallel_size: int = 1
     tensor_parallel_bytes_per_step: float = 0.0

@@ -120,6 +120,7 @@ class Trainer:
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = self.last_step_peak_memory = 0
+        self.qgz_residual_bytes = 0  # the most qgZ's error-feedback residuals held on this rank
         dp = self.topology.data_parallel  # the tensor-parallel ranks of one data-parallel rank read the same rows
         args = (self.source.block_size, config.train.micro_batch_size, dp.size, dp.rank, config.train.seed)
         self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
@@ -203,6 +204,13 @@ class Trainer:
         return zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
 
     @property
+    def residuals_freed_at_step(self) -> int | None:
+        """The step (1-based) from which qgZ is off and its error-feedback residuals are freed; None
+        when error feedback is off or qgZ stays on to the end."""
+        until = self.quantized_gradient_steps
+        return until + 1 if self.error_feedback and until < self.config.train.steps else None
+
+    @property
     def tokens_per_step(self) -> int:
         t = self.config.train
         return (
@@ -217,6 +225,7 @@ class Trainer:
         loss = self._train_step(step)
         self.last_step_peak_memory = self.memory.peak()
         self.step_peak_memory = max(self.step_peak_memory, self.last_step_peak_memory)
+        self.qgz_residual_bytes = max(self.qgz_residual_bytes, self.engine.qgz_residual_bytes())
         return loss
 
     def _train_step(self, step: int) -> float:
@@ -370,9 +379,13 @@ class Trainer:
                 hpz_group_size=engine.hpz_group_size,
                 offload_optimizer=zero.offload_optimizer != "none",
                 offload_params=zero.offload_params != "none",
-                qgz_residuals=(topo.ranks_per_node, topo.nodes) if self.error_feedback else None,
+                # at the last step, whose model-state bytes were measured: none once the schedule freed them
+                qgz_residuals=(topo.ranks_per_node, topo.nodes)
+                if self.error_feedback and self.residuals_freed_at_step is None
+                else None,
             ),
-            qgz_residual_bytes_per_rank=engine.qgz_residual_bytes(),
+            qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
+            qgz_residuals_freed_at_step=self.residuals_freed_at_step,
             peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
             intra_node_bytes_per_step=sum(r[2] for r in rows) / n,
             inter_node_bytes_per_step=sum(r[3] for r in rows) / n,

@@ -11,6 +11,8 @@ and compensates the next quantization of the same values (same unit, hop, rows a
 
 as DeepSpeed's LoCo kernels update ``err_beta`` (``quant_reduce.cu``: ``err = err_beta * err +
 (1 - err_beta) * (compensated - dequantized)``). beta = 0 is plain error feedback (EF-SGD).
+Each product and the sum round once to fp32. With the Triton kernels the update after quantizing is
+one pass over memory (:mod:`zeropp.comm.feedback_triton`), bit for bit the torch ops' result.
 
 Invariant (e_0 = 0, no reset in between): with t_k the values transmitted (dequantized) at the k-th
 quantization and x_k its inputs, ``sum_k t_k + e_T / (1 - beta) = sum_k x_k``, exact in real
@@ -21,7 +23,8 @@ delayed, not lost, except what a reset (every ``gradient_error_reset_steps`` ste
 Where residuals live (per unit): hop 1 quantizes this rank's own gradient of the whole unit, so its
 residual has the unit's padded size (rows in qgZ's send order); hop 2 quantizes the node's partial
 sums this rank forwards, Y of the W slices, so its residual is sharded over the node's X ranks like
-those partial sums are. Both are rank-specific: a checkpoint keeps them per rank, and a run on
+those partial sums are. They are freed when qgZ is switched off (``quantized_gradients_until``'s
+schedule). Both are rank-specific: a checkpoint keeps them per rank, and a run on
 another world size or node count starts them from zero.
 """
 
@@ -32,6 +35,16 @@ import torch
 from zeropp.quant import Quantized, QuantKernels, QuantSpec
 
 HOPS = ("intra", "inter")
+
+
+def _fused_update(kernels: QuantKernels):
+    """The one-pass residual update (:mod:`zeropp.comm.feedback_triton`) where qgZ runs the Triton
+    kernels; None for the torch reference (the four torch ops below, bit for bit the same)."""
+    if getattr(kernels, "__name__", None) != "zeropp.quant.triton_kernels":
+        return None
+    from zeropp.comm.feedback_triton import update_residual
+
+    return update_residual
 
 
 class ErrorFeedback:
@@ -51,18 +64,27 @@ class ErrorFeedback:
         if residual is None:
             residual = self.residuals[hop] = torch.zeros(rows, width, dtype=torch.float32, device=values.device)
         residual = residual[:, start : start + columns]
-        compensated = values.float() + residual
+        compensated = torch.add(residual, values)  # one pass: bf16/fp16 values widen exactly to fp32
         quantized = kernels.quantize(compensated, spec)
+        fused = _fused_update(kernels)
+        if fused is not None:
+            fused(residual, compensated, quantized, self.beta)
+            return quantized
         dropped = compensated.sub_(kernels.dequantize(quantized, torch.float32))
         if self.beta == 0:
             residual.copy_(dropped)
-        else:
-            residual.mul_(self.beta).add_(dropped, alpha=1 - self.beta)
+        else:  # two roundings, as the Triton kernel does (add's alpha would be a fused multiply-add on CPU)
+            residual.mul_(self.beta).add_(dropped.mul_(1 - self.beta))
         return quantized
 
     def reset(self) -> None:
         for residual in self.residuals.values():
             residual.zero_()
+
+    def free(self) -> None:
+        """Drop the residuals (qgZ is off for the rest of the run: nothing will be compensated). What
+        they still held is lost, one quantization's error; a later qgZ reduction starts from zero."""
+        self.residuals.clear()
 
     def scale(self, factor: float) -> None:
         """Follow a change of the fp16 loss scale (residuals are in scaled gradient units)."""

@@ -1,0 +1,55 @@
+"""qgZ error feedback with the Triton kernels against the torch reference, bit for bit (the residual
+update of zeropp.comm.feedback_triton); on CPU under Triton's interpreter, as tests/test_quant_kernels.py."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from zeropp.comm.feedback import ErrorFeedback, _fused_update
+from zeropp.quant import QuantSpec, reference
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install -e '.[test]')")
+if not CUDA:
+    pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy")
+with mock.patch.dict(os.environ, {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0" if CUDA else "1")}):
+    from zeropp.comm import feedback_triton
+    from zeropp.quant import triton_kernels as tk
+
+DEVICE = "cpu" if tk.INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(not CUDA and DEVICE == "cuda", reason="no GPU and TRITON_INTERPRET=0")
+
+
+def _steps(rows: int, columns: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(columns)
+    out = []
+    for _ in range(3):
+        x = torch.randn(rows, columns, generator=g) * 10.0 ** torch.randint(-3, 2, (rows, 1), generator=g)
+        x[1] = 0  # a zero block row: scale 0, everything dropped
+        out.append(x.to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.8])
+@pytest.mark.parametrize(
+    ("bits", "block", "dtype"),
+    [(4, 64, torch.bfloat16), (4, 48, torch.float32), (4, 49, torch.float32), (8, 64, torch.float32), (8, 48, torch.bfloat16)],
+)
+def test_triton_residual_update_is_the_reference_bit_for_bit(bits, block, dtype, beta):
+    """Three quantizations of the same slice (columns 37..37+203 of rows 400 wide: strided residual
+    rows, a partial last block; block 49 makes int4 bytes straddle blocks): same codes, same scales,
+    same residual."""
+    assert _fused_update(tk) is feedback_triton.update_residual and _fused_update(reference) is None
+    spec, start, width = QuantSpec(bits, block), 37, 400
+    ours, theirs = ErrorFeedback(beta), ErrorFeedback(beta)
+    for values in _steps(5, 203, dtype):
+        got = ours.quantize(tk, "inter", values.to(DEVICE), spec, start, width)
+        want = theirs.quantize(reference, "inter", values, spec, start, width)
+        assert torch.equal(got.data.cpu(), want.data) and torch.equal(got.scales.cpu(), want.scales)
+        assert torch.equal(ours.residuals["inter"].cpu(), theirs.residuals["inter"])
+    residual = theirs.residuals["inter"]
+    assert residual[:, start : start + 203].abs().max() > 0 and residual[:, :start].abs().max() == 0
