@@ -147,3 +147,28 @@ def test_switches_without_what_they_build_on_are_refused_in_one_line(keys, messa
     with pytest.raises(ConfigError) as error:
         ZeroConfig(**keys).validate()  # the engine's first act, before any collective
     assert str(error.value) == message
+
+
+def test_zeropp_train_reports_the_checkpoint_bytes_and_pa_traffic(tmp_path):
+    import json
+
+    from launcher import free_port
+    from test_cli import zeropp
+
+    from zeropp.config import load_config
+    from zeropp.models.gpt import PRESETS
+
+    out = tmp_path / "summary.json"
+    result = zeropp(
+        "train", "--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--stage", "3", "--init", "eager",
+        "--nproc-per-node", "4", "--tensor-parallel", "2", "--master-port", str(free_port()),
+        "--activation-checkpointing", "--partition-activations", "--summary-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
+    whole = micro * gpt.block_size * gpt.d_model * 4  # a block's checkpointed input, fp32
+    assert summary["activation_checkpoint_bytes_per_rank"] == gpt.n_layer * whole // 2
+    assert summary["activation_checkpoint_host_bytes_per_rank"] == 0
+    assert summary["ledger"]["pa.all_gather"] == {"backward": {"intra": gpt.n_layer * whole / 2, "inter": 0.0}}
+    assert summary["tensor_parallel_bytes_per_step"] == 10 * summary["ledger"]["pa.all_gather"]["backward"]["intra"]
