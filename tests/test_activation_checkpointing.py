@@ -112,8 +112,12 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
             # block's last all-reduce feeds none. 5 all-reduces per block, not ZeRO §8's 6.
             assert one[name]["tp"] == plain * 5 // 4, name
         ratio = one["AC+Pa"]["pa"] / one["AC+Pa"]["tp"]
-        paper = (units * whole * (TP - 1) // TP) / (units * megatron_bytes_per_block(b, s, h, TP, fp32, checkpointed=True))
-        print(f"Pa's all-gather / tensor-parallel traffic with checkpointing: {ratio:.4f} (the paper's layout: {paper:.4f})")
+        paper = (units * whole * (TP - 1) // TP) / (
+            units * megatron_bytes_per_block(b, s, h, TP, fp32, checkpointed=True)
+        )
+        print(
+            f"Pa's all-gather / tensor-parallel traffic with checkpointing: {ratio:.4f} (the paper's layout: {paper:.4f})"
+        )
         assert ratio == pytest.approx(1 / 10) and paper == pytest.approx(1 / 12)
         # peaks over a step; allocations per step: one piece per block and micro-batch (and a staging
         # copy with Pa+cpu) without MD, none after the first step with it
@@ -130,6 +134,53 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
                 assert {(r.device_peak_bytes, r.host_peak_bytes) for r in records[(stage, name)]} == {
                     (2 * piece, units * piece)
                 }
+
+
+# without tensor parallelism: (name, ZeroConfig keys of the run, of the run it must equal, tolerance)
+PAIRS = [
+    ("stage0-AC", dict(stage=0, **AC), dict(stage=0), 1e-6),
+    ("zeropp-AC", dict(stage=3, quantized_weights=True, quantized_gradients=True, **AC),
+     dict(stage=3, quantized_weights=True, quantized_gradients=True), 1e-6),
+    ("stage2-Pa+cpu+MD-tp1", dict(stage=2, **PA, cpu_checkpointing=True, contiguous_memory_optimization=True),
+     dict(stage=2), 1e-6),
+    ("stage3-AC-compiled", dict(stage=3, compile=True, **AC), dict(stage=3, **AC), 1e-5),
+]  # fmt: skip
+
+
+def data_parallel_pairs() -> dict:
+    from torch._dynamo.utils import counters
+
+    from zeropp import ZeroEngine
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    world, rank = topology.world_size, topology.rank
+    out = {}
+    for name, keys, reference, _ in PAIRS:
+        weights, pa = [], 0
+        for config in (
+            ZeroConfig(**keys, gradient_accumulation_steps=2),
+            ZeroConfig(**reference, gradient_accumulation_steps=2),
+        ):
+            engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2, eps=ADAM_EPS), config, topology)
+            for step in range(STEPS):
+                for micro in range(2):
+                    x, y = rows(global_batch("gpt", step, micro, world), rank)
+                    engine.backward(loss_of("gpt", engine, x, y))
+                engine.step()
+            weights.append(engine.full_state_dict())
+            pa += engine.comm.ledger.total(op="pa.all_gather")
+        out[name] = (max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]), pa)
+    out["compiled graphs"] = counters["stats"]["unique_graphs"]
+    return out
+
+
+def test_stage0_zeropp_compile_and_pa_without_tensor_parallelism_train_like_their_reference():
+    for result in run_ranks(data_parallel_pairs, world=2, nodes=2):
+        for name, _, _, tolerance in PAIRS:
+            error, pa = result[name]
+            assert error <= tolerance and pa == 0, (name, error, pa)  # tp 1: Pa's piece is the whole input
+        assert result["compiled graphs"] > 0  # the blocks compiled inside the checkpoint
 
 
 @pytest.mark.parametrize(
