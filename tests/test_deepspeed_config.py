@@ -78,6 +78,16 @@ TABLE = {
     "optimizer.params.momentum": ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, {"optim.momentum": 0.9}),
     "optimizer.params.adam_w_mode": (
         {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, {"optim.optimizer": "adam"}),
+    "activation_checkpointing": (
+        {"activation_checkpointing": {"number_checkpoints": 4}}, {"zero.activation_checkpointing": True}),
+    "activation_checkpointing.partition_activations": (
+        {"activation_checkpointing": {"partition_activations": True}}, {"zero.partition_activations": True}),
+    "activation_checkpointing.cpu_checkpointing": (
+        {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}},
+        {"zero.cpu_checkpointing": True}),
+    "activation_checkpointing.contiguous_memory_optimization": (
+        {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True}},
+        {"zero.contiguous_memory_optimization": True}),
     "scheduler.type": ({"scheduler": {"type": "WarmupLR"}}, {"optim.schedule": "warmup"}),
     "scheduler.params.warmup_min_lr": (
         {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3}}},
@@ -248,9 +258,8 @@ def test_train_batch_size_checked_and_derived():
          'DeepSpeed optimizer.type = "Lamb" is not allowed; expected "Adam", "AdamW" or "SGD" (in any case)'),
         ({"scheduler": {"type": "OneCycle"}},
          'DeepSpeed scheduler.type = "OneCycle" is not allowed; expected "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"'),
-        ({"activation_checkpointing": {"partition_activations": True}},
-         "DeepSpeed activation_checkpointing.partition_activations = true is not allowed: zeropp has no DeepSpeed "
-         "activation checkpointing (a model's own torch.utils.checkpoint works)"),
+        ({"activation_checkpointing": {"partition_activations": "yes"}},
+         'DeepSpeed activation_checkpointing.partition_activations = "yes" is not allowed; expected true or false'),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
          "DeepSpeed fp16.enabled and bf16.enabled are both true; expected at most one"),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},

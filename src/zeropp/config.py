@@ -131,6 +131,19 @@ class ZeroConfig:
     compile: bool = setting(
         False, "torch.compile every unit's forward that calls no other unit (the blocks); hooks stay eager"
     )
+    activation_checkpointing: bool = setting(
+        False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
+    )
+    partition_activations: bool = setting(
+        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
+        "checkpointed input; an all-gather rebuilds it before recomputation"
+    )
+    cpu_checkpointing: bool = setting(
+        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
+    )
+    contiguous_memory_optimization: bool = setting(
+        False, "MD (with partition_activations): checkpoint partitions in buffers preallocated after the first step"
+    )
 
     def _validate_qgz_options(self) -> None:
         require(
@@ -212,8 +225,18 @@ class ZeroConfig:
                 self.offload_params,
                 "'none' unless zero.offload_optimizer is 'cpu' too",
             )
+        self._validate_checkpointing()
         check_finite(self, "zero")
         self.loss_scale.validate()
+
+    def _validate_checkpointing(self) -> None:
+        for key, needs in (
+            ("partition_activations", "activation_checkpointing"),
+            ("cpu_checkpointing", "partition_activations"),
+            ("contiguous_memory_optimization", "partition_activations"),
+        ):
+            if getattr(self, key):
+                require(getattr(self, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")
 
 
 @dataclass

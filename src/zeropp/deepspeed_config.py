@@ -395,15 +395,16 @@ class _Reader:
             self.set("optim.min_lr_ratio", ratio)
 
     def activation_checkpointing(self) -> None:
+        """DeepSpeed's block configures deepspeed.checkpointing, which a model calls per layer; zeropp
+        checkpoints every block itself, so the block turns that on and its switches map one to one."""
         block = self.block("activation_checkpointing")
         features = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
         self.check_keys("activation_checkpointing", block, set(features))
+        self.set("zero.activation_checkpointing", True)
         for key in features:
-            self.refuse_unless(
-                f"activation_checkpointing.{key}", block.get(key, False), False,
-                "zeropp has no DeepSpeed activation checkpointing (a model's own torch.utils.checkpoint works)",
-            )  # fmt: skip
-        self.out.noted.append("activation_checkpointing")
+            value = block.get(key, False)
+            if value != AUTO:
+                self.set(f"zero.{key}", self.boolean(f"activation_checkpointing.{key}", value))
 
     def sequence_parallel(self) -> None:
         size = self.data["sequence_parallel_size"]

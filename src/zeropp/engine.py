@@ -33,11 +33,12 @@ from zeropp.materialize import InitFn
 from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for
 from zeropp.runtime import Runtime
+from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions, CheckpointStep
 from zeropp.stages import StagePolicy
 from zeropp.tensor_parallel import is_split
 from zeropp.topology import Topology
 from zeropp.unit_options import UnitOptions
-from zeropp.units import FlatUnit
+from zeropp.units import FlatUnit, innermost_units
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -87,6 +88,8 @@ class ZeroEngine:
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
         if self.config.compile:
             compile_units(self.units)
+        self.checkpointing = self._activation_checkpointing()
+        self.last_checkpoint_step: CheckpointStep | None = None  # what the last optimizer step stored
 
         self.micro_step = 0
         self.global_step = 0
@@ -107,6 +110,19 @@ class ZeroEngine:
             )
         if split and tp == 1:
             raise ConfigError("the model has DTensor-split parameters but topology.tensor_parallel_size = 1")
+
+    def _activation_checkpointing(self) -> ActivationCheckpointing | None:
+        config = self.config
+        if not config.activation_checkpointing:
+            return None
+        options = CheckpointOptions(
+            partition=config.partition_activations,
+            offload=config.cpu_checkpointing,
+            contiguous=config.contiguous_memory_optimization,
+            bucket_numel=config.allgather_bucket_numel,
+        )
+        topology = self.topology
+        return ActivationCheckpointing(self.units, self.comm, topology.tensor_parallel, topology.device, options)
 
     def _host_flat(
         self, params: list[tuple[str, nn.Parameter]], options: UnitOptions
@@ -235,6 +251,8 @@ class ZeroEngine:
             for unit in self.units:
                 unit.master.grad = None
                 unit.clear_gradients()
+        if self.checkpointing is not None:
+            self.last_checkpoint_step = self.checkpointing.new_step()
         self.global_step += 1
         self.comm.ledger.steps += 1
         reset = self.config.gradient_error_reset_steps
@@ -367,7 +385,5 @@ def compile_units(units: Sequence[FlatUnit]) -> None:
     FSDP2 recommends). Only ``forward`` is replaced, so ``nn.Module.__call__`` still runs the hooks
     that gather and reshard eagerly around it, and the compiled code sees gathered parameters only.
     A unit that contains others (the root) stays eager: its forward calls the hooked units."""
-    modules = {id(unit.module) for unit in units}
-    for unit in units:
-        if not any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
-            unit.module.forward = torch.compile(unit.module.forward)
+    for unit in innermost_units(list(units)):
+        unit.module.forward = torch.compile(unit.module.forward)

@@ -92,6 +92,12 @@ def print_summary(summary: RunSummary) -> None:
             "tensor parallel",
             f"{summary.tensor_parallel_size} ranks per group, {si(summary.tensor_parallel_bytes_per_step)}/step per rank",
         )
+    if summary.config.get("zero", {}).get("activation_checkpointing"):
+        head.add_row(
+            "activation checkpoints per rank",
+            f"device {si(summary.activation_checkpoint_bytes_per_rank)}, "
+            f"host {si(summary.activation_checkpoint_host_bytes_per_rank)} (peak of the last step)",
+        )
     head.add_row("parameters", f"{summary.param_count:,}")
     head.add_row("final train / val loss", f"{summary.final_train_loss:.4f} / {summary.final_val_loss:.4f}")
     head.add_row("tokens/s all ranks / per rank", f"{summary.tokens_per_s:,.0f} / {summary.tokens_per_s_per_rank:,.0f}")

@@ -83,6 +83,10 @@ class RunSummary:
     # the tensor-parallel group's size and its bytes per rank and step (the ledger's tp.* ops, mean over ranks)
     tensor_parallel_size: int = 1
     tensor_parallel_bytes_per_step: float = 0.0
+    # activation checkpoints (zeropp.runtime.checkpointing) rank 0 stored in its last step, peak: on the
+    # compute device (with Pa+cpu only the pieces fetched back in backward, at most two) and on the host
+    activation_checkpoint_bytes_per_rank: int = 0
+    activation_checkpoint_host_bytes_per_rank: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

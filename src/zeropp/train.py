@@ -35,12 +35,14 @@ from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_byt
 from zeropp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import load_pretrained
+from zeropp.runtime.checkpointing import PA_GATHER
 from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
 from zeropp.tensor_parallel import parallelize
 from zeropp.topology import init_topology
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
-LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES))  # tp.*: on the tensor-parallel group
+# tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER)
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -354,6 +356,7 @@ class Trainer:
         n = len(rows)
         zero = self.config.zero
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
+        stored = engine.last_checkpoint_step
         zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
         return RunSummary(
             final_train_loss=train_loss,
@@ -397,6 +400,8 @@ class Trainer:
             tensor_parallel_bytes_per_step=sum(
                 sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
             ),
+            activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
+            activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,
             zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
             ledger=mean_ledger,
             config=self.config.to_dict(),

@@ -45,6 +45,12 @@ def _point_at(param: nn.Parameter, tensor: torch.Tensor) -> None:
         param.data = tensor
 
 
+def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:
+    """The units whose module contains no other unit's (the blocks; not a root that calls them)."""
+    modules = {id(unit.module) for unit in units}
+    return [u for u in units if not any(id(m) in modules for m in u.module.modules() if m is not u.module)]
+
+
 class ShardState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
     GATHERING = "gathering"  # an all-gather into compute_flat is in flight

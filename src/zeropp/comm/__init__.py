@@ -117,10 +117,12 @@ class Communicator:
         tp = self.topology.tensor_parallel
         return f"tp.{op}" if tp.size > 1 and group.ranks == tp.ranks else op
 
-    def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1) -> None:
+    def _record_ring(
+        self, op: str, group: Group, buffer_bytes: int, passes: int = 1, label: str | None = None
+    ) -> None:
         sent = ring_bytes(buffer_bytes, group.size, passes)
         intra = self._successor_is_intra(group)
-        self.ledger.record(self._label(op, group), sent if intra else 0, 0 if intra else sent)
+        self.ledger.record(label or self._label(op, group), sent if intra else 0, 0 if intra else sent)
 
     def _record_pairwise(self, op: str, group: Group, buffer_bytes: int) -> None:
         """An all-to-all: B/n straight to each other rank of the group, intra- or inter-node by peer."""
@@ -154,15 +156,23 @@ class Communicator:
     # -- collectives -----------------------------------------------------------------------------
 
     def all_gather(
-        self, out: torch.Tensor, shard: torch.Tensor, group: Group, *, bucket_numel: int, async_op: bool = False
+        self,
+        out: torch.Tensor,
+        shard: torch.Tensor,
+        group: Group,
+        *,
+        bucket_numel: int,
+        async_op: bool = False,
+        label: str | None = None,
     ) -> Pending:
-        """Gather equal `shard`s of every group rank into `out` (rank-major, size group.size * shard)."""
+        """Gather equal `shard`s of every group rank into `out` (rank-major, size group.size * shard);
+        `label`: the ledger's name for it (default ``all_gather``, ``tp.all_gather`` on the tensor-parallel group)."""
         n, s = group.size, shard.numel()
         assert out.numel() == n * s, (out.numel(), n, s)
         if n == 1:
             out.view(-1).copy_(shard.view(-1))
             return Pending([])
-        self._record_ring("all_gather", group, out.numel() * out.element_size())
+        self._record_ring("all_gather", group, out.numel() * out.element_size(), label=label)
         if s <= bucket_numel:
             return self._done(
                 Pending([_all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=True)]), async_op
