@@ -89,7 +89,7 @@ def test_gpt_plan_needs_whole_heads_per_rank():
 
 @pytest.mark.parametrize(
     "section,key,value",
-    [("checkpoint", "resume", "auto"), ("train", "init_from", "x.safetensors"), ("zero", "precision", "bf16")],
+    [("train", "init_from", "x.safetensors"), ("zero", "precision", "bf16")],
 )
 def test_what_tensor_parallelism_does_not_support_yet_is_refused_in_one_line(section, key, value):
     extra = {"checkpoint_dir": "ckpt"} if section == "checkpoint" else {}

@@ -133,20 +133,27 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     from test_cli import zeropp
 
     common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2", "--init", "eager")
+    tensor_parallel = ("--nproc-per-node", "4", "--tensor-parallel", "2", "--checkpoint-dir", str(tmp_path / "ckpt"))
     summaries = {}
-    for name, extra in (("tp", ("--nproc-per-node", "4", "--tensor-parallel", "2")), ("dp", ("--nproc-per-node", "2"))):
+    for name, extra in (
+        ("tp", (*tensor_parallel, "--save-interval", "2")),
+        ("dp", ("--nproc-per-node", "2")),
+        ("resumed", (*tensor_parallel, "--resume", str(tmp_path / "ckpt" / "step-00000002"))),
+    ):
         out = tmp_path / f"{name}.json"
         result = zeropp(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         summaries[name] = json.loads(out.read_text())
-    tp, dp = summaries["tp"], summaries["dp"]
+    tp, dp, resumed = summaries["tp"], summaries["dp"], summaries["resumed"]
     assert (tp["world_size"], tp["tensor_parallel_size"], dp["tensor_parallel_size"]) == (4, 2, 1)
     # 2 data-parallel ranks both times, same micro-batch and initial weights: the same losses, step by step
     assert tp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
     assert tp["tokens_per_s"] > 0 and dp["tensor_parallel_bytes_per_step"] == 0
     # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
+    from safetensors.torch import load_file
+
     from zeropp.config import load_config
-    from zeropp.models.gpt import PRESETS
+    from zeropp.models.gpt import GPT, PRESETS
     from zeropp.tensor_parallel import megatron_bytes_per_block
 
     gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
@@ -253,3 +260,10 @@ def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nod
     ratio = inter["zeropp"] / inter["zero3"]
     print(f"cross-node bytes, ZeRO++ / ZeRO-3 with tp 2 on 2 nodes x 4 (fp32): {ratio:.4f}")
     assert 0 < ratio <= 0.25
+
+
+    # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run
+    assert (resumed["start_step"], resumed["train_losses"]) == (2, tp["train_losses"][2:])
+    exported = tmp_path / "model.safetensors"
+    assert zeropp("export", str(tmp_path / "ckpt" / "step-00000003"), str(exported)).returncode == 0
+    GPT(PRESETS["tiny"]).load_state_dict(load_file(str(exported)))  # whole tensors under every name

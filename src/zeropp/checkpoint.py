@@ -53,7 +53,8 @@ from zeropp.state import StateError
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
 
-FORMAT = "zeropp-checkpoint/1"
+FORMAT = "zeropp-checkpoint/2"
+FLAT_FORMAT = "zeropp-checkpoint/1"  # parameters stored flattened: export reads it, a run cannot load it
 META = "zeropp.json"
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -85,7 +86,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         meta = json.loads((path / META).read_text())
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in (FORMAT, FLAT_FORMAT):
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         FileSystemReader(str(path)).read_metadata()
     except Exception as error:  # unreadable json, truncated or foreign DCP metadata, ...
@@ -209,11 +210,13 @@ def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str
     stored = any(k.startswith("qgz_residual.") for k in saved)
     if not feedback or not stored:
         return {}
-    if (meta["world_size"], meta["nodes"]) != (topo.world_size, topo.nodes):
+    saved_mesh = (meta["world_size"], meta["nodes"], meta.get("tensor_parallel_size", 1))
+    if saved_mesh != (topo.world_size, topo.nodes, topo.tensor_parallel.size):
         if rank == 0:
             print(
                 f"zeropp: qgZ error-feedback residuals start from zero: checkpoint {str(path)!r} was saved on "
-                f"{meta['world_size']} ranks x {meta['nodes']} nodes, this run has {topo.world_size} x {topo.nodes}"
+                "{} ranks x {} nodes (tensor parallel {}), this run has ".format(*saved_mesh)
+                + f"{topo.world_size} x {topo.nodes} (tensor parallel {topo.tensor_parallel.size})"
             )
         return {}
     wanted = {}
@@ -232,6 +235,7 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
     return {
         "world_size": engine.topology.world_size,
         "nodes": engine.topology.nodes,
+        "tensor_parallel_size": engine.topology.tensor_parallel.size,
         "stage": engine.config.stage,
         "params": state.parameter_shapes(engine.units),
         "fixed": {name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()},
@@ -253,6 +257,11 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
     Collective. The checkpoint is checked against the engine before anything is read.
     """
     meta = read_meta(path)
+    if meta["format"] == FLAT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written by an older zeropp ({FLAT_FORMAT}, parameters stored flattened) "
+            "and cannot be resumed; export it (zeropp export CKPT model.safetensors) and start from that with --init-from"
+        )
     verify_files(path, meta)
     _check_compatible(engine, meta, path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -339,15 +348,16 @@ def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     meta = read_meta(path)
     verify_files(path, meta)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    flat = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
+    masters = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
     fixed = {key: _empty_like_saved(keys[key]) for key in map(state.fixed_key, meta["fixed"])}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({**flat, **fixed}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+            dcp.load({**masters, **fixed}, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
-    tensors = {name: flat[state.model_key(name)].view(shape) for name, shape in meta["params"].items()}
+    # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
+    tensors = {name: masters[state.model_key(name)].view(shape) for name, shape in meta["params"].items()}
     for alias, name in meta["aliases"].items():
         tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
     for name in meta["fixed"]:

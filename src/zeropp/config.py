@@ -402,10 +402,8 @@ class Config:
     def validate(self) -> Config:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        if self.topology.tensor_parallel_size > 1:  # the state layout is per data-parallel shard only
+        if self.topology.tensor_parallel_size > 1:
             for key, value in (
-                ("checkpoint.save_interval", self.checkpoint.save_interval or None),
-                ("checkpoint.resume", self.checkpoint.resume),
                 ("train.init_from", self.train.init_from),
                 ("zero.precision", None if self.zero.precision == "fp32" else self.zero.precision),
             ):

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map_only
 
 from zeropp import materialize, state
@@ -332,16 +331,9 @@ class ZeroEngine:
     # -- state (per-parameter, sharding-independent: zeropp.state) --------------------------------
 
     @functools.cached_property
-    def state_mesh(self) -> DeviceMesh:
-        """The data-parallel ranks as a DTensor device mesh (built once, on first use)."""
-        self._refuse_tensor_parallel()
-        return DeviceMesh.from_group(self.groups.shard.pg, self.topology.device.type)
-
-    def _refuse_tensor_parallel(self) -> None:
-        if self.topology.tensor_parallel.size > 1:
-            raise ConfigError(
-                "sharded state dicts (DCP checkpoints) are not supported with topology.tensor_parallel_size > 1 yet"
-            )
+    def state_mesh(self) -> state.StateMesh:
+        """The ranks as the (tensor-parallel x data-parallel) mesh of the state layout (built once, on first use)."""
+        return state.StateMesh(self.topology)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
@@ -354,7 +346,6 @@ class ZeroEngine:
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
-        self._refuse_tensor_parallel()
         state.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -62,6 +62,15 @@ class FlatLayout:
         """Per-parameter views of a whole flat buffer, in the parameters' shapes (padding left out)."""
         return [flat[a : a + n].view(shape) for a, n, shape in zip(self.offsets, self.numels, self.shapes, strict=True)]
 
+    def row_chunk(self, index: int, parts: int, part: int) -> tuple[int, int]:
+        """[start, stop) inside parameter `index`, flattened, of piece `part` of its rows (its first
+        dimension; a 0-d parameter is one row) cut like ``torch.chunk`` into `parts`: whole rows, so
+        the piece is a block of the parameter's shape (a DTensor's ``Shard(0)``)."""
+        shape = self.shapes[index]
+        row = math.prod(shape[1:])
+        start, stop = chunk_range(shape[0] if shape else 1, parts, part)
+        return start * row, stop * row
+
     def join(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new whole flat buffer holding `tensors` (one per parameter, any shape of its numel) and
         zeros in the padding: the inverse of :meth:`split`."""

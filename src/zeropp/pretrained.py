@@ -9,7 +9,8 @@ problem gets one line, like ``load_state_dict(strict=True)``.
 Reading: a unit's fp32 master shard covers a contiguous range of its flat buffer, which crosses
 parameters; for each parameter it touches, the rows holding that range are read with safetensors'
 lazy slicing (``get_slice``) and cut to the elements needed, so a rank reads about its 1/N of the
-model (whole rows at the edges). Frozen parameters and buffers, which every rank keeps whole, are
+model (whole rows at the edges). With tensor parallelism the flat buffer holds each parameter's
+tensor-parallel piece, a block of the whole tensor: the rows read are rows of that block. Frozen parameters and buffers, which every rank keeps whole, are
 read whole. Optimizer state is left as it is.
 """
 
@@ -25,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from zeropp import state
+from zeropp.tensor_parallel import local_block
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
@@ -74,7 +76,8 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
                 lo, hi = max(first, start), min(last, stop)
                 if lo < hi:
                     key, handle = sources[name]
-                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first)
+                    block = local_block(unit.params[index])
+                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *block)
             unit.load_master_shard(shard)
         for name, tensor in state.fixed_tensors(engine.units, engine.module).items():
             key, handle = sources[name]
@@ -113,13 +116,15 @@ def _match(engine: ZeroEngine, stored: dict[str, Any]) -> dict[str, tuple[str, A
     return sources
 
 
-def _read_elements(handle: Any, key: str, start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) of the flattened tensor `key`, reading only the rows that hold them."""
-    view = handle.get_slice(key)
-    shape = view.get_shape()
+def _read_elements(
+    handle: Any, key: str, start: int, stop: int, shape: tuple[int, ...], offset: tuple[int, ...]
+) -> torch.Tensor:
+    """Elements [start, stop) of the flattened block of tensor `key` of `shape` at `offset` (a
+    tensor-parallel piece; else the whole tensor), reading only the rows of the block that hold them."""
     if not shape:
         return handle.get_tensor(key).reshape(1).float()
     row = math.prod(shape[1:])
     first, last = start // row, math.ceil(stop / row)
-    rows = view[first:last].reshape(-1)
-    return rows[start - first * row : stop - first * row].float()
+    rows = slice(offset[0] + first, offset[0] + last)
+    rows = handle.get_slice(key)[(rows, *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))]
+    return rows.reshape(-1)[start - first * row : stop - first * row].float()

@@ -3,30 +3,39 @@
 One layout serves checkpoints (save, load on any world size, node count or stage), the
 consolidated ``full_state_dict`` and export. Keys:
 
-- ``model.<name>``: the fp32 master of parameter <name>, flattened, as a DTensor cut over the
-  data-parallel ranks in ``torch.chunk`` pieces (``Shard(0)``): each rank holds its piece;
+- ``model.<name>``: the fp32 master of parameter <name>, a DTensor of the parameter's whole shape
+  (a 0-d parameter as one element) on :class:`StateMesh`: each rank holds its piece;
 - ``optim.<name>.<key>``: the optimizer's per-element state of that parameter the same way, and
   its scalar states (Adam's ``step``) whole on every rank;
 - ``fixed.<name>``: what the engine keeps whole on every rank (frozen parameters, buffers).
 
+A rank's piece of a parameter: its tensor-parallel piece (the DTensor parameter's own placement;
+a parameter the plan left whole is replicated over the tensor-parallel ranks), whose rows are cut
+like ``torch.chunk`` over the data-parallel ranks. Every piece is a block of the whole tensor
+with its offsets, so DCP reshards between meshes by itself: a checkpoint of dp 2 x tp 2 loads at
+dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never depend on the mesh.
+
 A unit's fp32 master is a contiguous shard of a padded flat buffer that spans several
-parameters; the pieces here are cut per parameter. Going from one to the other is one all-gather
-per unit and per state (see :meth:`~zeropp.units.FlatUnit.param_chunks` and
-:meth:`~zeropp.units.FlatUnit.flat_from_param_chunks`).
+parameters' tensor-parallel pieces; the pieces here are cut per parameter. Going from one to the
+other is one all-gather per unit and per state (see :meth:`~zeropp.units.FlatUnit.param_chunks`
+and :meth:`~zeropp.units.FlatUnit.flat_from_param_chunks`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from zeropp.partition import chunk_range
 from zeropp.units import FlatUnit
+
+if TYPE_CHECKING:
+    from zeropp.topology import Topology
 
 
 def model_key(name: str) -> str:
@@ -50,24 +59,47 @@ class StateError(RuntimeError):
     """The optimizer keeps state this layout cannot express. One line."""
 
 
-def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+class StateMesh:
+    """Every rank as the mesh a parameter's state is cut over: the tensor-parallel dimension first,
+    then the data-parallel one (so a rank's rows are rows of its tensor-parallel piece). A dimension
+    of one rank is left out (it has no process group); one rank alone is a mesh of one."""
+
+    def __init__(self, topology: Topology) -> None:
+        tp, dp = topology.tensor_parallel, topology.data_parallel
+        self.dims = tuple(name for name, group in (("tp", tp), ("dp", dp)) if group.size > 1) or ("dp",)
+        device = topology.device.type
+        if len(self.dims) == 2:
+            grid = torch.arange(topology.world_size).view(dp.size, tp.size).T  # [tp index, dp index] -> rank
+            self.mesh = DeviceMesh.from_group([tp.pg, dp.pg], device, grid, mesh_dim_names=self.dims)
+        else:
+            self.mesh = DeviceMesh.from_group((tp if self.dims == ("tp",) else dp).pg, device)
+
+    def piece(self, local: torch.Tensor, param: nn.Parameter, local_shape: tuple[int, ...]) -> DTensor:
+        """This rank's flat row chunk `local` of `param` (whose tensor-parallel piece has `local_shape`) as
+        a DTensor of the parameter's whole shape."""
+        tp = param.placements[0] if isinstance(param, DTensor) else Replicate()
+        placements = [tp if dim == "tp" else Shard(0) for dim in self.dims]
+        shape = tuple(param.shape) or (1,)
+        rest = local_shape[1:]
+        row = math.prod(rest)
+        block = (local.numel() // row if row else 0, *rest) if local_shape else (local.numel(),)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: DeviceMesh
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: StateMesh
 ) -> dict[str, Any]:
     """The state in the layout above (collective: gathers one unit's flat buffers at a time)."""
     state: dict[str, Any] = {}
     for unit in units:
-        numels = unit.layout.numels
-        for name, numel, piece in zip(unit.names, numels, unit.param_chunks(unit.master.data), strict=True):
-            state[model_key(name)] = _dtensor(piece, numel, mesh)
+        params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
+        for (name, param, shape), piece in zip(params, unit.param_chunks(unit.master.data), strict=True):
+            state[model_key(name)] = mesh.piece(piece, param, shape)
         for key, value in optimizer.state.get(unit.master, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == unit.master.shape:
-                pieces = unit.param_chunks(value)
-                for name, numel, piece in zip(unit.names, numels, pieces, strict=True):
-                    state[optim_key(name, key)] = _dtensor(piece, numel, mesh)
+                for (name, param, shape), piece in zip(params, unit.param_chunks(value), strict=True):
+                    state[optim_key(name, key)] = mesh.piece(piece, param, shape)
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
                 state.update({optim_key(name, key): value.clone() for name in unit.names})
             else:
@@ -82,7 +114,7 @@ def sharded_state_dict(
 def sharded_state_template(
     units: list[FlatUnit],
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: StateMesh,
     optimizer_keys: Mapping[str, tuple[bool, torch.dtype]],
 ) -> dict[str, Any]:
     """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own).
@@ -91,14 +123,14 @@ def sharded_state_template(
     no state yet."""
     state: dict[str, Any] = {}
     for unit in units:
-        device, group = unit.options.device, unit.groups.shard
-        for name, numel in zip(unit.names, unit.layout.numels, strict=True):
-            start, stop = chunk_range(numel, group.size, group.rank)
-            local = stop - start
-            state[model_key(name)] = _dtensor(torch.empty(local, device=device), numel, mesh)
+        device, group, layout = unit.options.device, unit.groups.shard, unit.layout
+        for index, (name, param) in enumerate(zip(unit.names, unit.params, strict=True)):
+            start, stop = layout.row_chunk(index, group.size, group.rank)
+            shape = layout.shapes[index]
+            state[model_key(name)] = mesh.piece(torch.empty(stop - start, device=device), param, shape)
             for key, (per_element, dtype) in optimizer_keys.items():
-                empty = torch.empty(local if per_element else (), dtype=dtype, device=device)
-                state[optim_key(name, key)] = _dtensor(empty, numel, mesh) if per_element else empty
+                empty = torch.empty(stop - start if per_element else (), dtype=dtype, device=device)
+                state[optim_key(name, key)] = mesh.piece(empty, param, shape) if per_element else empty
     state.update({fixed_key(name): t for name, t in fixed_tensors(units, module).items()})
     return state
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from zeropp.comm import Communicator, Ledger
@@ -163,6 +164,15 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
             shape[dims[leaf]] = math.ceil(shape[dims[leaf]] / tp)
         out[name] = math.prod(shape)
     return out
+
+
+def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's piece of a parameter and its offset in the whole tensor, per dimension
+    (a parameter that is not split: the whole, at the origin)."""
+    if not isinstance(param, DTensor):
+        return tuple(param.shape), (0,) * param.dim()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offset)
 
 
 def megatron_bytes_per_block(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from zeropp.config import ConfigError, TopologyConfig
 
@@ -222,11 +223,14 @@ class Topology:
         return self._built[name]
 
     def group_named(self, name: str) -> Group:
-        """The group of this rank whose process group torch names `name` (functional collectives do)."""
+        """The group of this rank spanning the ranks of the process group torch names `name` (functional
+        collectives name theirs). Matched by ranks: DTensor caches sharding decisions by mesh ranks, so
+        a model parallelized on an earlier topology's groups over the same ranks may issue on those."""
+        ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
         for group in (self.world, *self._built.values()):
-            if group.pg is not None and group.pg.group_name == name:
+            if group.ranks == ranks:
                 return group
-        raise KeyError(f"zeropp: no process group named {name!r} on rank {self.rank}")
+        raise KeyError(f"zeropp: no process group over ranks {ranks} (named {name!r}) on rank {self.rank}")
 
     def shard_groups(self, hpz_partition_size: int = 1) -> ShardGroups:
         """The groups units shard over, with hpZ's secondary groups for ``zero.hpz_partition_size``

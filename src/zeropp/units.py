@@ -19,7 +19,6 @@ Which modules form units is :mod:`zeropp.grouping`'s concern; when hooks fire is
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
-from zeropp.partition import FlatLayout, chunk_range, secondary_range
+from zeropp.partition import FlatLayout, secondary_range
 from zeropp.stages import StagePolicy
 from zeropp.tensor_parallel import is_split, local_tensor
 from zeropp.topology import ShardGroups
@@ -421,24 +420,25 @@ class FlatUnit:
         return flat[start:stop]
 
     def param_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's piece of every parameter of the flat buffer whose shard is `shard`, each
-        parameter flattened and cut like ``torch.chunk`` over the shard group (a DTensor's
-        ``Shard(0)``): the sharding-independent layout of checkpoints. Collective."""
+        """This rank's piece of every parameter of the flat buffer whose shard is `shard`: its rows
+        cut like ``torch.chunk`` over the shard group (:meth:`FlatLayout.row_chunk`), flattened; the
+        sharding-independent layout of checkpoints. Collective."""
         flat, group = self.gather_flat(shard), self.groups.shard
         pieces = []
-        for view in self.layout.split(flat):
-            start, stop = chunk_range(view.numel(), group.size, group.rank)
+        for index, view in enumerate(self.layout.split(flat)):
+            start, stop = self.layout.row_chunk(index, group.size, group.rank)
             pieces.append(view.reshape(-1)[start:stop].clone())
         return pieces
 
     def flat_from_param_chunks(self, chunks: list[torch.Tensor]) -> torch.Tensor:
         """The whole padded flat buffer from every rank's :meth:`param_chunks` (one all-gather).
 
-        Each rank sends its chunks padded to the largest chunk size of each parameter, ceil(n / W),
-        so the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a
-        parameter's chunks read in rank order, cut to its n elements, are the parameter."""
-        group, numels = self.groups.shard, self.layout.numels
-        widths = [math.ceil(n / group.size) for n in numels]
+        Each rank sends its chunks padded to the largest chunk size of each parameter (rank 0's), so
+        the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a parameter's
+        chunks read in rank order, cut to its n elements, are the parameter (every chunk but the
+        last ones is the largest size)."""
+        group, layout = self.groups.shard, self.layout
+        widths = [stop - start for start, stop in (layout.row_chunk(i, group.size, 0) for i in range(len(chunks)))]
         offsets = [sum(widths[:i]) for i in range(len(widths))]
         send = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=self.options.device)
         for chunk, offset in zip(chunks, offsets, strict=True):
@@ -446,8 +446,9 @@ class FlatUnit:
         rows = torch.empty(group.size * send.numel(), dtype=send.dtype, device=send.device)
         self.comm.all_gather(rows, send, group, bucket_numel=self.allgather_bucket)
         rows = rows.view(group.size, -1)
+        numels = layout.numels
         params = [rows[:, o : o + w].reshape(-1)[:n] for o, w, n in zip(offsets, widths, numels, strict=True)]
-        return self.layout.join(params, send.dtype, send.device)
+        return layout.join(params, send.dtype, send.device)
 
     def load_master(self, flat: torch.Tensor) -> None:
         """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
