@@ -162,6 +162,11 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
     # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
     assert tp["param_count"] < dp["param_count"]
+    # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run
+    assert (resumed["start_step"], resumed["train_losses"]) == (2, tp["train_losses"][2:])
+    exported = tmp_path / "model.safetensors"
+    assert zeropp("export", str(tmp_path / "ckpt" / "step-00000003"), str(exported)).returncode == 0
+    GPT(PRESETS["tiny"]).load_state_dict(load_file(str(exported)))  # whole tensors under every name
 
 
 # -- the estimator's model against the engine: memory and every byte, with tensor parallelism ----------
@@ -260,10 +265,3 @@ def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nod
     ratio = inter["zeropp"] / inter["zero3"]
     print(f"cross-node bytes, ZeRO++ / ZeRO-3 with tp 2 on 2 nodes x 4 (fp32): {ratio:.4f}")
     assert 0 < ratio <= 0.25
-
-
-    # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run
-    assert (resumed["start_step"], resumed["train_losses"]) == (2, tp["train_losses"][2:])
-    exported = tmp_path / "model.safetensors"
-    assert zeropp("export", str(tmp_path / "ckpt" / "step-00000003"), str(exported)).returncode == 0
-    GPT(PRESETS["tiny"]).load_state_dict(load_file(str(exported)))  # whole tensors under every name
