@@ -68,6 +68,45 @@ def _one_step(topology, extra: dict) -> dict:
     )
 
 
+class OddInputs(torch.nn.Module):
+    """A block of three inputs none of which splits evenly in two: float64 (3, 5, 7), bool, int32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(7, 7, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * scale).masked_fill(mask, 0.0)
+
+
+def _odd_inputs(topology) -> dict:
+    """Pa on inputs of any shape and dtype: gradients as without checkpointing, bytes as padded."""
+    from types import SimpleNamespace
+
+    from zeropp.comm import Communicator
+    from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, dtype=torch.float64, generator=g)
+    mask, scale = torch.rand(3, 5, 1, generator=g) > 0.5, torch.randint(1, 4, (7,), dtype=torch.int32, generator=g)
+    grads, comm = [], Communicator(topology)
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        block, leaf = OddInputs(), x.clone().requires_grad_()
+        if checkpointed:
+            options = CheckpointOptions(partition=True, offload=True, contiguous=False, bucket_numel=16)
+            store = ActivationCheckpointing(
+                [SimpleNamespace(module=block)], comm, topology.tensor_parallel, topology.device, options
+            )
+        with comm.in_phase("backward"):
+            out = block(leaf * 2, mask, scale)  # the input has a history, as a block's has
+            held = store.memory.host if checkpointed else 0
+            out.square().sum().backward()
+        grads.append([leaf.grad, block.lin.weight.grad])
+    error = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+    return dict(error=error, held=held, pa=comm.ledger.total(op="pa.all_gather", phase="backward"))
+
+
 def zero_r_scenarios() -> dict:
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
@@ -80,7 +119,7 @@ def zero_r_scenarios() -> dict:
             ours, records[(stage, name)] = _train(topology, stage, extra)
             errors[(stage, name)] = max((ours[k] - plain[k]).abs().max().item() for k in plain)
     one_step = {name: _one_step(topology, extra) for name, extra in VARIANTS.items()}
-    return dict(errors=errors, records=records, one_step=one_step)
+    return dict(errors=errors, records=records, one_step=one_step, odd=_odd_inputs(topology))
 
 
 def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say():
@@ -92,6 +131,10 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
     for result in run_ranks(zero_r_scenarios, world=4, nodes=2):
         for (stage, name), error in result["errors"].items():
             assert error <= 1e-6, (stage, name, error)
+        # any shape, any dtype: each rank keeps ceil(n / 2) elements of each input and sends them
+        odd = result["odd"]
+        padded = 53 * 8 + 8 * 1 + 4 * 4  # float64 (105 elements), bool (15), int32 (7)
+        assert odd["error"] == 0 and odd["held"] == padded and odd["pa"] == padded, odd
         one = result["one_step"]
         # held between forward and backward, exactly: units x b x s x h x 4, divided by tp with Pa;
         # with Pa+cpu nothing on the device, the pieces on the host
