@@ -34,7 +34,8 @@ def _engine(topology, stage: int, accumulation: int, extra: dict):
 
 
 def _train(topology, stage: int, extra: dict) -> tuple[dict[str, torch.Tensor], list]:
-    """STEPS optimizer steps of ACCUMULATION micro-batches; the weights and every step's checkpoint record."""
+    """STEPS optimizer steps of ACCUMULATION micro-batches; the weights and every step's checkpoint
+    record and gradient-buffer allocations."""
     engine, dp = _engine(topology, stage, ACCUMULATION, extra), topology.data_parallel
     records = []
     for step in range(STEPS):
@@ -42,7 +43,7 @@ def _train(topology, stage: int, extra: dict) -> tuple[dict[str, torch.Tensor], 
             x, y = rows(global_batch("gpt", step, micro, dp.size), dp.rank)  # tp ranks read the same rows
             engine.backward(loss_of("gpt", engine, x, y))
         assert engine.step()
-        records.append(engine.last_checkpoint_step)
+        records.append((engine.last_checkpoint_step, engine.last_gradient_allocations))
     return engine.full_state_dict(), records
 
 
@@ -67,6 +68,45 @@ def _one_step(topology, extra: dict) -> dict:
     )
 
 
+class OddInputs(torch.nn.Module):
+    """A block of three inputs none of which splits evenly in two: float64 (3, 5, 7), bool, int32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(7, 7, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) * scale).masked_fill(mask, 0.0)
+
+
+def _odd_inputs(topology) -> dict:
+    """Pa on inputs of any shape and dtype: gradients as without checkpointing, bytes as padded."""
+    from types import SimpleNamespace
+
+    from zeropp.comm import Communicator
+    from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, dtype=torch.float64, generator=g)
+    mask, scale = torch.rand(3, 5, 1, generator=g) > 0.5, torch.randint(1, 4, (7,), dtype=torch.int32, generator=g)
+    grads, comm = [], Communicator(topology)
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        block, leaf = OddInputs(), x.clone().requires_grad_()
+        if checkpointed:
+            options = CheckpointOptions(partition=True, offload=True, contiguous=False, bucket_numel=16)
+            store = ActivationCheckpointing(
+                [SimpleNamespace(module=block)], comm, topology.tensor_parallel, topology.device, options
+            )
+        with comm.in_phase("backward"):
+            out = block(leaf * 2, mask, scale)  # the input has a history, as a block's has
+            held = store.memory.host if checkpointed else 0
+            out.square().sum().backward()
+        grads.append([leaf.grad, block.lin.weight.grad])
+    error = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+    return dict(error=error, held=held, pa=comm.ledger.total(op="pa.all_gather", phase="backward"))
+
+
 def zero_r_scenarios() -> dict:
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
@@ -79,7 +119,7 @@ def zero_r_scenarios() -> dict:
             ours, records[(stage, name)] = _train(topology, stage, extra)
             errors[(stage, name)] = max((ours[k] - plain[k]).abs().max().item() for k in plain)
     one_step = {name: _one_step(topology, extra) for name, extra in VARIANTS.items()}
-    return dict(errors=errors, records=records, one_step=one_step)
+    return dict(errors=errors, records=records, one_step=one_step, odd=_odd_inputs(topology))
 
 
 def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say():
@@ -91,6 +131,10 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
     for result in run_ranks(zero_r_scenarios, world=4, nodes=2):
         for (stage, name), error in result["errors"].items():
             assert error <= 1e-6, (stage, name, error)
+        # any shape, any dtype: each rank keeps ceil(n / 2) elements of each input and sends them
+        odd = result["odd"]
+        padded = 53 * 8 + 8 * 1 + 4 * 4  # float64 (105 elements), bool (15), int32 (7)
+        assert odd["error"] == 0 and odd["held"] == padded and odd["pa"] == padded, odd
         one = result["one_step"]
         # held between forward and backward, exactly: units x b x s x h x 4, divided by tp with Pa;
         # with Pa+cpu nothing on the device, the pieces on the host
@@ -123,7 +167,16 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
         # copy with Pa+cpu) without MD, none after the first step with it
         per_step = units * ACCUMULATION
         for stage in (1, 2, 3):
-            records = result["records"]
+            records = {key: [r for r, _ in value] for key, value in result["records"].items()}
+            grads = {key: [g for _, g in value] for key, value in result["records"].items()}
+            print(f"stage {stage}: gradient-buffer allocations per step", {k: grads[(stage, k)] for k in VARIANTS})
+            # gradient buffers (reduce-scatter outputs; stages 2-3 also each unit's flat gradient): the
+            # same count every step without MD, none after the first step with it
+            units_total = units + 1  # the blocks and the root
+            first = units_total * (1 if stage == 1 else 2 * ACCUMULATION)
+            for name in VARIANTS:
+                md = "MD" in name
+                assert grads[(stage, name)] == [first] + [0 if md else first] * (STEPS - 1), (stage, name)
             assert [r.device_peak_bytes for r in records[(stage, "AC")]] == [units * whole] * STEPS
             assert [r.allocations for r in records[(stage, "AC")]] == [0] * STEPS  # kept as they are: no copy
             assert [r.allocations for r in records[(stage, "AC+Pa")]] == [per_step] * STEPS
@@ -190,8 +243,6 @@ def test_stage0_zeropp_compile_and_pa_without_tensor_parallelism_train_like_thei
          "zero.activation_checkpointing is true too"),
         (dict(AC, cpu_checkpointing=True), "zero.cpu_checkpointing = True is not allowed; expected false unless "
          "zero.partition_activations is true too"),
-        (dict(AC, contiguous_memory_optimization=True), "zero.contiguous_memory_optimization = True is not allowed; "
-         "expected false unless zero.partition_activations is true too"),
     ],
 )  # fmt: skip
 def test_switches_without_what_they_build_on_are_refused_in_one_line(keys, message):

@@ -142,7 +142,7 @@ class ZeroConfig:
         False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
     )
     contiguous_memory_optimization: bool = setting(
-        False, "MD (with partition_activations): checkpoint partitions in buffers preallocated after the first step"
+        False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
     )
 
     def _validate_qgz_options(self) -> None:
@@ -233,7 +233,6 @@ class ZeroConfig:
         for key, needs in (
             ("partition_activations", "activation_checkpointing"),
             ("cpu_checkpointing", "partition_activations"),
-            ("contiguous_memory_optimization", "partition_activations"),
         ):
             if getattr(self, key):
                 require(getattr(self, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")

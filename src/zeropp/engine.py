@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from zeropp import materialize, state
+from zeropp.arena import Arena
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
 from zeropp.fingerprint import check_same_model
@@ -77,6 +78,9 @@ class ZeroEngine:
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model
+        # gradient buffers (MD: one buffer, allocated after the first step); allocations counted per step
+        self.gradient_buffers = Arena(self.topology.device, pinned=False, contiguous=self.config.contiguous_memory_optimization)
+        self.last_gradient_allocations = 0
         self._check_tensor_parallel(model)
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
@@ -162,6 +166,7 @@ class ZeroEngine:
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
             master_device=torch.device("cpu") if config.offload_optimizer == "cpu" else None,
             compute_shard_device=torch.device("cpu") if config.offload_params == "cpu" else None,
+            grad_arena=self.gradient_buffers,
         )
 
     def _build_units(
@@ -252,6 +257,7 @@ class ZeroEngine:
                 unit.clear_gradients()
         if self.checkpointing is not None:
             self.last_checkpoint_step = self.checkpointing.new_step()
+        self.last_gradient_allocations = self.gradient_buffers.end_step()
         self.global_step += 1
         self.comm.ledger.steps += 1
         reset = self.config.gradient_error_reset_steps

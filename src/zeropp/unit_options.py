@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropp.arena import Arena
 from zeropp.quant import QuantKernels, QuantSpec
 
 
@@ -31,6 +32,7 @@ class UnitOptions:
     quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
     master_device: torch.device | None = None  # ZeRO-Offload: the fp32 master's home (None: `device`)
     compute_shard_device: torch.device | None = None  # offloaded parameters: the compute shard's home
+    grad_arena: Arena | None = None  # where gradient buffers come from (MD: one preallocated buffer); None: fresh
 
     def host_empty(self, numel: int, dtype: torch.dtype, where: torch.device | None) -> torch.Tensor:
         """An empty tensor at `where` (default: the device); host memory is pinned when the device is CUDA."""

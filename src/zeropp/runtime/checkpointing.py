@@ -21,7 +21,7 @@ forward is kept. (Keyword tensor arguments are kept by torch's closure as they a
   stored before it) starts coming back to the device first, so each piece is fetched one block
   ahead; at most two pieces are on the device at once, none between forward and backward.
 - MD (``contiguous_memory_optimization``): pieces (on the device, or on the host with Pa+cpu) and
-  the device staging copies come from :class:`~zeropp.runtime.arena.Arena` buffers preallocated
+  the device staging copies come from :class:`~zeropp.arena.Arena` buffers preallocated
   after the first step.
 
 :class:`CheckpointMemory` counts what is stored, exactly: bytes alive on the device and on the
@@ -48,8 +48,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from zeropp.arena import Arena
 from zeropp.comm import Communicator
-from zeropp.runtime.arena import Arena
 from zeropp.tensor_parallel import local_tensor
 from zeropp.topology import Group
 from zeropp.units import FlatUnit, innermost_units
@@ -111,7 +111,12 @@ class _Stored:
 
 class ActivationCheckpointing:
     def __init__(
-        self, units: Sequence[FlatUnit], comm: Communicator, group: Group, device: torch.device, options: CheckpointOptions
+        self,
+        units: Sequence[FlatUnit],
+        comm: Communicator,
+        group: Group,
+        device: torch.device,
+        options: CheckpointOptions,
     ) -> None:
         self.comm, self.group, self.device, self.options = comm, group, device, options
         self.memory = CheckpointMemory()
@@ -121,7 +126,6 @@ class ActivationCheckpointing:
         self.staging = Arena(device, pinned=False, contiguous=options.contiguous) if options.offload else None
         self._order: list[weakref.ref[_Stored]] = []  # what is stored, in forward order
         self._alive = 0
-        self._allocations_before = 0
         self.units = innermost_units(units)
         for unit in self.units:
             unit.module.forward = functools.partial(self._checkpointed, unit.module.forward)
@@ -206,21 +210,9 @@ class ActivationCheckpointing:
     # -- per step --------------------------------------------------------------------------------
 
     def new_step(self) -> CheckpointStep:
-        """The end of an optimizer step: what the step stored, then peaks start again; MD's arenas are
-        allocated after the first step."""
-        allocations = self.allocations
-        step = CheckpointStep(self.memory.device_peak, self.memory.host_peak, allocations - self._allocations_before)
+        """The end of an optimizer step: what the step stored, then peaks start again; MD's arenas
+        allocate their buffers after the first step."""
+        arenas = [arena for arena in (self.pieces, self.staging) if arena is not None]
+        step = CheckpointStep(self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas))
         self.memory.new_step()
-        for arena in self._arenas:
-            arena.settle()
-        self._allocations_before = self.allocations  # the arenas' own buffers count in no step
         return step
-
-    @property
-    def _arenas(self) -> list[Arena]:
-        return [arena for arena in (self.pieces, self.staging) if arena is not None]
-
-    @property
-    def allocations(self) -> int:
-        """Allocations made for stored pieces and their staging copies so far (MD's buffers included)."""
-        return sum(arena.allocations for arena in self._arenas)

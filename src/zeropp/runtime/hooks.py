@@ -13,8 +13,10 @@ Hook order within one training step (sharded units, i.e. stage 3):
    (every rank issues the same collectives), then every reduction is waited for.
 
 Resident units (stages 0-2, or small units under the persistence threshold) skip 1-3. During
-backward, activation recomputation runs forward hooks again: the unit is gathered (it already is,
-for backward) and nothing is recorded, prefetched or resharded.
+backward, a model's own activation checkpointing runs forward hooks again in recomputation: the unit
+is gathered (it already is, for backward) and nothing is recorded, prefetched or resharded. The
+engine's ``activation_checkpointing`` replaces ``forward`` only, so its recomputation runs no hook
+(:mod:`zeropp.runtime.checkpointing`).
 """
 
 from __future__ import annotations
