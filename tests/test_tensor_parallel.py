@@ -217,12 +217,12 @@ def estimate_for(world: int, nodes: int, zero: dict):
 
 
 def test_model_states_per_rank_are_table_1_on_the_tensor_parallel_share():
-    """dp 2 x tp 2 on 2 nodes x 2, stages 1-3: the measured model-state bytes of every rank are ZeRO
+    """dp 2 x tp 2 on 2 nodes x 2, stages 0-3: the measured model-state bytes of every rank are ZeRO
     Table 1's formula over the 2 data-parallel ranks with Ψ = this rank's share (split weights / tp +
     the whole ones), and every byte of its ledger is the estimate's (ZeRO's on that share, Megatron's)."""
     from zeropp.memory import analytic_model_state_bytes
 
-    stages = {f"stage{s}": dict(stage=s) for s in (1, 2, 3)}
+    stages = {f"stage{s}": dict(stage=s) for s in (0, 1, 2, 3)}
     per_rank = run_ranks(one_step_per_config, world=4, nodes=2, configs=stages)
     whole = sum(p.numel() for p in make_model("gpt").parameters())
     for name, zero in stages.items():
