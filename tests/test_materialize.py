@@ -28,21 +28,21 @@ def _initial_reference(kind: str) -> dict[str, torch.Tensor]:
     return initialize_model(model, repeated_blocks(model), seed=SEED).state_dict()
 
 
-def train_meta_built(simulated_nodes: int, kinds: list[str]) -> dict[str, float]:
+def train_meta_built(simulated_nodes: int, kinds: list[str], tp: int = 1) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(nodes=simulated_nodes))
-    world, rank = topology.world_size, topology.rank
+    topology = init_topology(TopologyConfig(nodes=simulated_nodes, tensor_parallel_size=tp))
+    world, rank = topology.data_parallel.size, topology.data_parallel.rank  # tensor-parallel ranks: the same rows
     optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
     errors = {}
     for kind in kinds:
         initial = _initial_reference(kind)
         for stage in (1, 2, 3):
-            engine = ZeroEngine(
-                _meta_model(kind), torch.optim.AdamW, optim_kwargs, ZeroConfig(stage=stage), topology, seed=SEED
-            )
+            model = parallelize(_meta_model(kind), topology)  # split weights: initialized whole, then cut
+            engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, ZeroConfig(stage=stage), topology, seed=SEED)
             start = engine.full_state_dict()
             errors[f"{kind}-stage{stage}-initial"] = max((start[k] - initial[k].float()).abs().max().item() for k in initial)
             for step in range(STEPS):
@@ -58,11 +58,15 @@ def train_meta_built(simulated_nodes: int, kinds: list[str]) -> dict[str, float]
     return errors
 
 
-@pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)], ids=["world2", "world4-2nodes"])
-def test_meta_built_models_train_like_single_process_from_the_same_weights(world, nodes):
+@pytest.mark.parametrize(
+    "world,nodes,tp,kinds",
+    [(2, 1, 1, KINDS), (4, 2, 1, KINDS), (4, 2, 2, ["gpt", "hf-llama"])],
+    ids=["world2", "world4-2nodes", "dp2xtp2-2nodes"],
+)
+def test_meta_built_models_train_like_single_process_from_the_same_weights(world, nodes, tp, kinds):
     pytest.importorskip("transformers")
-    for rank_errors in run_ranks(train_meta_built, world, nodes=nodes, simulated_nodes=nodes, kinds=KINDS):
-        assert len(rank_errors) == 2 * 3 * len(KINDS)
+    for rank_errors in run_ranks(train_meta_built, world, nodes=nodes, simulated_nodes=nodes, kinds=kinds, tp=tp):
+        assert len(rank_errors) == 2 * 3 * len(kinds)
         bad = {name: err for name, err in rank_errors.items() if not err <= TOLERANCE}
         assert not bad, f"max |w - w_ref| above {TOLERANCE}: {bad}"
 

@@ -87,13 +87,12 @@ def test_gpt_plan_needs_whole_heads_per_rank():
         plan_for(model, 4)
 
 
-@pytest.mark.parametrize(
-    "section,key,value",
-    [("train", "init_from", "x.safetensors"), ("zero", "precision", "bf16")],
-)
-def test_what_tensor_parallelism_does_not_support_yet_is_refused_in_one_line(section, key, value):
-    extra = {"checkpoint_dir": "ckpt"} if section == "checkpoint" else {}
-    source = {"topology": {"tensor_parallel_size": 2}, section: {key: value, **extra}}
-    with pytest.raises(ConfigError, match=f"{section}.{key} = .* with topology.tensor_parallel_size = 2"):
-        load_config(source)
-    load_config({section: {key: value, **extra}})  # fine without it
+def test_tensor_parallelism_takes_checkpoints_resume_init_from_and_low_precision():
+    source = {
+        "topology": {"tensor_parallel_size": 2},
+        "checkpoint": {"checkpoint_dir": "ckpt", "save_interval": 2, "resume": "auto"},
+        "train": {"init_from": "x.safetensors"},
+        "zero": {"precision": "bf16"},
+    }
+    config = load_config(source)
+    assert (config.topology.tensor_parallel_size, config.zero.precision, config.checkpoint.resume) == (2, "bf16", "auto")

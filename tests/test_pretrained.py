@@ -3,6 +3,7 @@ and one line per missing, unexpected or wrongly shaped tensor."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -35,48 +36,51 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def load_into_shards(simulated_nodes: int, kind: str, folder: str) -> dict[str, float]:
+def load_into_shards(simulated_nodes: int, kind: str, folder: str, tp: int = 1) -> dict[str, float]:
     import zeropp.pretrained as pretrained
     from zeropp import ZeroConfig, ZeroEngine, load_pretrained
     from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(nodes=simulated_nodes))
+    topology = init_topology(TopologyConfig(nodes=simulated_nodes, tensor_parallel_size=tp))
     expected = _reference(kind)
     errors = {}
     read = pretrained._read_elements
     counted = []
 
-    def counting(handle, key, start, stop):  # what this rank reads of the managed parameters
-        rows = read(handle, key, start, stop)
+    def counting(handle, key, start, stop, *block):  # what this rank reads of the managed parameters
+        rows = read(handle, key, start, stop, *block)
         counted.append(rows.numel())
         return rows
 
     pretrained._read_elements = counting
     for stage in (1, 2, 3):
-        with torch.device("meta"):
-            model = make_model(kind)
+        with torch.device("meta") if tp == 1 else contextlib.nullcontext():
+            model = parallelize(make_model(kind), topology)  # tensor parallel: each rank its piece
         engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-3), ZeroConfig(stage=stage), topology)
         load_pretrained(engine, folder)
         loaded = engine.full_state_dict()
         errors[f"stage{stage}"] = max((loaded[k] - expected[k].float()).abs().max().item() for k in expected)
         errors[f"stage{stage}-keys"] = float(loaded.keys() != expected.keys())
-        # a rank reads its shard of the flat buffer: at most 1/world of the parameters (plus padding)
+        # a rank reads its shard of the flat buffer: at most 1/world of the parameters (plus padding;
+        # with tensor parallelism its data-parallel shard of its tensor-parallel pieces)
         shards = sum(unit.master.numel() for unit in engine.units)
         errors[f"stage{stage}-read-beyond-shard"] = float(sum(counted) > shards)
         counted.clear()
     return errors
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf-llama"])
-def test_sharded_folder_loads_exactly_at_every_stage(tmp_path, kind):
+@pytest.mark.parametrize("kind,tp", [("gpt", 1), ("hf-llama", 1), ("gpt", 2)])
+def test_sharded_folder_loads_exactly_at_every_stage(tmp_path, kind, tp):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")
     state = _reference(kind)
     if kind == "gpt":
         del state["head.weight"]  # tied to wte.weight: stored once, as Hugging Face stores tied weights
     write_sharded_folder(state, tmp_path / "weights")
-    for errors in run_ranks(load_into_shards, 4, nodes=2, simulated_nodes=2, kind=kind, folder=str(tmp_path / "weights")):
+    folder = str(tmp_path / "weights")
+    for errors in run_ranks(load_into_shards, 4, nodes=2, simulated_nodes=2, kind=kind, folder=folder, tp=tp):
         assert all(value == 0.0 for value in errors.values()), errors
 
 

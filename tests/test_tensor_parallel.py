@@ -19,7 +19,8 @@ SCENARIOS = [
 def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import is_split, parallelize
+    from zeropp.dtensor_params import is_split
+    from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
@@ -59,6 +60,48 @@ def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process():
     for rank_errors in run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama"):
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
+
+
+def mixed_precision_worker() -> dict:
+    from test_precision import BF16_STEPS, OPTIM
+
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config import TopologyConfig
+    from zeropp.dtensor_params import local_tensor
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    dp = topology.data_parallel
+    reference = reference_state("gpt", BF16_STEPS, dp.size, 1, None, OPTIM)
+    out = {}
+    for precision, stage in (("bf16", 3), ("fp16", 1)):
+        config = ZeroConfig(stage=stage, precision=precision)
+        engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(OPTIM), config, topology)
+        for step in range(BF16_STEPS):
+            x, y = rows(global_batch("gpt", step, 0, dp.size), dp.rank)
+            engine.backward(loss_of("gpt", engine, x, y))
+            assert engine.step()
+        ours = engine.full_state_dict()
+        out[precision] = dict(
+            error=max((ours[k] - reference[k]).abs().max().item() for k in reference),
+            dtypes={str(p.dtype) for p in engine.module.parameters()}
+            | {str(local_tensor(p).dtype) for p in engine.module.parameters()},
+            masters={str(unit.master.dtype) for unit in engine.units},
+        )
+    return out
+
+
+def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference():
+    from test_precision import BF16_TOLERANCE
+
+    for rank, results in enumerate(run_ranks(mixed_precision_worker, world=4, nodes=2)):
+        for precision, got in results.items():
+            what = f"rank {rank} {precision}: {got}"
+            # DTensor parameters and their local shards in the compute dtype, fp32 masters
+            assert got["dtypes"] == {f"torch.{dict(bf16='bfloat16', fp16='float16')[precision]}"}, what
+            assert got["masters"] == {"torch.float32"}, what
+            assert 1e-4 < got["error"] <= BF16_TOLERANCE, what  # low precision really ran, and stayed close
 
 
 def ledger_of_one_step(stage: int) -> dict:
@@ -132,7 +175,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     from launcher import free_port
     from test_cli import zeropp
 
-    common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2", "--init", "eager")
+    common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2")  # built on meta
     tensor_parallel = ("--nproc-per-node", "4", "--tensor-parallel", "2", "--checkpoint-dir", str(tmp_path / "ckpt"))
     summaries = {}
     for name, extra in (

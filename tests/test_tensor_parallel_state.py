@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from launcher import run_ranks
 from test_checkpoint import PROBE, _config, _weights
@@ -78,6 +79,7 @@ def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_expo
     model.load_state_dict(whole)  # the unmodified model, unsharded
     with torch.no_grad():
         assert torch.allclose(model(PROBE), reference["logits"], atol=1e-6, rtol=0)
+    _older_format_is_refused_but_exports(tmp_path / "saved" / f"step-{SAVED_AT:08d}", tmp_path / "old", whole)
     # (world, tp, micro-batch, stage): the same global batch of 4 rows on every mesh
     for world, tp, micro, stage in ((4, 1, 1, 2), (2, 2, 4, 1), (1, 1, 4, 3)):
         for result in run_ranks(load_worker, world, root=str(tmp_path), tp=tp, micro_batch=micro, stage=stage):
@@ -86,3 +88,21 @@ def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_expo
             # weights and Adam's moments resharded: training goes on as in the uninterrupted run
             error = max((result["final"][k] - reference["final"][k]).abs().max().item() for k in whole)
             assert error <= 1e-5, f"dp {world // tp} x tp {tp} continued {error:.3g} away from dp 2 x tp 2"
+
+
+
+def _older_format_is_refused_but_exports(path: Path, copy: Path, whole: dict[str, torch.Tensor]) -> None:
+    """A checkpoint marked as written before the whole-shaped layout (zeropp-checkpoint/1) cannot be
+    resumed, refused in one line from zeropp.json alone (before any collective); it still exports."""
+    import json
+    import shutil
+
+    from zeropp.checkpoint import FLAT_FORMAT, CheckpointError, consolidated_state, load_checkpoint
+
+    shutil.copytree(path, copy)
+    meta = json.loads((copy / "zeropp.json").read_text())
+    (copy / "zeropp.json").write_text(json.dumps({**meta, "format": FLAT_FORMAT}))
+    with pytest.raises(CheckpointError, match="older zeropp .* export it .* --init-from") as refused:
+        load_checkpoint(None, copy)
+    assert "\n" not in str(refused.value)
+    assert all(torch.equal(consolidated_state(copy)[1][k], whole[k]) for k in whole)

@@ -1,12 +1,13 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): save, resume on any world size,
-node count or stage, and export one consolidated file.
+node count, stage or tensor-parallel size, and export one consolidated file.
 
 A checkpoint is a directory ``step-00000120`` holding
 
 - DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) holding the engine's
   :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
-  ``fixed.<name>``: a layout that does not depend on how the run was sharded, see
-  :mod:`zeropp.state`; each rank writes its pieces) and ``rng.rank<r>``, each rank's RNG state.
+  ``fixed.<name>``: whole-shaped tensors, a layout that does not depend on how the run was
+  sharded, see :mod:`zeropp.state`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
+  RNG state.
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
   sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.

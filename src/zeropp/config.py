@@ -401,16 +401,6 @@ class Config:
     def validate(self) -> Config:
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
-        if self.topology.tensor_parallel_size > 1:
-            for key, value in (
-                ("train.init_from", self.train.init_from),
-                ("zero.precision", None if self.zero.precision == "fp32" else self.zero.precision),
-            ):
-                if value is not None:
-                    raise ConfigError(
-                        f"{key} = {value!r} is not allowed with topology.tensor_parallel_size = "
-                        f"{self.topology.tensor_parallel_size} (not supported yet); expected it unset (fp32 for precision)"
-                    )
         return self
 
     def to_dict(self) -> dict[str, Any]:

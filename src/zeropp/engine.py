@@ -27,6 +27,7 @@ from zeropp import materialize, state
 from zeropp.arena import Arena
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError, ZeroConfig
+from zeropp.dtensor_params import is_split
 from zeropp.fingerprint import check_same_model
 from zeropp.grouping import group_parameters, repeated_blocks
 from zeropp.materialize import InitFn
@@ -35,7 +36,6 @@ from zeropp.quant import QuantSpec, kernels_for
 from zeropp.runtime import Runtime
 from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions, CheckpointStep
 from zeropp.stages import StagePolicy
-from zeropp.tensor_parallel import is_split
 from zeropp.topology import Topology
 from zeropp.unit_options import UnitOptions
 from zeropp.units import FlatUnit, innermost_units

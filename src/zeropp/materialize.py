@@ -14,7 +14,10 @@ are made real, one scope at a time:
   Hugging Face's rotary ``inv_freq`` buffers). A module is initialized only when every tensor it
   holds directly is still on the meta device (a tensor shared with an already materialized unit is
   never written twice). Every tensor is filled with a sentinel (NaN, or the smallest integer) first:
-  one that no initializer wrote is refused in one line, rather than trained from garbage.
+  one that no initializer wrote is refused in one line, rather than trained from garbage. A
+  parameter split by tensor parallelism (a DTensor) is initialized whole, in the same order and
+  under the same seed, and this rank keeps its piece: the weights do not depend on the
+  tensor-parallel size either (the scope's split parameters exist whole on the host meanwhile).
 - **Materialized models** (on the host or a device): every rank must start from rank 0's values,
   as with DistributedDataParallel. Each unit's parameters go to the device as one flat fp32 buffer
   that is broadcast once (:class:`~zeropp.units.FlatUnit` with ``broadcast_initial``), and the
@@ -31,8 +34,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zeropp.comm import Communicator
+from zeropp.dtensor_params import block_of, point_at
 from zeropp.topology import Group
 
 InitFn = Callable[[nn.Module], None]
@@ -85,15 +90,23 @@ def initialize_scope(
     unit needs no second copy); other tensors get memory of their own."""
     storage = storage or {}
     fresh: dict[int, tuple[str, torch.Tensor]] = {}
+    split: list[tuple[nn.Module, str, DTensor, torch.Tensor]] = []  # tensor parallel: (module, key, param, whole)
     initializable = []
     for name, module in scope:
         tensors = list(direct_tensors(module))
         if tensors and all(t.is_meta or id(t) in fresh for _, t in tensors):
             initializable.append(module)
         for key, tensor in tensors:
-            if tensor.is_meta:
+            if tensor.is_meta and isinstance(tensor, DTensor):  # initialized whole in its place, cut below
+                whole = nn.Parameter(torch.full(tensor.shape, _sentinel(tensor.dtype), dtype=tensor.dtype))
+                module._parameters[key] = whole
+                split.append((module, key, tensor, whole))
+                tensor = whole
+            elif tensor.is_meta:
                 _swap_to_host(tensor, storage.get(id(tensor)))
-                fresh[id(tensor)] = (f"{name}.{key}" if name else key, tensor)
+            else:
+                continue
+            fresh[id(tensor)] = (f"{name}.{key}" if name else key, tensor)
     if not fresh:
         return
     init = init_fn or _default_init(root)
@@ -107,6 +120,10 @@ def initialize_scope(
                 f"zeropp: {name} was built on the meta device and no initializer set it; pass init_fn= to "
                 "ZeroEngine (called on every module), give its module reset_parameters(), or build it for real"
             )
+    for module, key, param, whole in split:  # this rank's piece of the whole values, into the unit's memory
+        piece, memory = block_of(whole.detach(), param), storage.get(id(param))
+        point_at(param, piece.clone() if memory is None else memory.copy_(piece))
+        module._parameters[key] = param
 
 
 def _swap_to_host(tensor: torch.Tensor, memory: torch.Tensor | None = None) -> None:

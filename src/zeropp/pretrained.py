@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from zeropp import state
-from zeropp.tensor_parallel import local_block
+from zeropp.dtensor_params import local_block
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine

@@ -27,11 +27,9 @@ import math
 from collections.abc import Callable
 from fnmatch import fnmatch
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from zeropp.comm import Communicator, Ledger
@@ -111,26 +109,12 @@ def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) 
     tp = topology.tensor_parallel
     if tp.size == 1:
         return model
-    if is_meta(model):
-        raise ConfigError(
-            "tensor parallelism with a meta-device model is not supported; build the model on the host "
-            "(the split weights are distributed from each tensor-parallel group's first rank)"
-        )
     plan = plan_for(model, tp.size) if plan is None else plan
     parallelize_module(model, tensor_parallel_mesh(topology), plan)
-    whole = [t.data for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
-    broadcast_packed(Communicator(topology, Ledger()), whole, tp)  # set-up, not the model's traffic
+    if not is_meta(model):  # a meta-device model is initialized by the engine, the same on every rank
+        whole = [t.data for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor)]
+        broadcast_packed(Communicator(topology, Ledger()), whole, tp)  # set-up, not the model's traffic
     return model
-
-
-def is_split(param: torch.Tensor) -> bool:
-    """Whether a parameter is split over the tensor-parallel ranks (else each holds all of it)."""
-    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """A parameter as this rank holds it: a DTensor's local shard, else itself."""
-    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 # (style, module type) -> {parameter: the dimension the style shards it on}; what parallelize_module does
@@ -164,15 +148,6 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
             shape[dims[leaf]] = math.ceil(shape[dims[leaf]] / tp)
         out[name] = math.prod(shape)
     return out
-
-
-def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shape of this rank's piece of a parameter and its offset in the whole tensor, per dimension
-    (a parameter that is not split: the whole, at the origin)."""
-    if not isinstance(param, DTensor):
-        return tuple(param.shape), (0,) * param.dim()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(shape), tuple(offset)
 
 
 def megatron_bytes_per_block(

@@ -98,11 +98,7 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.source = model_source(config)
         text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
-        meta = config.train.init == "meta"
-        if meta and self.topology.tensor_parallel.size > 1:
-            meta = False
-            self.say("tensor parallelism: the model is built on the host (meta-device construction is not supported with it)")
-        with torch.device("meta") if meta else contextlib.nullcontext():
+        with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = parallelize(self.source.build(), self.topology)
         self.engine = ZeroEngine(
             model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,

@@ -29,21 +29,13 @@ from zeropp.arena import Arena
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
+from zeropp.dtensor_params import is_split, local_tensor, point_at
 from zeropp.partition import FlatLayout, secondary_range
 from zeropp.stages import StagePolicy
-from zeropp.tensor_parallel import is_split, local_tensor
 from zeropp.topology import ShardGroups
 from zeropp.unit_options import UnitOptions
 
 _RELEASED = torch.empty(0)
-
-
-def _point_at(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    """Make `param` (a DTensor parameter: its local shard, as FSDP2 does) use `tensor`."""
-    if isinstance(param, DTensor):
-        param._local_tensor = tensor
-    else:
-        param.data = tensor
 
 
 def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:
@@ -161,7 +153,7 @@ class FlatUnit:
             local = local_tensor(p)
             if local.data_ptr() != view.data_ptr():  # not initialized in place (or shared with another scope)
                 view.copy_(local.detach())
-            _point_at(p, _RELEASED.to(p.dtype))
+            point_at(p, _RELEASED.to(p.dtype))
         full32 = flat.to(device)
         if broadcast:  # the padding holds zeros everywhere already
             self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
@@ -192,7 +184,7 @@ class FlatUnit:
         if not self.resident:  # holds memory only while gathered (storage freed by the first reshard)
             self.compute_flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=options.device)
         for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
-            _point_at(p, view)
+            point_at(p, view)
 
     @staticmethod
     def layout_of(

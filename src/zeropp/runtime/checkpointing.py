@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zeropp.arena import Arena
 from zeropp.comm import Communicator
-from zeropp.tensor_parallel import local_tensor
+from zeropp.dtensor_params import local_tensor
 from zeropp.topology import Group
 from zeropp.units import FlatUnit, innermost_units
 
