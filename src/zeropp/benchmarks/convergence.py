@@ -37,9 +37,9 @@ from zeropp.benchmarks.weight_error import base_config, measure
 from zeropp.config import ZEROPP_SWITCHES
 from zeropp.flags import as_flags
 
-# The recipe (docs/benchmarks.md, "ZeRO++ convergence"): at lr 1e-3 with 50 warm-up steps ZeRO-3's
-# seeds leave the unigram plateau by step ~100 together; at zeropp train's 3e-3 each run leaves it at
-# a step that depends on chance.
+# The recipe (docs/benchmarks.md, "ZeRO++ convergence"; zeropp train's defaults too): at lr 1e-3 with
+# 50 warm-up steps ZeRO-3's seeds leave the unigram plateau by step ~100 together; at 3e-3 each run
+# leaves it at a step that depends on chance.
 LR, WARMUP_STEPS, STEPS = 1e-3, 50, 300
 
 CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
