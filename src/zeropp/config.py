@@ -305,7 +305,7 @@ class OptimConfig:
     optimizer: Literal["adamw", "adam", "sgd"] = setting(
         "adamw", "adamw (decoupled weight decay), adam (L2 weight decay) or sgd, from torch.optim"
     )
-    lr: float = setting(3e-3, "peak learning rate of the schedule")
+    lr: float = setting(1e-3, "peak learning rate of the schedule (with 50 warm-up steps: no plateau lottery, docs/benchmarks.md)")
     weight_decay: float = setting(0.1, "weight decay (decoupled for adamw)")
     beta1: float = setting(0.9, "Adam's first-moment decay")
     beta2: float = setting(0.95, "Adam's second-moment decay")
@@ -315,7 +315,7 @@ class OptimConfig:
         "cosine", "cosine: linear warm-up, then cosine decay to min_lr_ratio; constant; warmup, warmup_decay, "
         "warmup_cosine: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR"
     )
-    warmup_steps: int = setting(20, "steps of learning-rate warm-up")
+    warmup_steps: int = setting(50, "steps of learning-rate warm-up")
     warmup_type: Literal["log", "linear"] = setting("log", "DeepSpeed's schedules: the warm-up curve")
     warmup_start_ratio: float = setting(0.0, "DeepSpeed's schedules: the warm-up's first learning rate / lr")
     min_lr_ratio: float = setting(0.1, "the decay's last learning rate / lr (cosine, warmup_decay, warmup_cosine)")
