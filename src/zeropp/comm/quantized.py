@@ -11,6 +11,9 @@
   node and (Y-1)/(X*Y) across nodes: with int4 against 16-bit gradients a quarter of what the
   ring reduce-scatter sends per node, or less.
 
+Every exchanged row travels as one uint8 message, its fp32 scales then its data (:func:`joined`,
+:func:`split`): one collective per gather or hop instead of one for the data and one for the scales.
+
 Pipelining: the columns of the slices are cut into chunks (``chunks`` per reduce bucket). All
 chunks start their intra-node exchange at once; as each finishes it is reduced, re-quantized
 and its inter-node exchange starts, so the inter-node hop of chunk k runs while the intra-node
