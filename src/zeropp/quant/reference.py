@@ -1,9 +1,9 @@
 """Torch reference implementation of ``zeropp.quant.QuantKernels`` (any device; the rounding rule of ``zeropp.quant``).
 
-Few passes over memory: a row is viewed as its full blocks plus a shorter tail (no padded copy),
-each block's absmax is one ``vector_norm(inf)``, codes are divided, rounded, clamped and masked in
-one fp32 buffer, int4 is packed from that buffer's even and odd columns and unpacked by int8
-shifts, and dequantization multiplies the int8 codes by the scales straight into its output.
+Few passes over memory: a row is viewed as its full blocks plus a shorter tail (no padded copy);
+``|x|``, then the codes (divided, rounded, clamped, masked) live in one fp32 buffer; int4 is packed
+and unpacked through int16 words (contiguous passes, no strided byte ones); dequantization
+multiplies the int8 codes by the scales straight into its output.
 ``row_order`` permutes the rows of the (small) quantized result, not of the input. ``out`` of
 ``quantize`` goes through a copy, which a fused kernel avoids.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from zeropp.quant import Quantized, QuantSpec
+
+_HIGH_NIBBLES = 0xF0F0 - 0x10000  # the mask 0xF0F0 as an int16 value
 
 
 def quantize(
@@ -109,8 +111,8 @@ def _block_views(rows: torch.Tensor, block: int) -> list[tuple[torch.Tensor, sli
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """``pack_int4`` of integral fp32 codes [rows, n] in [-8, 7]. Two int8 codes side by side are one
-    little-endian int16 ``w`` (element 2i in the low byte), and the packed byte is ``w & 0xF`` or'ed
-    with ``(w >> 4) & 0xF0``: contiguous int16 passes instead of strided byte ones."""
+    little-endian int16 ``w`` (element 2i in the low byte); ``m = w & 0x0F0F`` keeps both nibbles
+    (bits 0-3 and 8-11), and the low byte of ``m | (m >> 4)`` is the packed byte."""
     rows, n = codes.shape
     pairs = torch.empty(rows, n + n % 2, dtype=torch.int8, device=codes.device)
     pairs[:, :n] = codes
@@ -125,6 +127,6 @@ def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     ``w`` puts its low nibble at bits 4-7 and its high one at bits 12-15 (``((w << 4) | (w << 8)) &
     0xF0F0``); as two little-endian int8 bytes shifted right by 4, they are the sign-extended codes."""
     words = packed.to(torch.int16)
-    words = (words << 4).bitwise_or_(words << 8).bitwise_and_(0xF0F0)
+    words = (words << 4).bitwise_or_(words << 8).bitwise_and_(_HIGH_NIBBLES)
     codes = words.view(torch.int8).view(packed.shape[0], -1)
     return codes.bitwise_right_shift_(4)[:, :n]
