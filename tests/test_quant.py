@@ -331,6 +331,60 @@ def test_quantize_and_dequantize_out():
     assert (big[0] == 0).all() and (big[4] == 0).all()
 
 
+def _rule_block_by_block(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding rule of ``zeropp.quant`` written out one block at a time: (int codes, scales)."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    block, n = spec.block(rows.shape[-1]), rows.shape[-1]
+    codes, scales = torch.zeros(rows.shape, dtype=torch.int16), torch.zeros(rows.shape[0], spec.blocks(n))
+    for start in range(0, n, block):
+        values = rows[:, start : start + block]
+        scale = values.abs().amax(dim=-1, keepdim=True) / torch.tensor(float(spec.qmax))
+        usable = (scale > 0) & torch.isfinite(scale)
+        q = torch.round(values / torch.where(usable, scale, 1.0)).clamp(-spec.qmax, spec.qmax)
+        codes[:, start : start + block] = torch.where(usable, q, 0.0).to(torch.int16)
+        scales[:, start // block] = scale[:, 0]
+    return codes, scales
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 256), QuantSpec(4, 256), QuantSpec(8, 48), QuantSpec(4, 49), QuantSpec(4, None)])
+@pytest.mark.parametrize("n", [1, 203, 512, 1001])
+def test_reference_is_the_rounding_rule_bit_for_bit(spec, n):
+    """The reference's view of rows as full blocks plus a tail, its int4 packing by int16 words and
+    its unpacking by shifts give the rule's codes and scales exactly, on special rows too."""
+    x = _random((7, n), seed=n)
+    x[0, : min(n, 5)] = torch.tensor([127.0, 2.5, -3.5, 0.5, -1.5])[: min(n, 5)]  # ties (scale 1 for int8 rows)
+    x[1] = 0.0
+    x[2, n // 2] = float("inf")
+    x[3, n - 1] = float("nan")
+    x[4] *= 1e-39  # subnormal scales
+    x[5] = -0.0
+    q = ref.quantize(x, spec)
+    codes, scales = _rule_block_by_block(x, spec)
+    assert torch.equal(_codes(q), codes)
+    assert torch.equal(torch.isnan(q.scales), torch.isnan(scales))
+    assert torch.equal(q.scales.nan_to_num(0).view(torch.int32), scales.nan_to_num(0).view(torch.int32))
+    assert torch.equal(q.data, codes.to(torch.int8) if spec.bits == 8 else pack_int4(codes.to(torch.int8)))
+    expected = torch.where(torch.isfinite(scales).repeat_interleave(spec.block(n), dim=1)[:, :n], 0.0, float("nan"))
+    expected += codes.float() * scales.nan_to_num(0).repeat_interleave(spec.block(n), dim=1)[:, :n]
+    assert torch.equal(torch.isnan(ref.dequantize(q, torch.float32)), torch.isnan(expected))
+    assert torch.equal(ref.dequantize(q, torch.float32).nan_to_num(0), expected.nan_to_num(0))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 16), QuantSpec(4, 7), QuantSpec(4, None)])
+def test_joined_message_round_trips(spec):
+    """qwZ / qgZ send each row's scales and data as one uint8 message; the receiver's rows are the sender's."""
+    from zeropp.comm.quantized import joined, split
+
+    q = ref.quantize(_random((6, 45), seed=41), spec)
+    message = joined(q)
+    assert message.dtype == torch.uint8 and message.shape == (6, q.nbytes // 6)
+    assert torch.equal(message[:, : 4 * spec.blocks(45)].contiguous().view(torch.float32), q.scales)
+    received = split(message.clone(), 45, spec)
+    _assert_same_quantized(received, q)
+    assert received.data.dtype == spec.data_dtype
+    assert torch.equal(ref.dequantize(received, torch.float32), ref.dequantize(q, torch.float32))
+
+
 # ---------------------------------------------------------------------------------------------
 # rounding
 

@@ -3,8 +3,8 @@
 Each call records what this rank sends into the :class:`~zeropp.comm.ledger.Ledger` (byte model
 documented there), under the ledger's current phase. All-gathers and reduce-scatters larger than
 the configured bucket are split into constant-size pieces (ZeRO-R's CB), each a separate
-collective; the ledger counts one call per logical operation (a quantized collective moves data and
-scales in two, and counts two).
+collective; the ledger counts one call per logical operation (a quantized collective moves each row's
+scales and data in one message, and counts one).
 
 Collectives on the tensor-parallel group are recorded as ``tp.<op>``. DTensor issues its own (tensor
 parallelism): inside :meth:`Communicator.in_phase` they are observed (:mod:`zeropp.comm.observed`)

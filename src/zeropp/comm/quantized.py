@@ -11,6 +11,9 @@
   node and (Y-1)/(X*Y) across nodes: with int4 against 16-bit gradients a quarter of what the
   ring reduce-scatter sends per node, or less.
 
+Every exchanged row travels as one uint8 message, its fp32 scales then its data (:func:`joined`,
+:func:`split`): one collective per gather or hop instead of one for the data and one for the scales.
+
 Pipelining: the columns of the slices are cut into chunks (``chunks`` per reduce bucket). All
 chunks start their intra-node exchange at once; as each finishes it is reduced, re-quantized
 and its inter-node exchange starts, so the inter-node hop of chunk k runs while the intra-node
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -64,26 +68,35 @@ def all_gather_quantized(
     """
     n, width = group.size, shard.numel()
     with _on(stream):
-        quantized = kernels.quantize(shard.view(1, -1), spec)
-        data = torch.empty((n, quantized.data.shape[-1]), dtype=quantized.data.dtype, device=out.device)
-        scales = torch.empty((n, quantized.scales.shape[-1]), dtype=torch.float32, device=out.device)
-        works = [
-            comm.all_gather(data, quantized.data.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
-            comm.all_gather(scales, quantized.scales.reshape(-1), group, bucket_numel=bucket_numel, async_op=True),
-        ]
+        message = joined(kernels.quantize(shard.view(1, -1), spec))
+        gathered = torch.empty((n, message.shape[-1]), dtype=torch.uint8, device=out.device)
+        works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]
 
     def land() -> None:
         if stream is not None:
             consumer = torch.cuda.current_stream(out.device)
             consumer.wait_stream(stream)
-            data.record_stream(consumer)  # allocated on the side stream, read on this one
-            scales.record_stream(consumer)
-        kernels.dequantize(Quantized(data, scales, width, spec), out.dtype, out=out.view(n, width))
+            gathered.record_stream(consumer)  # allocated on the side stream, read on this one
+        kernels.dequantize(split(gathered, width, spec), out.dtype, out=out.view(n, width))
 
     pending = Pending(works, land)
     if not async_op:
         pending.wait()
     return pending
+
+
+def joined(q: Quantized) -> torch.Tensor:
+    """`q`'s rows as uint8 messages [rows, bytes], each a row's fp32 scales then its data: one
+    collective moves both (the same bytes as two, half the calls)."""
+    scales = q.scales.reshape(-1, q.scales.shape[-1]).contiguous().view(torch.uint8)
+    return torch.cat((scales, q.data.reshape(-1, q.data.shape[-1]).view(torch.uint8)), dim=1)
+
+
+def split(messages: torch.Tensor, n: int, spec: QuantSpec) -> Quantized:
+    """The quantized rows of `n` values in ``joined`` messages [rows, bytes]; the data is a view."""
+    scale_bytes = 4 * spec.blocks(n)
+    scales = messages[:, :scale_bytes].contiguous().view(torch.float32)
+    return Quantized(messages[:, scale_bytes:].view(spec.data_dtype), scales, n, spec)
 
 
 def _on(stream: torch.cuda.Stream | None):
@@ -130,6 +143,20 @@ def reduce_scatter_quantized(
     return Pending([], reduction.land, start_hops=(lambda: reduction.start_inter(block=False)) if may_start_early else None)
 
 
+@dataclass
+class _Arriving:
+    """A ``joined`` message in flight (one all-to-all) and the quantized rows it holds once waited for."""
+
+    pending: Pending
+    message: torch.Tensor
+    n: int
+    spec: QuantSpec
+
+    def wait(self) -> Quantized:
+        self.pending.wait()
+        return split(self.message, self.n, self.spec)
+
+
 class _QgzReduction:
     """One qgZ reduction in flight: its column chunks and each chunk's hops."""
 
@@ -148,13 +175,13 @@ class _QgzReduction:
         self.intra_spec, self.inter_spec = specs
         self.rotation_block, self.feedback = rotation_block, feedback
         self.columns = column_chunks(shard.numel(), pieces)
-        self.intra: list[tuple[Pending, Quantized] | None] = []
-        self.inter: list[tuple[Pending, Quantized]] = []
+        self.intra: list[_Arriving | None] = []
+        self.inter: list[_Arriving] = []
 
-    def _exchange(self, q: Quantized, group: Group) -> tuple[Pending, Quantized]:
-        received = Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), q.n, q.spec)
-        data = self.comm.all_to_all(received.data, q.data, group, async_op=True)
-        return Pending([data, self.comm.all_to_all(received.scales, q.scales, group, async_op=True)]), received
+    def _exchange(self, q: Quantized, group: Group) -> _Arriving:
+        message = joined(q)
+        received = torch.empty_like(message)
+        return _Arriving(self.comm.all_to_all(received, message, group, async_op=True), received, q.n, q.spec)
 
     def start_intra(self, slices: torch.Tensor) -> None:
         """Hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j."""
@@ -176,12 +203,11 @@ class _QgzReduction:
         `block`; return whether all have started."""
         x, y = self.groups.intra_node.size, self.groups.inter_node.size
         while len(self.inter) < len(self.columns):
-            pending, received = self.intra[len(self.inter)]
-            if not block and not pending.is_completed():
+            arriving = self.intra[len(self.inter)]
+            if not block and not arriving.pending.is_completed():
                 return False
-            pending.wait()
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
-            sources = received.reshape(x, y)
+            sources = arriving.wait().reshape(x, y)
             if self.feedback is None:
                 partial = self.kernels.dequantize_reduce_quantize(sources, self.inter_spec)
             else:
@@ -194,14 +220,12 @@ class _QgzReduction:
 
     def land(self) -> None:
         self.start_inter(block=True)
-        for (start, stop), (pending, received) in zip(self.columns, self.inter, strict=True):
-            pending.wait()
-            self._reduce_into(received, self.shard[start:stop])
+        for (start, stop), arriving in zip(self.columns, self.inter, strict=True):
+            self._reduce_into(arriving.wait(), self.shard[start:stop])
 
     def land_one_node(self) -> None:
-        for (start, stop), (pending, received) in zip(self.columns, self.intra, strict=True):
-            pending.wait()
-            self._reduce_into(received, self.shard[start:stop].view(1, -1))
+        for (start, stop), arriving in zip(self.columns, self.intra, strict=True):
+            self._reduce_into(arriving.wait(), self.shard[start:stop].view(1, -1))
 
     def _reduce_into(self, received: Quantized, out: torch.Tensor) -> None:
         divisor = self.groups.shard.size

@@ -203,7 +203,7 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     qgZ (comm/quantized.py) cuts the shard's columns into chunks; per chunk of c columns, hop 1 sends
     (X-1)/X of the W quantized rows inside the node (gradient_intra_node_bits) and hop 2 sends (Y-1)/Y
     of the Y re-quantized partial sums to the other nodes (gradient_bits; X ranks per node, Y nodes,
-    W = XY); data and scales separately.
+    W = XY); data and scales (sent in one message, counted here one after the other).
     """
     world, per_node, nodes = layout.world_size, layout.ranks_per_node, layout.nodes
     if not zero.quantized_gradients:

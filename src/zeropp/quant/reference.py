@@ -1,14 +1,20 @@
 """Torch reference implementation of ``zeropp.quant.QuantKernels`` (any device; the rounding rule of ``zeropp.quant``).
 
-``row_order`` and ``out`` go through copies here, which a fused kernel avoids.
+Few passes over memory: a row is viewed as its full blocks plus a shorter tail (no padded copy);
+``|x|``, then the codes (divided, rounded, clamped, masked) live in one fp32 buffer; int4 is packed
+and unpacked through int16 words (contiguous passes, no strided byte ones); dequantization
+multiplies the int8 codes by the scales straight into its output.
+``row_order`` permutes the rows of the (small) quantized result, not of the input. ``out`` of
+``quantize`` goes through a copy, which a fused kernel avoids.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from zeropp.quant import Quantized, QuantSpec, pack_int4, unpack_int4
+from zeropp.quant import Quantized, QuantSpec
+
+_HIGH_NIBBLES = 0xF0F0 - 0x10000  # the mask 0xF0F0 as an int16 value
 
 
 def quantize(
@@ -16,29 +22,37 @@ def quantize(
 ) -> Quantized:
     """``QuantKernels.quantize``."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if row_order is not None:
-        rows = rows[row_order]
-        lead = (row_order.numel(),)
-    else:
-        lead = tuple(x.shape[:-1])
+    rows = x.reshape(-1, n).float()
+    lead = (row_order.numel(),) if row_order is not None else tuple(x.shape[:-1])
     block, blocks = spec.block(n), spec.blocks(n)
-    padded = F.pad(rows.float(), (0, blocks * block - n)).view(-1, blocks, block)
-    absmax = padded.abs().amax(dim=-1)
-    scales = absmax / torch.full_like(absmax, spec.qmax)  # a true division on CUDA too (not x * (1/q))
+    codes = torch.abs(rows, out=torch.empty(rows.shape, dtype=torch.float32, device=x.device))  # |x| first, codes later
+    code_blocks = _block_views(codes, block)
+    scales = torch.empty(rows.shape[0], blocks, dtype=torch.float32, device=x.device)
+    for magnitudes, columns in code_blocks:
+        torch.amax(magnitudes, dim=-1, out=scales[:, columns])
+    scales = scales / torch.full_like(scales, spec.qmax)  # a true division on CUDA too (not x * (1/q))
     usable = (scales > 0) & torch.isfinite(scales)
-    divisor = torch.where(usable, scales, torch.ones_like(scales)).unsqueeze(-1)
-    q = torch.round(padded / divisor).clamp_(-spec.qmax, spec.qmax)
-    q = torch.where(usable.unsqueeze(-1), q, torch.zeros_like(q)).view(-1, blocks * block)[:, :n]
-    q = q.to(torch.int8)
-    data = q if spec.bits == 8 else pack_int4(q)
+    divisor = torch.where(usable, scales, torch.ones_like(scales))
+    for (values, columns), (into, _) in zip(_block_views(rows, block), code_blocks, strict=True):
+        torch.div(values, divisor[:, columns, None], out=into)
+    codes.round_().clamp_(-spec.qmax, spec.qmax)
+    if x.device.type != "cpu" or not usable.all():  # on the CPU the check is cheaper than the pass
+        for into, columns in code_blocks:
+            into.masked_fill_(~usable[:, columns, None], 0)
+    data = codes.to(torch.int8) if spec.bits == 8 else _pack_int4(codes)
+    if row_order is not None:
+        data, scales = data.index_select(0, row_order), scales.index_select(0, row_order)
     result = Quantized(data.reshape(*lead, spec.row_bytes(n)), scales.reshape(*lead, blocks), n, spec)
     return result if out is None else out.copy_(result)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``QuantKernels.dequantize``."""
-    values = _dequantize_fp32(q).to(dtype)
+    direct = out is not None and dtype == torch.float32 and out.dtype == dtype and out.is_contiguous()
+    values = _dequantize_fp32(q, out if direct else None)
+    if direct:
+        return out
+    values = values.to(dtype)
     return values if out is None else out.copy_(values)
 
 
@@ -46,11 +60,14 @@ def dequantize_reduce(
     q: Quantized, dtype: torch.dtype, *, divisor: int = 1, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``QuantKernels.dequantize_reduce``."""
-    total = _sum_sources(q)
-    if divisor != 1:
-        total = total / torch.full_like(total, divisor)
-    values = total.to(dtype)
-    return values if out is None else out.copy_(values)
+    direct = out is not None and dtype == torch.float32 and out.dtype == dtype and out.is_contiguous()
+    total = _sum_sources(q, out if direct else None)
+    if divisor != 1:  # a one-element tensor: a true division on every device (not x * (1/divisor))
+        total.div_(torch.full((1,), divisor, dtype=torch.float32, device=total.device))
+    if direct:
+        return out
+    total = total.to(dtype)
+    return total if out is None else out.copy_(total)
 
 
 def dequantize_reduce_quantize(q: Quantized, spec: QuantSpec) -> Quantized:
@@ -58,20 +75,58 @@ def dequantize_reduce_quantize(q: Quantized, spec: QuantSpec) -> Quantized:
     return quantize(_sum_sources(q), spec)
 
 
-def _sum_sources(q: Quantized) -> torch.Tensor:
+def _sum_sources(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``((x0 + x1) + x2) + ...`` over the sources (dimension 0) in fp32, into `out` if given."""
     values = _dequantize_fp32(q)
-    total = values[0].clone()
-    for source in range(1, values.shape[0]):
+    if values.shape[0] == 1:
+        return values[0] if out is None else out.copy_(values[0].view(out.shape))
+    total = torch.add(values[0], values[1], out=None if out is None else out.view(values.shape[1:]))
+    for source in range(2, values.shape[0]):
         total += values[source]
-    return total
+    return total if out is None else out
 
 
-def _dequantize_fp32(q: Quantized) -> torch.Tensor:
+def _dequantize_fp32(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values of `q`, shape [..., n], written into `out` (contiguous fp32) if given."""
     spec, n = q.spec, q.n
     lead = tuple(q.data.shape[:-1])
     codes = q.data.reshape(-1, q.data.shape[-1])
-    codes = codes if spec.bits == 8 else unpack_int4(codes, n)
-    block, blocks = spec.block(n), spec.blocks(n)
-    padded = F.pad(codes.float(), (0, blocks * block - n)).view(-1, blocks, block)
-    values = (padded * q.scales.reshape(-1, blocks, 1)).view(-1, blocks * block)[:, :n]
-    return values.reshape(*lead, n)
+    codes = codes.view(torch.int8) if spec.bits == 8 else _unpack_int4(codes, n)
+    values = torch.empty(codes.shape, dtype=torch.float32, device=codes.device) if out is None else out.view(codes.shape)
+    scales = q.scales.reshape(codes.shape[0], -1)
+    for (into, columns), (source, _) in zip(_block_views(values, spec.block(n)), _block_views(codes, spec.block(n)), strict=True):
+        torch.mul(source, scales[:, columns, None], out=into)  # int8 * fp32 is computed in fp32
+    return values.view(*lead, n)
+
+
+def _block_views(rows: torch.Tensor, block: int) -> list[tuple[torch.Tensor, slice]]:
+    """Views [rows, k, b] of `rows` [rows, n]: its full blocks, then its shorter tail; each with its scales' columns."""
+    n = rows.shape[-1]
+    full = n // block
+    views = [(rows[:, : full * block].unflatten(-1, (full, block)), slice(0, full))] if full else []
+    if n % block:
+        views.append((rows[:, full * block :].unsqueeze(1), slice(full, full + 1)))
+    return views
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``pack_int4`` of integral fp32 codes [rows, n] in [-8, 7]. Two int8 codes side by side are one
+    little-endian int16 ``w`` (element 2i in the low byte); ``m = w & 0x0F0F`` keeps both nibbles
+    (bits 0-3 and 8-11), and the low byte of ``m | (m >> 4)`` is the packed byte."""
+    rows, n = codes.shape
+    pairs = torch.empty(rows, n + n % 2, dtype=torch.int8, device=codes.device)
+    pairs[:, :n] = codes
+    pairs[:, n:] = 0
+    words = pairs.view(torch.int16) & 0x0F0F
+    words |= words >> 4
+    return words.to(torch.uint8)
+
+
+def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``unpack_int4`` of uint8 [rows, ceil(n / 2)]; a view [rows, n]. Each byte widened to an int16
+    ``w`` puts its low nibble at bits 4-7 and its high one at bits 12-15 (``((w << 4) | (w << 8)) &
+    0xF0F0``); as two little-endian int8 bytes shifted right by 4, they are the sign-extended codes."""
+    words = packed.to(torch.int16)
+    words = (words << 4).bitwise_or_(words << 8).bitwise_and_(_HIGH_NIBBLES)
+    codes = words.view(torch.int8).view(packed.shape[0], -1)
+    return codes.bitwise_right_shift_(4)[:, :n]
