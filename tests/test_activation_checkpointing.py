@@ -123,6 +123,7 @@ def zero_r_scenarios() -> dict:
 
 
 def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say():
+    from zeropp.memory import PAPER_RECOMPUTED_ALL_REDUCES, RUNTIME_RECOMPUTED_ALL_REDUCES
     from zeropp.tensor_parallel import megatron_bytes_per_block
 
     units, b, s, h, fp32 = GPT_TEST.n_layer, PER_RANK, GPT_TEST.block_size, GPT_TEST.d_model, 4
@@ -154,10 +155,11 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
             # recomputation repeats the attention's all-reduce in backward, not the MLP's: torch's
             # non-reentrant checkpoint stops once the last tensor backward needs is recomputed, and the
             # block's last all-reduce feeds none. 5 all-reduces per block, not ZeRO §8's 6.
-            assert one[name]["tp"] == plain * 5 // 4, name
+            runtime = units * megatron_bytes_per_block(b, s, h, TP, fp32, RUNTIME_RECOMPUTED_ALL_REDUCES)
+            assert one[name]["tp"] == plain * 5 // 4 == runtime, name
         ratio = one["AC+Pa"]["pa"] / one["AC+Pa"]["tp"]
         paper = (units * whole * (TP - 1) // TP) / (
-            units * megatron_bytes_per_block(b, s, h, TP, fp32, checkpointed=True)
+            units * megatron_bytes_per_block(b, s, h, TP, fp32, PAPER_RECOMPUTED_ALL_REDUCES)
         )
         print(
             f"Pa's all-gather / tensor-parallel traffic with checkpointing: {ratio:.4f} (the paper's layout: {paper:.4f})"

@@ -26,7 +26,7 @@ from zeropp.estimate import (
     parse_bandwidth,
     trillion_example,
 )
-from zeropp.memory import Activations
+from zeropp.memory import PAPER_RECOMPUTED_ALL_REDUCES, Activations
 from zeropp.models.gpt import PRESETS
 from zeropp.topology import Layout
 
@@ -61,9 +61,12 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
     cpu = run(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True)
     per_block = tensor_parallel.megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp, 4)
     assert plain.bytes_of("tp") == 2 * gpt.n_layer * per_block  # 2 micro-batches
-    assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") * 6 / 4  # recomputation all-reduces again
+    # zeropp's recomputation repeats one of the block's 2 forward all-reduces (the paper's layout: both)
+    assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") * 5 / 4
     assert plain.bytes_of("pa") == checkpointed.bytes_of("pa") == 0
-    assert pa.bytes_of("pa") == 2 * gpt.n_layer * ring_bytes(4 * bsh, tp) == pa.bytes_of("tp") / 12
+    assert pa.bytes_of("pa") == 2 * gpt.n_layer * ring_bytes(4 * bsh, tp) == pa.bytes_of("tp") / 10
+    paper = run(activation_checkpointing=True, partition_activations=True, recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES)
+    assert paper.bytes_of("tp") == plain.bytes_of("tp") * 6 / 4 and paper.bytes_of("pa") == paper.bytes_of("tp") / 12
     assert plain.activation_checkpoint_bytes() == 0
     assert checkpointed.activation_checkpoint_bytes() == gpt.n_layer * bsh * 4
     assert pa.activation_checkpoint_bytes() == gpt.n_layer * bsh * 4 // tp
@@ -79,7 +82,7 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
         )
         assert est.model_state_bytes == plain.model_state_bytes
     with pytest.raises(
-        ConfigError, match="zero.partition_activations = True is not allowed without zero.activation_checkpointing"
+        ConfigError, match="zero.partition_activations = True is not allowed; expected false unless zero.activation_ch"
     ):
         Activations(1, 1, 1, 1, partition_activations=True)
 
@@ -287,8 +290,10 @@ def test_cli_tensor_parallel_and_zero_r(capsys, tmp_path):
     assert "Pa's all-gathers" in capsys.readouterr().out
     result, example = json.loads(out.read_text()), pa_example()
     assert result["activation_checkpoint_bytes_per_rank"] == example["checkpoint_bytes"]["Pa"]
-    assert result["tensor_parallel_bytes_per_step"] == example["tensor_parallel_bytes_per_step"]
-    assert result["partitioned_activation_bytes_per_step"] * 12 == result["tensor_parallel_bytes_per_step"]
+    # the command prices zeropp's runtime (5 all-reduces per block), the example the paper's layout (6)
+    assert result["tensor_parallel_bytes_per_step"] * 6 == example["tensor_parallel_bytes_per_step"] * 5
+    assert result["partitioned_activation_bytes_per_step"] == example["pa_bytes_per_step"]
+    assert result["partitioned_activation_bytes_per_step"] * 10 == result["tensor_parallel_bytes_per_step"]
     assert (
         main(["--preset", "small", "--world", "8", "--nodes", "2", "--tensor-parallel", "2", "--json", str(out)]) == 0
     )
@@ -339,7 +344,7 @@ def test_cli_tables(capsys, tmp_path):
         (["--world", "8", "--tensor-parallel", "8"], "--tensor-parallel-size = 8 is not allowed with --n-head = 4"),
         (
             ["--world", "4", "--partition-activations"],
-            "--partition-activations = True is not allowed without --activation",
+            "--partition-activations = True is not allowed; expected false unless --activation-checkpointing",
         ),
         (["--world", "4", "--activation-checkpointing", "--cpu-checkpointing"], "--cpu-checkpointing = True"),
         (["--params", "1e9", "--world", "4", "--activation-checkpointing"], "--n-layer, --d-model, --block-size"),

@@ -217,7 +217,8 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
 
 def one_step_per_config(configs: dict[str, dict]) -> dict:
     """Two fp32 steps of the embedded GPT split over tp 2 under each ZeroConfig (one launch): the model-state
-    bytes the engine measures, its units' numels on this rank, the last step's ledger and its groups."""
+    bytes the engine measures, its units' numels on this rank, the last step's ledger and its groups, and
+    with activation checkpointing the last step's peak checkpoint bytes (device, host)."""
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
     from zeropp.tensor_parallel import parallelize
@@ -234,8 +235,9 @@ def one_step_per_config(configs: dict[str, dict]) -> dict:
             x, y = rows(global_batch("gpt", step, 0, dp.size), dp.rank)
             engine.backward(loss_of("gpt", engine, x, y))
             assert engine.step()
-        secondary = engine.groups.secondary
+        secondary, stored = engine.groups.secondary, engine.last_checkpoint_step
         out[name] = dict(
+            checkpoints=stored and (stored.device_peak_bytes, stored.host_peak_bytes),
             memory=engine.measured_model_state_bytes,
             units=[u.layout.numel for u in engine.units],
             ledger=engine.comm.ledger.as_dict(),
@@ -245,18 +247,19 @@ def one_step_per_config(configs: dict[str, dict]) -> dict:
 
 
 def estimate_for(world: int, nodes: int, zero: dict):
-    """The estimate of one_step_per_config's step: the test GPT's units on one tp rank, its activations."""
+    """The estimate of one_step_per_config's step: the test GPT's units on one tp rank, its activations
+    under `zero`'s ZeRO-R switches."""
     from zeropp import ZeroConfig
     from zeropp.config import ModelConfig
     from zeropp.estimate import estimate, gpt_activations, gpt_unit_numels
+    from zeropp.estimate.cli import ZERO_R_FLAGS
 
     gpt = ModelConfig(
         n_layer=GPT_TEST.n_layer, n_head=GPT_TEST.n_head, d_model=GPT_TEST.d_model, block_size=GPT_TEST.block_size
     )
     units = gpt_unit_numels(gpt, 2)
-    return units, estimate(
-        units, world, nodes, ZeroConfig(**zero), tensor_parallel=2, activations=gpt_activations(gpt, 2)
-    )
+    activations = gpt_activations(gpt, 2, **{key: zero[key] for key in ZERO_R_FLAGS if key in zero})
+    return units, estimate(units, world, nodes, ZeroConfig(**zero), tensor_parallel=2, activations=activations)
 
 
 def test_model_states_per_rank_are_table_1_on_the_tensor_parallel_share():
@@ -280,6 +283,31 @@ def test_model_states_per_rank_are_table_1_on_the_tensor_parallel_share():
             assert got["units"] == units, (name, rank)
             assert got["memory"] == table_1 == est.model_state_bytes, (name, rank)
             assert got["ledger"] == est.ledger(rank).as_dict(), (name, rank)
+
+
+def test_zero_r_bytes_and_checkpoints_per_rank_are_the_estimates():
+    """dp 2 x tp 2 on 2 nodes x 2 with activation checkpointing, Pa and Pa+cpu (+MD): every byte of every
+    rank's ledger is the estimate's (zeropp's recomputation: 5 all-reduces per block; Pa's all-gather),
+    and the checkpoint bytes it held at peak are the estimate's per rank: on the device without Pa+cpu,
+    on the host with it (where the device holds only the 2 pieces staged back in backward)."""
+    ac = dict(activation_checkpointing=True)
+    pa = dict(ac, partition_activations=True)
+    configs = {
+        "stage1-AC": dict(stage=1, **ac),
+        "stage3-Pa": dict(stage=3, **pa),
+        "stage2-Pa+cpu+MD": dict(stage=2, **pa, cpu_checkpointing=True, contiguous_memory_optimization=True),
+    }
+    per_rank = run_ranks(one_step_per_config, world=4, nodes=2, configs=configs)
+    for name, zero in configs.items():
+        _, est = estimate_for(4, 2, zero)
+        device, host = est.activation_checkpoint_bytes(), est.activation_checkpoint_bytes("host")
+        staged = 2 * est.activations.checkpoint_elements(2) * 4 if zero.get("cpu_checkpointing") else 0
+        assert est.bytes_of("tp") > 0 and (est.bytes_of("pa") > 0) == zero.get("partition_activations", False)
+        for rank, results in enumerate(per_rank):
+            got = results[name]
+            assert got["ledger"] == est.ledger(rank).as_dict(), (name, rank)
+            assert got["checkpoints"] == (device + staged, host), (name, rank)
+            assert got["checkpoints"][0 if device else 1] > 0, (name, rank)
 
 
 def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nodes():

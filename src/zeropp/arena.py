@@ -14,6 +14,8 @@ many it needed per step with MD and without.
   Pa+cpu (at most two alive) and the gradient buffers (a few units' at a time) reuse the same memory
   step after step, whatever order they are given back in. A take for which no range of its size is
   free (a bigger batch than the first step's) is a fresh, counted allocation rather than an error.
+
+:class:`Loans` takes from an arena and gives back by the tensor itself (a unit's gradient buffers).
 """
 
 from __future__ import annotations
@@ -84,3 +86,21 @@ class Arena:
     def capacity(self) -> int:
         """Bytes of the preallocated buffer (0 before it exists, or without MD)."""
         return 0 if self.buffer is None else self.buffer.numel()
+
+
+class Loans:
+    """Tensors taken from an :class:`Arena`, each given back by passing the tensor itself."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self._give_back_of: dict[int, Callable[[], None]] = {}  # data_ptr -> how to give it back
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor, give_back = self.arena.take(numel, dtype)
+        self._give_back_of[tensor.data_ptr()] = give_back
+        return tensor
+
+    def give_back(self, tensor: torch.Tensor | None) -> None:
+        """Give `tensor` back (None: nothing to give)."""
+        if tensor is not None:
+            self._give_back_of.pop(tensor.data_ptr())()

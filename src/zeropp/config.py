@@ -225,17 +225,20 @@ class ZeroConfig:
                 self.offload_params,
                 "'none' unless zero.offload_optimizer is 'cpu' too",
             )
-        self._validate_checkpointing()
+        validate_checkpointing(self)
         check_finite(self, "zero")
         self.loss_scale.validate()
 
-    def _validate_checkpointing(self) -> None:
-        for key, needs in (
-            ("partition_activations", "activation_checkpointing"),
-            ("cpu_checkpointing", "partition_activations"),
-        ):
-            if getattr(self, key):
-                require(getattr(self, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")
+
+def validate_checkpointing(switches: Any) -> None:
+    """ZeRO-R's switches, each building on the one before (Pa on checkpointing, Pa+cpu on Pa), on a
+    ZeroConfig or a :class:`zeropp.memory.Activations`: the one rule for both."""
+    for key, needs in (
+        ("partition_activations", "activation_checkpointing"),
+        ("cpu_checkpointing", "partition_activations"),
+    ):
+        if getattr(switches, key):
+            require(getattr(switches, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")
 
 
 @dataclass

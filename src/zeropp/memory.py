@@ -40,9 +40,12 @@ from typing import Literal
 
 import torch
 
+from zeropp.config import validate_checkpointing
 from zeropp.schema import ConfigError
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RUNTIME_RECOMPUTED_ALL_REDUCES = 1  # zeropp's activation checkpointing (see Activations)
+PAPER_RECOMPUTED_ALL_REDUCES = 2  # the ZeRO paper's (SC20 §8): the whole forward again
 
 
 def analytic_model_state_bytes(
@@ -95,17 +98,21 @@ class Activations:
     activation_checkpointing: bool = False
     partition_activations: bool = False  # Pa: each checkpoint split over the tensor-parallel ranks
     cpu_checkpointing: bool = False  # Pa+cpu: the partitions kept in host memory
+    # forward all-reduces per block that checkpointing's recomputation repeats in backward (Megatron's
+    # layout has 2: attention's and the MLP's row-wise outputs): zeropp's runtime repeats 1, as torch's
+    # non-reentrant checkpoint stops recomputing once backward has every tensor it needs, and the MLP's
+    # all-reduce feeds none; the ZeRO paper (§8) counts the whole forward, 2
+    recomputed_all_reduces: int = RUNTIME_RECOMPUTED_ALL_REDUCES
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "seq", "batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"activations: {key} = {getattr(self, key)} is not allowed; expected an integer >= 1")
-        for key, needs in (
-            ("partition_activations", "activation_checkpointing"),
-            ("cpu_checkpointing", "partition_activations"),
-        ):
-            if getattr(self, key) and not getattr(self, needs):
-                raise ConfigError(f"zero.{key} = True is not allowed without zero.{needs}; expected both or neither")
+        if self.recomputed_all_reduces not in (0, 1, 2):
+            raise ConfigError(
+                f"activations: recomputed_all_reduces = {self.recomputed_all_reduces} is not allowed; expected 0, 1 or 2"
+            )
+        validate_checkpointing(self)
 
     @property
     def block_elements(self) -> int:

@@ -16,9 +16,11 @@ compute dtype): a column-wise linear takes its input whole and all-reduces the i
 backward; a row-wise linear all-reduces its output in forward. Two of each per block, so 2
 all-reduces in forward and 2 in backward, each of b*s*h elements. An all-reduce is a reduce-scatter
 and an all-gather (the ZeRO paper's 2 x message size), so a block moves 8 * b*s*h elements per
-micro-batch, 12 * b*s*h with activation checkpointing (the forward's 2 again in recomputation: ZeRO
-§8's "12 x seq x hidden x batch per layer"); per rank on a ring of t ranks that is (t-1)/t of it:
-:func:`megatron_bytes_per_block`, from the traffic model's :func:`~zeropp.comm.volume.megatron_transfers`.
+micro-batch; with activation checkpointing 2 * b*s*h more per forward all-reduce recomputation
+repeats: 12 * b*s*h in the ZeRO paper's layout (both: §8's "12 x seq x hidden x batch per layer"),
+10 * b*s*h in zeropp's runtime (one: :class:`~zeropp.memory.Activations`). Per rank on a ring of t
+ranks that is (t-1)/t of it: :func:`megatron_bytes_per_block`, from the traffic model's
+:func:`~zeropp.comm.volume.megatron_transfers`.
 """
 
 from __future__ import annotations
@@ -151,8 +153,9 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
 
 
 def megatron_bytes_per_block(
-    batch: int, seq: int, hidden: int, tp: int, element_bytes: int, checkpointed: bool = False
+    batch: int, seq: int, hidden: int, tp: int, element_bytes: int, recomputed: int = 0
 ) -> int:
     """Bytes one rank sends per transformer block and micro-batch under Megatron's layout: 4 ring
-    all-reduces of batch*seq*hidden (6 with activation checkpointing), 2 (tp-1)/tp of it each."""
-    return sum(t.sent for t in megatron_transfers(batch * seq * hidden, element_bytes, tp, checkpointed))
+    all-reduces of batch*seq*hidden, plus the `recomputed` forward all-reduces activation checkpointing
+    repeats (:attr:`~zeropp.memory.Activations.recomputed_all_reduces`), 2 (tp-1)/tp of it each."""
+    return sum(t.sent for t in megatron_transfers(batch * seq * hidden, element_bytes, tp, recomputed))

@@ -27,7 +27,7 @@ from zeropp.checkpoint import (
     save_checkpoint,
     verify_files,
 )
-from zeropp.comm.volume import STEP_PHASES, zero3_step_bytes, zero3_units
+from zeropp.comm.volume import PA_GATHER, STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.config import Config
 from zeropp.data import Batches
 from zeropp.engine import ZeroEngine
@@ -35,7 +35,6 @@ from zeropp.memory import PeakMeter, analytic_model_state_bytes, peak_memory_byt
 from zeropp.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import load_pretrained
-from zeropp.runtime.checkpointing import PA_GATHER
 from zeropp.summary import CheckpointRecord, RunSummary, ZeroppSwitches
 from zeropp.tensor_parallel import parallelize
 from zeropp.topology import init_topology

@@ -19,13 +19,12 @@ Which modules form units is :mod:`zeropp.grouping`'s concern; when hooks fire is
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeropp.arena import Arena
+from zeropp.arena import Arena, Loans
 from zeropp.comm import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
 from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
@@ -120,8 +119,8 @@ class FlatUnit:
         self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        self._gradients = options.grad_arena or Arena(device, pinned=False, contiguous=False)
-        self._give_back_of: dict[int, Callable[[], None]] = {}  # data_ptr -> how to give a gradient buffer back
+        # gradient buffers (MD: ranges of the preallocated gradient arena)
+        self._gradients = Loans(options.grad_arena or Arena(device, pinned=False, contiguous=False))
         if not policy.shard_gradients:
             self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
         self.version = 0  # bumped whenever the weights change
@@ -271,7 +270,7 @@ class FlatUnit:
                 "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
             )
         if self.grad_flat is None:  # fresh: each parameter's first gradient is copied in, not added to zeros
-            self.grad_flat = self._take_grad(self.layout.padded_numel)
+            self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype)
             self._unwritten = set(range(len(self.params)))
         if isinstance(grad, DTensor):  # tensor parallelism: in the parameter's own placement, this rank's piece
             param = self.params[index]
@@ -309,7 +308,7 @@ class FlatUnit:
         With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
         """
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
-            self.grad_flat = self._take_grad(self.layout.padded_numel).zero_()
+            self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype).zero_()
         self._zero_unwritten()
         if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
@@ -320,13 +319,13 @@ class FlatUnit:
                 return Pending([])
             self.grad_flat = None
             return Pending([], lambda: self._accumulate_reduced(flat))
-        out = self._take_grad(mine.numel())
+        out = self._gradients.take(mine.numel(), self.grad_dtype)
         pending = self._reduce_scatter(out, flat)
         if not self.policy.shard_gradients:  # stage 1: the mean shard goes back into its own slice
 
             def write_back() -> None:
                 mine.copy_(out)
-                self._give_back(out)
+                self._gradients.give_back(out)
 
             return Pending([pending], write_back, start_hops=pending.start_ready_hops)
         # the full gradient lives only as long as its reduction needs it (qgZ: not past the quantization)
@@ -334,7 +333,7 @@ class FlatUnit:
 
         def finish() -> None:
             self._accumulate_reduced(out)
-            self._give_back(flat)
+            self._gradients.give_back(flat)
 
         return Pending([pending], finish, start_hops=pending.start_ready_hops)
 
@@ -374,23 +373,13 @@ class FlatUnit:
             self.grad_shard = shard
         else:
             self.grad_shard.add_(shard)
-            self._give_back(shard)
-
-    def _take_grad(self, numel: int) -> torch.Tensor:
-        """A gradient buffer (MD: a range of the preallocated gradient arena)."""
-        tensor, give_back = self._gradients.take(numel, self.grad_dtype)
-        self._give_back_of[tensor.data_ptr()] = give_back
-        return tensor
-
-    def _give_back(self, tensor: torch.Tensor | None) -> None:
-        if tensor is not None:
-            self._give_back_of.pop(tensor.data_ptr())()
+            self._gradients.give_back(shard)
 
     def reduced_gradient(self) -> torch.Tensor:
         """This rank's reduced gradient, aligned with ``master`` (zeros if none arrived)."""
         if self.policy.shard_gradients:
             if self.grad_shard is None:
-                self.grad_shard = self._take_grad(self.master.numel()).zero_()
+                self.grad_shard = self._gradients.take(self.master.numel(), self.grad_dtype).zero_()
             return self.grad_shard
         return self.shard_of(self.grad_flat)
 
@@ -413,8 +402,8 @@ class FlatUnit:
 
     def clear_gradients(self) -> None:
         if self.policy.shard_gradients:
-            self._give_back(self.grad_shard)
-            self._give_back(self.grad_flat)
+            self._gradients.give_back(self.grad_shard)
+            self._gradients.give_back(self.grad_flat)
             self.grad_shard = None
             self.grad_flat = None
         else:

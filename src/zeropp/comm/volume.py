@@ -16,10 +16,12 @@ With tensor parallelism (a data-parallel x tensor-parallel :class:`~zeropp.topol
 units are one tensor-parallel rank's local shards, and ZeRO's collectives run inside one
 data-parallel group, priced on :meth:`~zeropp.topology.Layout.data_parallel_layout` (every group
 sends the same). The tensor-parallel traffic is Megatron's (:func:`megatron_transfers`): per block
-and micro-batch 2 all-reduces of b x s x h in forward and 2 in backward, 2 more in backward with
-activation checkpointing (recomputation), and with Pa one all-gather of the block's checkpoint
-before its recomputation (:func:`activation_transfers`; the SC20 ZeRO paper §8). All stay inside a
-node (tensor-parallel groups are consecutive ranks of one node).
+and micro-batch 2 all-reduces of b x s x h in forward and 2 in backward, plus, with activation
+checkpointing, the forward all-reduces that recomputation repeats in backward
+(:attr:`~zeropp.memory.Activations.recomputed_all_reduces`: 1 in zeropp's runtime, 2 in the ZeRO
+paper's layout), and with Pa one all-gather of the block's checkpoint before its recomputation
+(:func:`activation_transfers`; the SC20 ZeRO paper §8). All stay inside a node (tensor-parallel
+groups are consecutive ranks of one node).
 """
 
 from __future__ import annotations
@@ -96,13 +98,13 @@ def step_transfers(
                 yield Transfer("tp.all_reduce", "step", ring_bytes(4, tp, 2), 0.0)
 
 
-def megatron_transfers(block_elements: int, element_bytes: int, tp: int, checkpointed: bool) -> Iterator[Transfer]:
+def megatron_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
     """One block's tensor-parallel all-reduces in one micro-batch under Megatron's layout (a ring over
     the tp ranks, 2 (tp-1)/tp of the buffer each): the row-wise linears' outputs in forward (2), the
-    column-wise linears' input gradients in backward (2), and with activation checkpointing the
-    forward's 2 again in recomputation, which runs in backward."""
+    column-wise linears' input gradients in backward (2), and `recomputed` of the forward's 2 again
+    in recomputation, which runs in backward (0 without activation checkpointing)."""
     sent = ring_bytes(block_elements * element_bytes, tp, passes=2)
-    for phase, count in (("forward", 2), ("backward", 4 if checkpointed else 2)):
+    for phase, count in (("forward", 2), ("backward", 2 + recomputed)):
         for _ in range(count):
             yield Transfer("tp.all_reduce", phase, sent, 0.0)
 
@@ -110,13 +112,14 @@ def megatron_transfers(block_elements: int, element_bytes: int, tp: int, checkpo
 def activation_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:
     """The tensor-parallel traffic of one step: every block's :func:`megatron_transfers` per micro-batch
     and, with Pa, the all-gather of its partitioned checkpoint (tp partitions of ceil(bsh/tp)) right
-    before its recomputation: bsh (tp-1)/tp bytes per block, 1/12 of the block's all-reduces (ZeRO §8)."""
+    before its recomputation: bsh (tp-1)/tp bytes per block, 1/12 of the block's all-reduces in the ZeRO
+    paper's layout (§8), 1/10 in zeropp's runtime (:attr:`~zeropp.memory.Activations.recomputed_all_reduces`)."""
     if tp == 1:
         return
-    checkpointed = activations.activation_checkpointing
+    recomputed = activations.recomputed_all_reduces if activations.activation_checkpointing else 0
     gathered = tp * activations.checkpoint_elements(tp) * element_bytes
     for _ in range(micro * activations.layers):
-        yield from megatron_transfers(activations.block_elements, element_bytes, tp, checkpointed)
+        yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
         if activations.partition_activations:
             yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
 

@@ -223,8 +223,9 @@ def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
     return [sum(local[name] for name, _ in params) for _, params in group_parameters(gpt, repeated_blocks(gpt))]
 
 
-def gpt_activations(model: ModelConfig, micro_batch: int, **switches: bool) -> Activations:
-    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model."""
+def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:
+    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model;
+    `switches`: the other fields of :class:`~zeropp.memory.Activations` (ZeRO-R's, the recomputed all-reduces)."""
     from zeropp.models.gpt import gpt_config
 
     gpt = gpt_config(model)

@@ -12,7 +12,7 @@ from typing import Any
 from zeropp.comm.volume import PA_GATHER, activation_transfers
 from zeropp.config import ZEROPP_SWITCHES, ZeroConfig
 from zeropp.estimate.model import estimate
-from zeropp.memory import BYTES, Activations, analytic_model_state_bytes
+from zeropp.memory import BYTES, PAPER_RECOMPUTED_ALL_REDUCES, Activations, analytic_model_state_bytes
 from zeropp.topology import Layout
 
 # ZeRO (Rajbhandari et al. 2020) Table 1: mixed-precision Adam (2Ψ + 2Ψ + KΨ, K = 12), GB = 1e9 bytes
@@ -99,15 +99,23 @@ def paper_gb(gb: float) -> str:
 
 
 # ZeRO (SC20) §6.1: a 100B model of Table 4 (80B-170B: hidden 8192; 100B: 125 layers), batch 32,
-# sequence 1024, MP 16, one checkpoint per transformer layer, fp16 activations
-ZERO_R_MODEL = Activations(layers=125, hidden=8192, seq=1024, batch=32, activation_checkpointing=True)
+# sequence 1024, MP 16, one checkpoint per transformer layer, fp16 activations, the whole forward recomputed
+ZERO_R_MODEL = Activations(
+    layers=125,
+    hidden=8192,
+    seq=1024,
+    batch=32,
+    activation_checkpointing=True,
+    recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES,
+)
 ZERO_R_MP = 16
 
 
 def pa_example(activations: Activations = ZERO_R_MODEL, mp: int = ZERO_R_MP, precision: str = "fp16") -> dict[str, Any]:
     """ZeRO-R's worked example (SC20 §6.1) and its communication analysis (§8): activation-checkpoint
     bytes per GPU without Pa, with Pa and with Pa+cpu, and Pa's all-gather bytes per step against the
-    tensor-parallel all-reduces (Megatron's layout with checkpointing), from the estimator's models.
+    tensor-parallel all-reduces (Megatron's layout with checkpointing, the paper's recomputation of the
+    whole forward), from the estimator's models.
     Elements are reported too: the paper's "about 33 GB" and "about 2 GB" are the element counts."""
     element = BYTES[precision]
     pa = dataclasses.replace(activations, partition_activations=True)

@@ -50,11 +50,10 @@ from torch.utils.checkpoint import checkpoint
 
 from zeropp.arena import Arena
 from zeropp.comm import Communicator
+from zeropp.comm.volume import PA_GATHER
 from zeropp.dtensor_params import local_tensor
 from zeropp.topology import Group
 from zeropp.units import FlatUnit, innermost_units
-
-PA_GATHER = "pa.all_gather"  # the ledger's name of Pa's all-gather
 
 
 @dataclass
