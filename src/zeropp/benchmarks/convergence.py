@@ -89,48 +89,65 @@ def curves(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, list]]:
     return out
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(r)} |" for r in rows)]
+
+
 def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]], errors: dict[str, float]) -> str:
     table = curves(runs)
     steps = table["ZeRO-3"]["steps"]
     after = [i for i, s in enumerate(steps) if s > args.warmup_steps]  # evaluation points after warm-up
     base_bytes = statistics.fmean(r["inter_node_bytes_per_step"] for r in runs["ZeRO-3"].values())
     seeds = sorted(runs["ZeRO-3"])
+    spread = table["ZeRO-3"]["std"][-1] / table["ZeRO-3"]["mean"][-1]
+    summary = []
+    for name, rows in table.items():
+        worst = max(after, key=lambda i: abs(rows["gap_mean"][i]), default=None)
+        gap = (
+            "-"
+            if worst is None
+            else f"{rows['gap_mean'][worst]:+.2%} ± {rows['gap_std'][worst]:.2%} (step {steps[worst]})"
+        )
+        sent = statistics.fmean(r["inter_node_bytes_per_step"] for r in runs[name].values())
+        error = f"{errors[name]:.3f}" if name in errors else "-"
+        summary.append([name, gap, f"{sent / 2**20:.3f} MiB", f"{sent / base_bytes:.3f}x", error])
     lines = [
         f"seeds {' '.join(map(str, seeds))}, {args.steps} steps, preset {args.preset}, {args.precision}, "
         f"lr {args.lr:g} ({args.warmup_steps} warm-up steps, cosine decay), {args.micro_batch_size} sequences per rank, "
         f"world 4 = 2 simulated nodes x 2; validation loss over {args.eval_batches} batches per rank, "
         "mean ± std over seeds",
         "",
-        "| run | " + " | ".join(f"step {s}" for s in steps) + " |",
-        "|---|" + "---|" * len(steps),
-    ]
-    for name, rows in table.items():
-        cells = [f"{m:.4f} ± {s:.4f}" for m, s in zip(rows["mean"], rows["std"], strict=True)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    spread = table["ZeRO-3"]["std"][-1] / table["ZeRO-3"]["mean"][-1]
-    lines += [
+        *_table(
+            ["run", *(f"step {s}" for s in steps)],
+            [
+                [name, *(f"{m:.4f} ± {d:.4f}" for m, d in zip(rows["mean"], rows["std"], strict=True))]
+                for name, rows in table.items()
+            ],
+        ),
         "",
         f"ZeRO-3's seeds at step {steps[-1]}: std / mean = {spread:.2%}. Paired gap to ZeRO-3 "
         "(per seed: loss / ZeRO-3's loss − 1; mean ± std over seeds) after warm-up:",
         "",
-        "| run | " + " | ".join(f"step {steps[i]}" for i in after) + " |",
-        "|---|" + "---|" * len(after),
-    ]
-    for name, rows in table.items():
-        cells = [f"{rows['gap_mean'][i]:+.2%} ± {rows['gap_std'][i]:.2%}" for i in after]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [
+        *_table(
+            ["run", *(f"step {steps[i]}" for i in after)],
+            [
+                [name, *(f"{rows['gap_mean'][i]:+.2%} ± {rows['gap_std'][i]:.2%}" for i in after)]
+                for name, rows in table.items()
+            ],
+        ),
         "",
-        "| run | largest mean gap after warm-up | cross-node bytes/rank/step | vs ZeRO-3 "
-        f"| weight error, {args.weight_steps} steps on one batch |",
-        "|---|---|---|---|---|",
+        *_table(
+            [
+                "run",
+                "largest mean gap after warm-up",
+                "cross-node bytes/rank/step",
+                "vs ZeRO-3",
+                f"weight error, {args.weight_steps} steps on one batch",
+            ],
+            summary,
+        ),
     ]
-    for name, rows in table.items():
-        worst = max(after, key=lambda i: abs(rows["gap_mean"][i]), default=None)
-        gap = "-" if worst is None else f"{rows['gap_mean'][worst]:+.2%} ± {rows['gap_std'][worst]:.2%} (step {steps[worst]})"
-        sent = statistics.fmean(r["inter_node_bytes_per_step"] for r in runs[name].values())
-        error = f"{errors[name]:.3f}" if name in errors else "-"
-        lines.append(f"| {name} | {gap} | {sent / 2**20:.3f} MiB | {sent / base_bytes:.3f}x | {error} |")
     return "\n".join(lines)
 
 
@@ -160,7 +177,17 @@ def plot(runs: dict[str, dict[int, dict]], out: Path) -> None:
     plt.close(fig)
 
 
-RECIPE = ("steps", "preset", "precision", "lr", "warmup_steps", "micro_batch_size", "eval_interval", "eval_batches", "train_flags")
+RECIPE = (
+    "steps",
+    "preset",
+    "precision",
+    "lr",
+    "warmup_steps",
+    "micro_batch_size",
+    "eval_interval",
+    "eval_batches",
+    "train_flags",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
