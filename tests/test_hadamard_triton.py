@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launcher import run_ranks
 from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, import_kernels, tk
 
 from zeropp.quant import hadamard, reference
@@ -47,3 +48,33 @@ def test_triton_rotation_reads_strided_rows_and_leaves_the_input_alone():
 def test_rotation_for_picks_the_kernel_of_the_backend():
     assert hadamard.rotation_for(tk) is hadamard_triton.rotate
     assert hadamard.rotation_for(reference) is hadamard.rotate
+
+
+def qgz_backends_worker(simulated_nodes: int) -> list[str]:
+    """Two-level qgZ with the rotation on the Triton kernels and on the torch reference: the same bits."""
+    from zeropp.comm import Communicator
+    from zeropp.comm.quantized import reduce_scatter_quantized
+    from zeropp.config import TopologyConfig
+    from zeropp.quant import QuantSpec, kernels_for
+    from zeropp.topology import init_topology
+
+    topo = init_topology(TopologyConfig(nodes=simulated_nodes))
+    comm, world = Communicator(topo), topo.world_size
+    g = torch.Generator().manual_seed(topo.rank)
+    x = torch.randn(world * 80, generator=g) * torch.logspace(-2, 1, world * 80)  # 80: two blocks of 32 and a short one
+    results = {}
+    for backend in ("torch", "triton"):
+        out = torch.empty(80)
+        reduce_scatter_quantized(
+            comm, out, x.clone(), QuantSpec(4, 32), kernels_for(topo.device, backend), topo.shard_groups(),
+            chunks=2, bucket_numel=128, intra_spec=QuantSpec(8, 32), hadamard_rotation=True,
+        ).wait()  # fmt: skip
+        results[backend] = out
+    return [] if torch.equal(_bits(results["torch"]), _bits(results["triton"])) else ["backends differ"]
+
+
+def test_qgz_with_rotation_on_triton_is_the_torch_path_bit_for_bit():
+    if DEVICE != "cpu":
+        pytest.skip("the ranks run on CPU tensors: the interpreter case")
+    for rank, failures in enumerate(run_ranks(qgz_backends_worker, 4, nodes=2, simulated_nodes=2)):
+        assert not failures, (rank, failures)
