@@ -48,15 +48,18 @@ def scale(block: int) -> float:
 
 
 def _butterflies(blocks: torch.Tensor) -> torch.Tensor:
-    """The unnormalized Sylvester-Hadamard transform of `blocks` [m, b], strides 1, 2, ..., b/2."""
+    """The unnormalized Sylvester-Hadamard transform of `blocks` [m, b], strides 1, 2, ..., b/2
+    (two buffers in turn, `blocks` one of them: each stage writes its sums and differences into the other)."""
     m, block = blocks.shape
+    source, target = blocks, torch.empty_like(blocks)
     stride = 1
     while stride < block:
-        pairs = blocks.view(m, block // (2 * stride), 2, stride)
-        u, v = pairs[:, :, 0], pairs[:, :, 1]
-        blocks = torch.stack((u + v, u - v), dim=2).view(m, block)
+        pairs, out = (t.view(m, block // (2 * stride), 2, stride) for t in (source, target))
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        source, target = target, source
         stride *= 2
-    return blocks
+    return source
 
 
 def rotate(x: torch.Tensor, block: int, *, inverse: bool = False) -> torch.Tensor:
