@@ -129,3 +129,12 @@ def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
             load_config({"zero": {key: value}})
     with pytest.raises(ConfigError, match="power of 2 when zero.gradient_hadamard"):
         load_config({"zero": {"gradient_hadamard": True, "gradient_block_size": 96}})
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8])  # odd and even numbers of butterfly stages
+def test_hadamard_rotation_of_one_contiguous_row_inverts_and_leaves_its_input_alone(block):
+    x = torch.randn(1, 3 * block + 1, generator=torch.Generator().manual_seed(block))
+    before = x.clone()
+    back = hadamard.rotate(hadamard.rotate(x, block), block, inverse=True)
+    assert torch.equal(x, before)
+    assert torch.allclose(back, x, rtol=0, atol=16 * torch.finfo(torch.float32).eps * x.abs().max())

@@ -48,18 +48,19 @@ def scale(block: int) -> float:
 
 
 def _butterflies(blocks: torch.Tensor) -> torch.Tensor:
-    """The unnormalized Sylvester-Hadamard transform of `blocks` [m, b], strides 1, 2, ..., b/2
-    (two buffers in turn, `blocks` one of them: each stage writes its sums and differences into the other)."""
+    """The unnormalized Sylvester-Hadamard transform of `blocks` [m, b], strides 1, 2, ..., b/2, in a
+    new tensor (two buffers in turn: each stage writes its sums and differences into the other)."""
     m, block = blocks.shape
-    source, target = blocks, torch.empty_like(blocks)
-    stride = 1
-    while stride < block:
+    stages = block.bit_length() - 1
+    buffers = [torch.empty_like(blocks) for _ in range(min(2, stages))]
+    source = blocks
+    for stage in range(stages):
+        stride, target = 1 << stage, buffers[stage % 2]
         pairs, out = (t.view(m, block // (2 * stride), 2, stride) for t in (source, target))
         torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
         torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
-        source, target = target, source
-        stride *= 2
-    return source
+        source = target
+    return source if stages else blocks.clone()
 
 
 def rotate(x: torch.Tensor, block: int, *, inverse: bool = False) -> torch.Tensor:
