@@ -1,27 +1,17 @@
 """qgZ error feedback with the Triton kernels against the torch reference, bit for bit (the residual
-update of zeropp.comm.feedback_triton); on CPU under Triton's interpreter, as tests/test_quant_kernels.py."""
+update of zeropp.comm.feedback_triton); on CPU under Triton's interpreter (tests/triton_setup.py)."""
 
 from __future__ import annotations
 
-import os
-from unittest import mock
-
 import pytest
 import torch
+from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, import_kernels, tk
 
 from zeropp.comm.feedback import ErrorFeedback, _fused_update
 from zeropp.quant import QuantSpec, reference
 
-CUDA = torch.cuda.is_available()
-pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install -e '.[test]')")
-if not CUDA:
-    pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy")
-with mock.patch.dict(os.environ, {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0" if CUDA else "1")}):
-    from zeropp.comm import feedback_triton
-    from zeropp.quant import triton_kernels as tk
-
-DEVICE = "cpu" if tk.INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(not CUDA and DEVICE == "cuda", reason="no GPU and TRITON_INTERPRET=0")
+feedback_triton = import_kernels("zeropp.comm.feedback_triton")
+pytestmark = NEEDS_GPU_OR_INTERPRETER
 
 
 def _steps(rows: int, columns: int, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -99,6 +99,22 @@ def test_hadamard_rotation_is_orthogonal_and_inverts_within_fp32_rounding(block)
     assert hadamard.rotate(spike, block).abs().max() == pytest.approx(block**-0.5, rel=1e-6)
 
 
+@pytest.mark.parametrize("block", [1, 2, 16, 256])
+def test_hadamard_butterflies_equal_the_matrix_definition_within_fp32_rounding(block):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:  # Sylvester's construction
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h /= block**0.5
+    s = hadamard.signs(block, torch.device("cpu")).double()
+    x = torch.randn(3, 2 * block + 1, generator=torch.Generator().manual_seed(block)) * 100
+    blocks = x[:, : 2 * block].double().reshape(-1, block)
+    tolerance = dict(rtol=0, atol=4 * max(1, block.bit_length()) * torch.finfo(torch.float32).eps * x.abs().max())
+    forward = ((blocks * s) @ h).reshape(3, 2 * block)
+    torch.testing.assert_close(hadamard.rotate(x, block)[:, : 2 * block].double(), forward, **tolerance)
+    inverse = (blocks @ h * s).reshape(3, 2 * block)
+    torch.testing.assert_close(hadamard.rotate(x, block, inverse=True)[:, : 2 * block].double(), inverse, **tolerance)
+
+
 def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
     zero = load_config({"zero": {"err_beta": 0.5, "reset_T": 64, "gradient_error_feedback": "loco"}}).zero
     assert (zero.gradient_error_beta, zero.gradient_error_reset_steps) == (0.5, 64)
@@ -113,3 +129,12 @@ def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
             load_config({"zero": {key: value}})
     with pytest.raises(ConfigError, match="power of 2 when zero.gradient_hadamard"):
         load_config({"zero": {"gradient_hadamard": True, "gradient_block_size": 96}})
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8])  # odd and even numbers of butterfly stages
+def test_hadamard_rotation_of_one_contiguous_row_inverts_and_leaves_its_input_alone(block):
+    x = torch.randn(1, 3 * block + 1, generator=torch.Generator().manual_seed(block))
+    before = x.clone()
+    back = hadamard.rotate(hadamard.rotate(x, block), block, inverse=True)
+    assert torch.equal(x, before)
+    assert torch.allclose(back, x, rtol=0, atol=16 * torch.finfo(torch.float32).eps * x.abs().max())

@@ -3,36 +3,24 @@
 The reference always runs on the CPU: on CUDA, torch divides by a Python scalar through its
 reciprocal (``absmax / qmax``, ``total / divisor``), which is not the rounding rule.
 
-With a GPU the kernels run compiled on it. Without one they run under Triton's CPU interpreter:
-the kernels module is imported here with ``TRITON_INTERPRET=1`` (kernels are decorated at import),
-and the variable is put back afterwards so nothing else in the session sees it. On a GPU machine,
-``TRITON_INTERPRET=1 pytest tests/test_quant_kernels.py`` runs the interpreter cases instead.
-The interpreter costs milliseconds per program instance: tensors stay small.
+With a GPU the kernels run compiled on it, without one under Triton's CPU interpreter
+(tests/triton_setup.py).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from unittest import mock
 
 import pytest
 import torch
 from test_quant import assert_implements_quant_kernels
+from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, tk
 
 import zeropp.quant
 from zeropp.quant import Quantized, QuantSpec, kernels_for, reference
 
-CUDA = torch.cuda.is_available()
-pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install -e '.[test]')")
-if not CUDA:
-    pytest.importorskip("numpy", reason="Triton's CPU interpreter needs numpy")
-with mock.patch.dict(os.environ, {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0" if CUDA else "1")}):
-    from zeropp.quant import triton_kernels as tk
-
-DEVICE = "cpu" if tk.INTERPRETED else "cuda"
 pytestmark = [
-    pytest.mark.skipif(not CUDA and DEVICE == "cuda", reason="no GPU and TRITON_INTERPRET=0"),
+    NEEDS_GPU_OR_INTERPRETER,
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # numpy, in the interpreter
 ]
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.quant import Quantized, QuantKernels, QuantSpec
+from zeropp.quant import Quantized, QuantKernels, QuantSpec, uses_triton
 
 HOPS = ("intra", "inter")
 
@@ -40,7 +40,7 @@ HOPS = ("intra", "inter")
 def _fused_update(kernels: QuantKernels):
     """The one-pass residual update (:mod:`zeropp.comm.feedback_triton`) where qgZ runs the Triton
     kernels; None for the torch reference (the four torch ops below, bit for bit the same)."""
-    if getattr(kernels, "__name__", None) != "zeropp.quant.triton_kernels":
+    if not uses_triton(kernels):
         return None
     from zeropp.comm.feedback_triton import update_residual
 

@@ -174,6 +174,7 @@ class _QgzReduction:
         self.comm, self.shard, self.kernels, self.groups = comm, shard, kernels, groups
         self.intra_spec, self.inter_spec = specs
         self.rotation_block, self.feedback = rotation_block, feedback
+        self.rotate = hadamard.rotation_for(kernels)
         self.columns = column_chunks(shard.numel(), pieces)
         self.intra: list[_Arriving | None] = []
         self.inter: list[_Arriving] = []
@@ -190,7 +191,7 @@ class _QgzReduction:
         for start, stop in self.columns:
             chunk = slices[:, start:stop]
             if self.rotation_block is not None:
-                chunk = hadamard.rotate(chunk, self.rotation_block)
+                chunk = self.rotate(chunk, self.rotation_block)
             if self.feedback is None:
                 quantized = self.kernels.quantize(chunk, self.intra_spec, row_order=order)
             else:
@@ -233,7 +234,7 @@ class _QgzReduction:
             self.kernels.dequantize_reduce(received, out.dtype, divisor=divisor, out=out)
             return
         rotated = self.kernels.dequantize_reduce(received, torch.float32, divisor=divisor)
-        out.copy_(hadamard.rotate(rotated.view(1, -1), self.rotation_block, inverse=True).view(out.shape))
+        out.copy_(self.rotate(rotated.view(1, -1), self.rotation_block, inverse=True).view(out.shape))
 
 
 @functools.lru_cache(maxsize=8)

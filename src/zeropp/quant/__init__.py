@@ -32,7 +32,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QuantKernels", "QuantSpec", "Quantized", "kernels_for", "pack_int4", "unpack_int4"]
+__all__ = ["QuantKernels", "QuantSpec", "Quantized", "kernels_for", "pack_int4", "uses_triton", "unpack_int4"]
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -131,6 +131,11 @@ class QuantKernels(Protocol):
 
     def dequantize_reduce_quantize(self, q: Quantized, spec: QuantSpec) -> Quantized:
         """Sum of the sources' dequantized rows (fp32), quantized again with `spec` (qgZ's intra-node hop)."""
+
+
+def uses_triton(kernels: QuantKernels) -> bool:
+    """Whether `kernels` are the Triton kernels (where the other Triton kernels of a feature apply)."""
+    return getattr(kernels, "__name__", None) == "zeropp.quant.triton_kernels"
 
 
 def kernels_for(device: torch.device, backend: Backend = "auto") -> QuantKernels:

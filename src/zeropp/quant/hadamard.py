@@ -7,24 +7,60 @@ over all its elements, so the absmax that sets the quantization step shrinks tow
 root-mean-square. Being linear and the same on every rank, it commutes with qgZ's sums: gradients
 are rotated once before the first quantization and the reduced result rotated back once
 (``x = s * (H y)``). A trailing block shorter than b is left as it is.
+
+Order of operations (the fast Walsh-Hadamard transform; every backend follows it bit for bit)::
+
+    forward:  x = s * x                       exact (signs are +-1)
+              for stride in 1, 2, 4, ..., b/2:  pairs (u, v) = (x[i], x[i + stride]), i with bit
+                  (u, v) -> (u + v, u - v)      `stride` clear, each rounded once to fp32
+              x = x * fp32(b ** -0.5)
+    inverse:  the butterflies, the scale, then the signs.
+
+O(b log b) a block instead of the b x b matrix product; in real arithmetic the same transform,
+in fp32 the roundings differ from a matmul's (both stay within a few ulps of the exact values).
+:mod:`zeropp.quant.hadamard_triton` is the Triton kernel, picked by ``rotation_for``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
+from zeropp.quant import QuantKernels, uses_triton
+
 SEED = 0x5EED
+
+Rotation = Callable[..., torch.Tensor]
 
 
 @functools.lru_cache(maxsize=8)
-def _matrix_and_signs(block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    signs = torch.randint(0, 2, (block,), generator=torch.Generator().manual_seed(SEED)) * 2 - 1
-    return (h / block**0.5).to(device), signs.to(device, torch.float32)
+def signs(block: int, device: torch.device) -> torch.Tensor:
+    """The seeded random signs (+-1, fp32) of a block of `block` elements."""
+    drawn = torch.randint(0, 2, (block,), generator=torch.Generator().manual_seed(SEED)) * 2 - 1
+    return drawn.to(device, torch.float32)
+
+
+def scale(block: int) -> float:
+    """The normalization ``b ** -0.5``, rounded to fp32 (the factor every backend multiplies by)."""
+    return torch.tensor(block**-0.5, dtype=torch.float32).item()
+
+
+def _butterflies(blocks: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Sylvester-Hadamard transform of `blocks` [m, b], strides 1, 2, ..., b/2, in a
+    new tensor (two buffers in turn: each stage writes its sums and differences into the other)."""
+    m, block = blocks.shape
+    stages = block.bit_length() - 1
+    buffers = [torch.empty_like(blocks) for _ in range(min(2, stages))]
+    source = blocks
+    for stage in range(stages):
+        stride, target = 1 << stage, buffers[stage % 2]
+        pairs, out = (t.view(m, block // (2 * stride), 2, stride) for t in (source, target))
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        source = target
+    return source if stages else blocks.clone()
 
 
 def rotate(x: torch.Tensor, block: int, *, inverse: bool = False) -> torch.Tensor:
@@ -32,8 +68,20 @@ def rotate(x: torch.Tensor, block: int, *, inverse: bool = False) -> torch.Tenso
     out = x.to(torch.float32, copy=True)
     full = out.shape[-1] // block * block
     if full:
-        h, signs = _matrix_and_signs(block, x.device)
+        s = signs(block, x.device)
         blocks = out[..., :full].reshape(-1, block)
-        blocks = blocks @ h * signs if inverse else (blocks * signs) @ h
-        out[..., :full] = blocks.reshape(*out.shape[:-1], full)
+        if inverse:
+            blocks = _butterflies(blocks).mul_(scale(block)).mul_(s)
+        else:
+            blocks = _butterflies(blocks * s).mul_(scale(block))
+        out[..., :full] = blocks.view(*out.shape[:-1], full)
     return out
+
+
+def rotation_for(kernels: QuantKernels) -> Rotation:
+    """``rotate`` with the Triton kernel where qgZ runs the Triton kernels, the torch one otherwise."""
+    if not uses_triton(kernels):
+        return rotate
+    from zeropp.quant.hadamard_triton import rotate as rotate_triton
+
+    return rotate_triton
