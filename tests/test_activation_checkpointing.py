@@ -104,7 +104,8 @@ def _odd_inputs(topology) -> dict:
             out.square().sum().backward()
         grads.append([leaf.grad, block.lin.weight.grad])
     error = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
-    return dict(error=error, held=held, pa=comm.ledger.total(op="pa.all_gather", phase="backward"))
+    left = (store.memory.device, store.memory.host)  # after backward: no staged copy outlives its use
+    return dict(error=error, held=held, left=left, pa=comm.ledger.total(op="pa.all_gather", phase="backward"))
 
 
 def zero_r_scenarios() -> dict:
@@ -136,6 +137,7 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
         odd = result["odd"]
         padded = 53 * 8 + 8 * 1 + 4 * 4  # float64 (105 elements), bool (15), int32 (7)
         assert odd["error"] == 0 and odd["held"] == padded and odd["pa"] == padded, odd
+        assert odd["left"] == (0, 0), odd
         one = result["one_step"]
         # held between forward and backward, exactly: units x b x s x h x 4, divided by tp with Pa;
         # with Pa+cpu nothing on the device, the pieces on the host

@@ -105,7 +105,9 @@ class _Stored:
 
     def __init__(self, data: torch.Tensor, shape: torch.Size, index: int, partitioned: bool) -> None:
         self.data, self.shape, self.dtype, self.index, self.partitioned = data, shape, data.dtype, index, partitioned
-        self.staged: tuple[torch.Tensor, Callable[[], None]] | None = None  # Pa+cpu: a device copy of data
+        self.unpacked = False  # its backward has used it: never fetched again
+        self.staged: torch.Tensor | None = None  # Pa+cpu: a device copy of data
+        self.unstage: weakref.finalize | None = None  # gives the staged copy back, at once or when this dies
 
 
 class ActivationCheckpointing:
@@ -175,13 +177,15 @@ class ActivationCheckpointing:
     def _unpack(self, stored: _Stored) -> torch.Tensor:
         if not stored.partitioned:
             return stored.data
+        stored.unpacked = True
         if self.options.offload:
             self._fetch(stored)
-            if stored.index > 0 and (previous := self._order[stored.index - 1]()) is not None:
-                self._fetch(previous)  # the block recomputed next comes back while this one runs
-            piece, release = stored.staged
+            previous = self._order[stored.index - 1]() if stored.index > 0 else None
+            if previous is not None and previous.partitioned and not previous.unpacked:
+                self._fetch(previous)  # the input unpacked next comes back while this one is used
+            piece = stored.staged
         else:
-            piece, release = stored.data, None
+            piece = stored.data
         numel = stored.shape.numel()
         whole = torch.empty(self.group.size * piece.numel(), dtype=stored.dtype, device=self.device)
         self.comm.all_gather(
@@ -191,10 +195,9 @@ class ActivationCheckpointing:
             bucket_numel=self.options.bucket_numel * stored.dtype.itemsize,
             label=PA_GATHER,
         )
-        if release is not None:  # the staged copy has done its job
+        if stored.unstage is not None:  # the staged copy has done its job
             stored.staged = None
-            release()
-            self.memory.remove(piece.numel() * piece.element_size(), on_host=False)
+            stored.unstage()
         return whole[:numel].view(stored.shape)
 
     def _fetch(self, stored: _Stored) -> None:
@@ -203,8 +206,14 @@ class ActivationCheckpointing:
             return
         copy, release = self.staging.take(stored.data.numel(), stored.dtype)
         copy.copy_(stored.data, non_blocking=True)
-        stored.staged = (copy, release)
-        self.memory.add(copy.numel() * copy.element_size(), on_host=False)
+        nbytes = copy.numel() * copy.element_size()
+        self.memory.add(nbytes, on_host=False)
+        stored.staged = copy
+        stored.unstage = weakref.finalize(stored, self._unstage, nbytes, release)  # also if its graph dies first
+
+    def _unstage(self, nbytes: int, release: Callable[[], None]) -> None:
+        release()
+        self.memory.remove(nbytes, on_host=False)
 
     # -- per step --------------------------------------------------------------------------------
 
