@@ -180,6 +180,7 @@ class Topology:
     tensor_parallel: Group
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     _built: dict[str, Group] = field(default_factory=dict)
+    _named: dict[str, Group] = field(default_factory=dict)  # group_named's answers, by torch's group name
 
     def __enter__(self) -> Topology:
         return self
@@ -225,10 +226,14 @@ class Topology:
     def group_named(self, name: str) -> Group:
         """The group of this rank spanning the ranks of the process group torch names `name` (functional
         collectives name theirs). Matched by ranks: DTensor caches sharding decisions by mesh ranks, so
-        a model parallelized on an earlier topology's groups over the same ranks may issue on those."""
+        a model parallelized on an earlier topology's groups over the same ranks may issue on those.
+        Resolved once per name: DTensor issues several collectives per block on the same group."""
+        if name in self._named:
+            return self._named[name]
         ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
         for group in (self.world, *self._built.values()):
             if group.ranks == ranks:
+                self._named[name] = group
                 return group
         raise KeyError(f"zeropp: no process group over ranks {ranks} (named {name!r}) on rank {self.rank}")
 
