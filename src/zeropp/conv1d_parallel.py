@@ -36,7 +36,9 @@ def _split(dim: int, fused: int) -> Placement:
 def _distribute(style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """`module`'s parameters placed as ``style.param_placements`` says, with the style's own hooks."""
     if type(module).__name__ != "Conv1D":
-        raise NotImplementedError(f"{type(style).__name__} supports transformers' Conv1D only, not {type(module).__name__}")
+        raise NotImplementedError(
+            f"{type(style).__name__} supports transformers' Conv1D only, not {type(module).__name__}"
+        )
 
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for key, placement in style.param_placements.items():
