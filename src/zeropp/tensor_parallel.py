@@ -151,9 +151,11 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
         dims = {}
         if owner in styles:
             style, module = styles[owner]
-            dims = next((d for s, m, d in SHARDED_DIMS if isinstance(style, s) and isinstance(module, m)), {})
-            placements = getattr(style, "param_placements", {})
-            dims = {key: p.dim for key, p in placements.items() if splits(p)} if placements else dims
+            placements = getattr(style, "param_placements", None)
+            if placements is not None:
+                dims = {key: p.dim for key, p in placements.items() if splits(p)}
+            else:
+                dims = next((d for s, m, d in SHARDED_DIMS if isinstance(style, s) and isinstance(module, m)), {})
         shape = list(param.shape)
         if leaf in dims:
             shape[dims[leaf]] = math.ceil(shape[dims[leaf]] / tp)
