@@ -51,7 +51,7 @@ def hf_model(kind: str) -> nn.Module:
 
     if kind == "hf-gpt2":
         config = transformers.GPT2Config(
-            vocab_size=256, n_positions=GPT_TEST.block_size, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+            vocab_size=256, n_positions=GPT_TEST.block_size, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
             eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no randomness after init
         )
         return transformers.GPT2LMHeadModel(config)

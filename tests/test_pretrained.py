@@ -71,7 +71,7 @@ def load_into_shards(simulated_nodes: int, kind: str, folder: str, tp: int = 1) 
     return errors
 
 
-@pytest.mark.parametrize("kind,tp", [("gpt", 1), ("hf-llama", 1), ("gpt", 2)])
+@pytest.mark.parametrize("kind,tp", [("gpt", 1), ("hf-llama", 1), ("gpt", 2), ("hf-gpt2", 2)])
 def test_sharded_folder_loads_exactly_at_every_stage(tmp_path, kind, tp):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")

@@ -19,8 +19,8 @@ SCENARIOS = [
 def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
-    from zeropp.dtensor_params import is_split
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.dtensor_params import is_split, local_tensor
+    from zeropp.tensor_parallel import local_numels, parallelize, plan_for
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
@@ -31,6 +31,9 @@ def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
         config = ZeroConfig(stage=stage, gradient_accumulation_steps=accumulation, max_grad_norm=max_norm)
         model = parallelize(make_model(kind), topology)
         assert sum(p.to_local().numel() if is_split(p) else 0 for p in model.parameters()) > 0
+        # the estimator's count of what this rank holds, without splitting the model
+        whole = make_model(kind)
+        assert local_numels(whole, plan_for(whole, tp), tp) == {n: local_tensor(p).numel() for n, p in model.named_parameters()}
         engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, config, topology)
         clipped = False
         for step in range(STEPS):
@@ -47,19 +50,76 @@ def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("world,nodes,tp", [(4, 2, 2), (2, 1, 2)], ids=["dp2xtp2-2nodes", "dp1xtp2"])
-def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp):
-    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=tp)
-    for rank_errors in results:
+@pytest.mark.parametrize(
+    "kind,world,nodes",
+    [("gpt", 4, 2), ("gpt", 2, 1), ("hf-llama", 4, 2), ("hf-gpt2", 4, 2), ("hf-gpt2", 2, 1)],
+    ids=["gpt-dp2xtp2-2nodes", "gpt-dp1xtp2", "hf-llama-dp2xtp2-2nodes", "hf-gpt2-dp2xtp2-2nodes", "hf-gpt2-dp1xtp2"],
+)
+def test_tensor_parallel_trains_to_the_weights_of_one_process(kind, world, nodes):
+    if kind.startswith("hf-"):
+        pytest.importorskip("transformers")
+    for rank_errors in run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=2, kind=kind):
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
 
 
-def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process():
+def gpt2_attention_pieces() -> dict:
+    """GPT-2's first attention split over tp 2 (dp 1): what this rank holds and computes, and the whole."""
+    from zeropp.config import TopologyConfig
+    from zeropp.dtensor_params import block_of, blocks
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    whole, model = make_model("hf-gpt2"), parallelize(make_model("hf-gpt2"), topology)
+    attn, c_attn = model.transformer.h[0].attn, model.transformer.h[0].attn.c_attn
+    x, _ = global_batch("hf-gpt2", 0, 0, 1)
+    with torch.no_grad():
+        logits = (model(input_ids=x).logits, whole(input_ids=x).logits)
+    return dict(
+        rank=topology.tensor_parallel.rank,
+        local={key: getattr(c_attn, key).to_local() for key in ("weight", "bias")},
+        whole={key: getattr(whole.transformer.h[0].attn.c_attn, key).detach() for key in ("weight", "bias")},
+        full={key: getattr(c_attn, key).full_tensor() for key in ("weight", "bias")},
+        cut=block_of(whole.transformer.h[0].attn.c_attn.weight.detach(), c_attn.weight),
+        blocks=blocks(c_attn.weight),
+        heads=(attn.split_size, attn.num_heads),
+        logits_error=(logits[0] - logits[1]).abs().max().item(),
+    )
+
+
+def test_gpt2_c_attn_pieces_are_each_ranks_heads_of_q_k_and_v():
+    """tp rank r holds columns [r h/2, (r+1) h/2) of each of q, k and v (its 2 of the 4 heads of each),
+    not a plain column split; full_tensor() is Hugging Face's layout, forward is the whole model's."""
     pytest.importorskip("transformers")
-    for rank_errors in run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama"):
-        for name, error in rank_errors.items():
-            assert error <= TOLERANCE, (name, error)
+    config = make_model("hf-gpt2").config
+    hidden, head_dim = config.n_embd, config.n_embd // config.n_head
+    for result in run_ranks(gpt2_attention_pieces, world=2):
+        r, half = result["rank"], hidden // 2
+        columns = [c for part in range(3) for c in range(part * hidden + r * half, part * hidden + (r + 1) * half)]
+        assert torch.equal(result["local"]["weight"], result["whole"]["weight"][:, columns])
+        assert torch.equal(result["local"]["bias"], result["whole"]["bias"][columns])
+        assert all(torch.equal(result["full"][k], result["whole"][k]) for k in ("weight", "bias"))
+        assert torch.equal(result["cut"], result["local"]["weight"])  # how meta-device init cuts it
+        assert [where[1] for _, where in result["blocks"]] == [
+            slice(part * hidden + r * half, part * hidden + (r + 1) * half) for part in range(3)
+        ]
+        assert [piece[1] for piece, _ in result["blocks"]] == [slice(part * half, (part + 1) * half) for part in range(3)]
+        assert result["heads"] == (half, half // head_dim)  # 32 columns each of q, k, v: 2 heads
+        assert result["logits_error"] <= 1e-5
+
+
+def test_gpt2_plan_needs_whole_heads_per_rank():
+    pytest.importorskip("transformers")
+    from zeropp import ConfigError
+    from zeropp.tensor_parallel import plan_for
+
+    model = make_model("hf-gpt2")  # 4 heads
+    assert "transformer.h.*.attn.c_attn" in plan_for(model, 4)
+    with pytest.raises(ConfigError) as error:
+        plan_for(model, 3)
+    message = str(error.value)
+    assert "\n" not in message and "tensor_parallel_size = 3" in message and "n_head = 4" in message
 
 
 def mixed_precision_worker() -> dict:
@@ -104,7 +164,7 @@ def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference
             assert 1e-4 < got["error"] <= BF16_TOLERANCE, what  # low precision really ran, and stayed close
 
 
-def ledger_of_one_step(stage: int) -> dict:
+def ledger_of_one_step(stage: int, kind: str = "gpt") -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from zeropp import ConfigError, ZeroConfig, ZeroEngine
@@ -118,11 +178,11 @@ def ledger_of_one_step(stage: int) -> dict:
     zero = ZeroConfig(stage=stage)
     with pytest.raises(ConfigError, match="call zeropp.parallelize"):  # before any collective of the engine
         ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
-    engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
+    engine = ZeroEngine(parallelize(make_model(kind), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
     engine.comm.ledger.reset()
     with CommDebugMode() as observer:  # torch's own count of every collective, functional or not
-        x, y = rows(global_batch("gpt", 0, 0, dp.size), dp.rank)
-        engine.backward(loss_of("gpt", engine, x, y))
+        x, y = rows(global_batch(kind, 0, 0, dp.size), dp.rank)
+        engine.backward(loss_of(kind, engine, x, y))
         engine.step()
     ledger = engine.comm.ledger
     dp_layout = topology.layout.data_parallel_layout()
@@ -142,12 +202,19 @@ def ledger_of_one_step(stage: int) -> dict:
     )
 
 
-def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula():
+@pytest.mark.parametrize("kind", ["gpt", "hf-gpt2"])
+def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula(kind):
     from zeropp.tensor_parallel import megatron_bytes_per_block
 
-    layers, batch, seq, hidden = GPT_TEST.n_layer, 2, GPT_TEST.block_size, GPT_TEST.d_model
+    if kind == "hf-gpt2":  # c_attn and c_fc column-wise, the two c_proj row-wise: Megatron's layout too
+        pytest.importorskip("transformers")
+        config = make_model(kind).config
+        layers, hidden = config.n_layer, config.n_embd
+    else:
+        layers, hidden = GPT_TEST.n_layer, GPT_TEST.d_model
+    batch, seq = 2, GPT_TEST.block_size
     per_block = megatron_bytes_per_block(batch, seq, hidden, tp=2, element_bytes=4)
-    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3):
+    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3, kind=kind):
         assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
         # Megatron's layout: 2 all-reduces per block in forward, 2 in backward
         assert result["calls"]["tp.all_reduce/forward"] == 2 * layers

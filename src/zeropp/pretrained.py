@@ -10,7 +10,8 @@ Reading: a unit's fp32 master shard covers a contiguous range of its flat buffer
 parameters; for each parameter it touches, the rows holding that range are read with safetensors'
 lazy slicing (``get_slice``) and cut to the elements needed, so a rank reads about its 1/N of the
 model (whole rows at the edges). With tensor parallelism the flat buffer holds each parameter's
-tensor-parallel piece, a block of the whole tensor: the rows read are rows of that block. Frozen parameters and buffers, which every rank keeps whole, are
+tensor-parallel piece, one block of the whole tensor or several side by side (GPT-2's strided
+c_attn, :func:`~zeropp.dtensor_params.blocks`): the rows read are rows of those blocks. Frozen parameters and buffers, which every rank keeps whole, are
 read whole. Optimizer state is left as it is.
 """
 
@@ -26,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from zeropp import state
-from zeropp.dtensor_params import local_block
+from zeropp.dtensor_params import blocks
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
@@ -76,8 +77,8 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
                 lo, hi = max(first, start), min(last, stop)
                 if lo < hi:
                     key, handle = sources[name]
-                    block = local_block(unit.params[index])
-                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *block)
+                    piece = unit.layout.shapes[index], unit.params[index]
+                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *piece)
             unit.load_master_shard(shard)
         for name, tensor in state.fixed_tensors(engine.units, engine.module).items():
             key, handle = sources[name]
@@ -117,14 +118,16 @@ def _match(engine: ZeroEngine, stored: dict[str, Any]) -> dict[str, tuple[str, A
 
 
 def _read_elements(
-    handle: Any, key: str, start: int, stop: int, shape: tuple[int, ...], offset: tuple[int, ...]
+    handle: Any, key: str, start: int, stop: int, shape: tuple[int, ...], param: torch.Tensor
 ) -> torch.Tensor:
-    """Elements [start, stop) of the flattened block of tensor `key` of `shape` at `offset` (a
-    tensor-parallel piece; else the whole tensor), reading only the rows of the block that hold them."""
+    """Elements [start, stop) of this rank's piece of tensor `key`, of `shape`, flattened (a
+    tensor-parallel piece of `param`, else the whole tensor), reading only the rows of the piece's
+    blocks (:func:`~zeropp.dtensor_params.blocks`) that hold them."""
     if not shape:
         return handle.get_tensor(key).reshape(1).float()
     row = math.prod(shape[1:])
     first, last = start // row, math.ceil(stop / row)
-    rows = slice(offset[0] + first, offset[0] + last)
-    rows = handle.get_slice(key)[(rows, *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True)))]
-    return rows.reshape(-1)[start - first * row : stop - first * row].float()
+    rows = torch.empty((last - first, *shape[1:]))
+    for piece, where in blocks(param, (first, last)):
+        rows[piece] = handle.get_slice(key)[where]
+    return rows.reshape(-1)[start - first * row : stop - first * row]

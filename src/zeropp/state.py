@@ -12,8 +12,10 @@ consolidated ``full_state_dict`` and export. Keys:
 A rank's piece of a parameter: its tensor-parallel piece (the DTensor parameter's own placement;
 a parameter the plan left whole is replicated over the tensor-parallel ranks), whose rows are cut
 like ``torch.chunk`` over the data-parallel ranks. Every piece is a block of the whole tensor
-with its offsets, so DCP reshards between meshes by itself: a checkpoint of dp 2 x tp 2 loads at
-dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never depend on the mesh.
+with its offsets, or several side by side (a strided tensor-parallel piece, GPT-2's fused
+[q | k | v]: :func:`~zeropp.dtensor_params.blocks`), which DCP is told as one chunk each
+(:func:`_written_as_blocks`). So DCP reshards between meshes by itself: a checkpoint of dp 2 x tp 2
+loads at dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never depend on the mesh.
 
 A unit's fp32 master is a contiguous shard of a padded flat buffer that spans several
 parameters' tensor-parallel pieces; the pieces here are cut per parameter. Going from one to the
@@ -29,9 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zeropp.dtensor_params import Slices, blocks
+from zeropp.partition import chunk_range
 from zeropp.units import FlatUnit
 
 if TYPE_CHECKING:
@@ -66,6 +72,7 @@ class StateMesh:
 
     def __init__(self, topology: Topology) -> None:
         tp, dp = topology.tensor_parallel, topology.data_parallel
+        self.data_parallel = dp
         self.dims = tuple(name for name, group in (("tp", tp), ("dp", dp)) if group.size > 1) or ("dp",)
         device = topology.device.type
         if len(self.dims) == 2:
@@ -84,7 +91,34 @@ class StateMesh:
         row = math.prod(rest)
         block = (local.numel() // row if row else 0, *rest) if local_shape else (local.numel(),)
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        return DTensor.from_local(local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        piece = DTensor.from_local(local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        if len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
+            start, _ = chunk_range(local_shape[0], self.data_parallel.size, self.data_parallel.rank)
+            _written_as_blocks(piece, blocks(param, (start, start + block[0])))
+        return piece
+
+
+def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> None:
+    """Have DCP write and read `piece` as the blocks `pieces` of the whole tensor (where in the local
+    tensor, where in the whole), one chunk each: DTensor hands DCP's checkpoint questions to its
+    local tensor where that answers them (as it does for a local ShardedTensor)."""
+    local = piece._local_tensor
+    chunks = [
+        ChunkStorageMetadata(torch.Size(s.start for s in where), torch.Size(s.stop - s.start for s in where))
+        for _, where in pieces
+    ]
+    views = {chunk.offsets: mine for chunk, (mine, _) in zip(chunks, pieces, strict=True)}
+    properties = TensorProperties.create_from_tensor(local)
+    local.__create_chunk_list__ = lambda: chunks
+    local.__get_tensor_shard__ = lambda index: local[views[index.offset]]
+    local.__create_write_items__ = lambda fqn, whole: [
+        WriteItem(
+            MetadataIndex(fqn, chunk.offsets),
+            WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=whole.size()),
+        )
+        for chunk in chunks
+    ]
 
 
 def sharded_state_dict(

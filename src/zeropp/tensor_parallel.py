@@ -37,6 +37,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from zeropp.comm import Communicator, Ledger
 from zeropp.comm.volume import megatron_transfers
 from zeropp.config import ConfigError
+from zeropp.conv1d_parallel import gpt2_plan
+from zeropp.dtensor_params import splits
 from zeropp.materialize import broadcast_packed, is_meta
 from zeropp.topology import Topology
 
@@ -86,7 +88,11 @@ def llama_plan(model: nn.Module, tp: int) -> Plan:
     }
 
 
-PLANS: dict[str, Callable[[nn.Module, int], Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
+PLANS: dict[str, Callable[[nn.Module, int], Plan]] = {
+    "GPT": gpt_plan,
+    "LlamaForCausalLM": llama_plan,
+    "GPT2LMHeadModel": gpt2_plan,  # transformers' Conv1D: styles of their own (zeropp.conv1d_parallel)
+}
 
 
 def plan_for(model: nn.Module, tp: int) -> Plan:
@@ -120,6 +126,7 @@ def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) 
 
 
 # (style, module type) -> {parameter: the dimension the style shards it on}; what parallelize_module does
+# (a style with ``param_placements``, such as zeropp.conv1d_parallel's, says it itself)
 SHARDED_DIMS: tuple[tuple[type[ParallelStyle], type[nn.Module], dict[str, int]], ...] = (
     (ColwiseParallel, nn.Linear, {"weight": 0, "bias": 0}),
     (ColwiseParallel, nn.Embedding, {"weight": 1}),
@@ -144,7 +151,11 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
         dims = {}
         if owner in styles:
             style, module = styles[owner]
-            dims = next((d for s, m, d in SHARDED_DIMS if isinstance(style, s) and isinstance(module, m)), {})
+            placements = getattr(style, "param_placements", None)
+            if placements is not None:
+                dims = {key: p.dim for key, p in placements.items() if splits(p)}
+            else:
+                dims = next((d for s, m, d in SHARDED_DIMS if isinstance(style, s) and isinstance(module, m)), {})
         shape = list(param.shape)
         if leaf in dims:
             shape[dims[leaf]] = math.ceil(shape[dims[leaf]] / tp)
