@@ -16,15 +16,15 @@ SCENARIOS = [
 ]
 
 
-def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
+def train_tensor_parallel(tp: int, kind: str = "gpt", sequence_parallel: bool = False) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
     from zeropp.dtensor_params import is_split
     from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
-    dp = topology.data_parallel
+    topology = init_topology(TopologyConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel))
+    dp = topology.data_parallel  # nodes: the launcher's
     errors = {}
     for name, stage, accumulation, max_norm in SCENARIOS:
         optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
@@ -47,17 +47,23 @@ def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     return errors
 
 
+SEQUENCE_PARALLEL = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["megatron", "sequence-parallel"])
+
+
+@SEQUENCE_PARALLEL
 @pytest.mark.parametrize("world,nodes,tp", [(4, 2, 2), (2, 1, 2)], ids=["dp2xtp2-2nodes", "dp1xtp2"])
-def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp):
-    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=tp)
+def test_tensor_parallel_trains_to_the_weights_of_one_process(world, nodes, tp, sequence_parallel):
+    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=tp, sequence_parallel=sequence_parallel)
     for rank_errors in results:
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
 
 
-def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process():
+@SEQUENCE_PARALLEL
+def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process(sequence_parallel):
     pytest.importorskip("transformers")
-    for rank_errors in run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama"):
+    results = run_ranks(train_tensor_parallel, world=4, nodes=2, tp=2, kind="hf-llama", sequence_parallel=sequence_parallel)
+    for rank_errors in results:
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
 
