@@ -68,7 +68,7 @@ def test_tensor_parallel_hf_llama_trains_to_the_weights_of_one_process(sequence_
             assert error <= TOLERANCE, (name, error)
 
 
-def mixed_precision_worker() -> dict:
+def mixed_precision_worker(sequence_parallel: bool) -> dict:
     from test_precision import BF16_STEPS, OPTIM
 
     from zeropp import ZeroConfig, ZeroEngine
@@ -77,7 +77,7 @@ def mixed_precision_worker() -> dict:
     from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel
     reference = reference_state("gpt", BF16_STEPS, dp.size, 1, None, OPTIM)
     out = {}
@@ -98,10 +98,12 @@ def mixed_precision_worker() -> dict:
     return out
 
 
-def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference():
+@SEQUENCE_PARALLEL
+def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference(sequence_parallel):
     from test_precision import BF16_TOLERANCE
 
-    for rank, results in enumerate(run_ranks(mixed_precision_worker, world=4, nodes=2)):
+    per_rank = run_ranks(mixed_precision_worker, world=4, nodes=2, sequence_parallel=sequence_parallel)
+    for rank, results in enumerate(per_rank):
         for precision, got in results.items():
             what = f"rank {rank} {precision}: {got}"
             # DTensor parameters and their local shards in the compute dtype, fp32 masters
@@ -203,6 +205,26 @@ def test_sequence_parallel_ledger_is_the_documented_formula():
         assert block == megatron_bytes_per_block(batch, seq, hidden, 2, 4) == 8 * sent  # Megatron's bytes
         assert result["tp_total"] == layers * block + 2 * sent + norms * hidden * 4 and result["tp_inter"] == 0
         assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
+
+
+def test_sequence_parallel_plans_and_a_plan_without_that_layout(monkeypatch):
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from zeropp import ConfigError, tensor_parallel
+
+    plan = tensor_parallel.plan_for(make_model("gpt"), 2, sequence_parallel=True)
+    assert {name for name, style in plan.items() if isinstance(style, SequenceParallel)} == {
+        "blocks.*.ln_1", "blocks.*.ln_2", "ln_f"
+    }  # fmt: skip
+    assert {name for name, style in plan.items() if isinstance(style, PrepareModuleInput)} == {
+        "blocks.0", "blocks.*.attn", "blocks.*.mlp", "head"
+    }  # fmt: skip
+    assert all(style.output_layouts == (tensor_parallel.SEQUENCE,) for style in plan.values() if isinstance(style, RowwiseParallel))
+    assert not any(isinstance(s, (SequenceParallel, PrepareModuleInput)) for s in tensor_parallel.plan_for(make_model("gpt"), 2).values())
+    monkeypatch.setitem(tensor_parallel.PLANS, "Sequential", lambda model, tp: {"0": RowwiseParallel()})
+    assert list(tensor_parallel.plan_for(torch.nn.Sequential(), 2)) == ["0"]
+    with pytest.raises(ConfigError, match="sequence_parallel = True is not allowed with model class Sequential"):
+        tensor_parallel.plan_for(torch.nn.Sequential(), 2, sequence_parallel=True)
 
 
 def test_a_collective_without_a_byte_model_stops_the_run():

@@ -42,6 +42,7 @@ r = (t-1)/t and e bytes per element::
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from fnmatch import fnmatch
@@ -168,19 +169,28 @@ def sequence_parallel_plan(first_block: str, norms: tuple[str, ...], gathered: d
     return plan
 
 
-PlanFunction = Callable[[nn.Module, int, bool], Plan]
-PLANS: dict[str, PlanFunction] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
+# model class -> plan(model, tp), with a `sequence_parallel` keyword where the plan has that layout too
+PLANS: dict[str, Callable[..., Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan}
 
 
 def plan_for(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan:
-    """The shipped plan for this model's class; a one-line ConfigError where there is none."""
+    """The shipped plan for this model's class; a one-line ConfigError where there is none (or none
+    with sequence parallelism when it is asked for)."""
     name = type(model).__name__
     if name not in PLANS:
         raise ConfigError(
             f"no tensor-parallel plan for model class {name} (plans exist for {', '.join(sorted(PLANS))}); "
             "pass one: zeropp.parallelize(model, topology, plan={'module.name': ColwiseParallel(), ...})"
         )
-    return PLANS[name](model, tp, sequence_parallel)
+    if not sequence_parallel:
+        return PLANS[name](model, tp)
+    layouts = [n for n, plan in sorted(PLANS.items()) if "sequence_parallel" in inspect.signature(plan).parameters]
+    if name not in layouts:
+        raise ConfigError(
+            f"topology.sequence_parallel = True is not allowed with model class {name}; expected false (its plan "
+            f"has no sequence-parallel layout; plans with one exist for {', '.join(layouts)})"
+        )
+    return PLANS[name](model, tp, sequence_parallel=True)
 
 
 def tensor_parallel_mesh(topology: Topology) -> DeviceMesh:
@@ -191,7 +201,9 @@ def tensor_parallel_mesh(topology: Topology) -> DeviceMesh:
 def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) -> nn.Module:
     """Split `model` over the topology's tensor-parallel group with `plan` (default: the shipped plan for
     its class, with ``topology.sequence_parallel``'s layout when set); a no-op without tensor
-    parallelism. Collective over the tensor-parallel group."""
+    parallelism. Collective over the tensor-parallel group. A plan of your own under
+    ``topology.sequence_parallel`` must hand every block its input split over the sequence
+    (:func:`sequence_parallel_plan`): the engine's Pa keeps a block's input as it is then."""
     tp = topology.tensor_parallel
     if tp.size == 1:
         return model
