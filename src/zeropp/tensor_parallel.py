@@ -10,6 +10,8 @@ node, :class:`~zeropp.topology.Layout`); the engine flattens each rank's local s
 shards that over the data-parallel group. Everything the plan leaves out stays whole on every
 tensor-parallel rank, equal there (taken from the group's first rank here) and kept equal: its
 inputs and output gradients are the same on every tensor-parallel rank, so are its gradients.
+(With sequence parallelism the norms' are not: each rank's is the partial sum over its slice of the
+sequence, a ``Partial`` DTensor, which :meth:`~zeropp.units.FlatUnit.add_grad` all-reduces.)
 
 Traffic (Megatron's layout, per transformer block and micro-batch, b x s x h activations in the
 compute dtype): a column-wise linear takes its input whole and all-reduces the input's gradient in
