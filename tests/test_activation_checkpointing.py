@@ -193,6 +193,56 @@ def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say
                 }
 
 
+SEQUENCE_PARALLEL_VARIANTS = ("AC", "AC+Pa", "AC+Pa+cpu", "AC+Pa+cpu+MD")
+
+
+def sequence_parallel_scenarios() -> dict:
+    from zeropp.config import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=TP, sequence_parallel=True))
+    errors, records = {}, {}
+    for stage in (1, 3):
+        plain, _ = _train(topology, stage, {})
+        for name in SEQUENCE_PARALLEL_VARIANTS:
+            ours, records[(stage, name)] = _train(topology, stage, VARIANTS[name])
+            errors[(stage, name)] = max((ours[k] - plain[k]).abs().max().item() for k in plain)
+    one_step = {name: _one_step(topology, VARIANTS[name]) for name in SEQUENCE_PARALLEL_VARIANTS}
+    return dict(errors=errors, records=records, one_step=one_step)
+
+
+def test_zero_r_with_sequence_parallelism_keeps_each_ranks_slice_and_trains_to_the_same_weights():
+    """tp 2 with sequence parallelism: a block's input is already this rank's half of the sequence, so Pa
+    keeps it as it is (no all-gather: splitting it again over the tensor-parallel ranks would mix the
+    ranks' different slices); checkpointing, Pa, Pa+cpu and MD train to the weights of the run without
+    them and hold units x b x s/2 x h, on the host with Pa+cpu; recomputation repeats attention's
+    all-gather and reduce-scatter and the MLP's all-gather."""
+    from zeropp.comm.ledger import ring_bytes
+    from zeropp.estimate.model import gpt_norm_parameters
+
+    units, b, s, h, fp32 = GPT_TEST.n_layer, PER_RANK, GPT_TEST.block_size, GPT_TEST.d_model, 4
+    piece = b * s * h * fp32 // TP  # one block's input on this rank
+    for result in run_ranks(sequence_parallel_scenarios, world=4, nodes=2):
+        for (stage, name), error in result["errors"].items():
+            assert error <= 1e-6, (stage, name, error)
+        one = result["one_step"]
+        assert one["AC"]["held"] == one["AC+Pa"]["held"] == (units * piece, 0)
+        assert one["AC+Pa+cpu"]["held"] == one["AC+Pa+cpu+MD"]["held"] == (0, units * piece)
+        sent = ring_bytes(b * s * h * fp32, TP)  # one all-gather or reduce-scatter of b x s x h
+        # tensor_parallel.py's formula with checkpointing: per block 8 + 3 recomputed, the ends, the norms
+        tp = units * (8 + 3) * sent + 2 * sent + gpt_norm_parameters(units) * ring_bytes(h * fp32, TP, 2)
+        for name in SEQUENCE_PARALLEL_VARIANTS:
+            assert one[name]["after_backward"] == (0, 0), name
+            assert one[name]["pa"] == one[name]["pa_elsewhere"] == 0, name
+            assert one[name]["tp"] == tp, name
+        for stage in (1, 3):
+            records = {name: [r for r, _ in result["records"][(stage, name)]] for name in SEQUENCE_PARALLEL_VARIANTS}
+            assert [r.device_peak_bytes for r in records["AC"]] == [units * piece] * STEPS
+            assert [r.allocations for r in records["AC+Pa"]] == [units * ACCUMULATION] * STEPS  # a copy per input
+            assert [r.allocations for r in records["AC+Pa+cpu+MD"]] == [2 * units * ACCUMULATION] + [0] * (STEPS - 1)
+            assert {(r.device_peak_bytes, r.host_peak_bytes) for r in records["AC+Pa+cpu"]} == {(2 * piece, units * piece)}
+
+
 # without tensor parallelism: (name, ZeroConfig keys of the run, of the run it must equal, tolerance)
 PAIRS = [
     ("stage0-AC", dict(stage=0, **AC), dict(stage=0), 1e-6),

@@ -37,6 +37,11 @@ def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
         (("--shard-alignment", "1000000000000"), ("zero.shard_alignment = 1000000000000", "from 1 to 65536")),
         (("--n-head", "3"), ("model.n_head = 3", "model.d_model = 64", "a divisor of d_model")),
         (("--backend", "nccl"), ("topology.backend = 'nccl'", "no CUDA device")),
+        (("--sequence-parallel",), ("topology.sequence_parallel = True", "topology.tensor_parallel_size > 1")),
+        (
+            ("--tensor-parallel", "2", "--nodes", "1", "--sequence-parallel", "--block-size", "63"),
+            ("a sequence of 63 tokens", "a multiple of topology.tensor_parallel_size = 2"),
+        ),
     ],
 )
 def test_bad_flags(flags, fragments):

@@ -87,6 +87,39 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
         Activations(1, 1, 1, 1, partition_activations=True)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_estimate_sequence_parallel_traffic_and_checkpoints(tp):
+    """tensor_parallel.py's formula: per block and micro-batch 4 all-gathers and 4 reduce-scatters of
+    b x s x h (Megatron's bytes), 2 all-gathers at the model's ends, the 2 (2L + 1) layer-norm vectors'
+    gradients all-reduced; checkpointing recomputes 3 of the block's collectives (the paper's layout 4);
+    every checkpoint is 1/tp of the block's input, Pa moves nothing."""
+    model = ModelConfig(preset="small")
+    gpt, micro, layers = PRESETS["small"], 3, PRESETS["small"].n_layer
+    bsh = micro * gpt.block_size * gpt.d_model
+    zero = ZeroConfig(stage=3, gradient_accumulation_steps=2)
+
+    def run(sequence_parallel=True, **switches):
+        acts = gpt_activations(model, micro, sequence_parallel=sequence_parallel, **switches)
+        return estimate(gpt_unit_numels(model, tp), 8, 2, zero, tensor_parallel=tp, activations=acts)
+
+    ac = dict(activation_checkpointing=True)
+    plain, megatron, checkpointed = run(), run(False), run(**ac)
+    pa, cpu = run(**ac, partition_activations=True), run(**ac, partition_activations=True, cpu_checkpointing=True)
+    paper = run(**ac, recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES)
+    sent, norms = ring_bytes(4 * bsh, tp), 2 * (2 * layers + 1)
+    ends = 2 * sent + norms * ring_bytes(4 * gpt.d_model, tp, 2)
+    assert plain.bytes_of("tp") == 2 * (layers * 8 * sent + ends) == megatron.bytes_of("tp") + 2 * ends  # 2 micro-batches
+    assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") + 2 * layers * 3 * sent
+    assert paper.bytes_of("tp") == plain.bytes_of("tp") + 2 * layers * 4 * sent
+    assert pa.bytes_of("pa") == cpu.bytes_of("pa") == 0 and pa.bytes_of("tp") == checkpointed.bytes_of("tp")
+    ledger = plain.ledger().as_dict()
+    assert set(ledger["tp.all_reduce"]) == {"backward"} and "tp.reduce_scatter" in ledger
+    piece = layers * bsh * 4 // tp
+    assert checkpointed.activation_checkpoint_bytes() == pa.activation_checkpoint_bytes() == piece
+    assert cpu.activation_checkpoint_bytes() == 0 and cpu.activation_checkpoint_bytes("host") == piece
+    assert plain.model_state_bytes == megatron.model_state_bytes
+
+
 # -- zeropp's own byte models ---------------------------------------------------------------------------
 
 
@@ -300,6 +333,11 @@ def test_cli_tensor_parallel_and_zero_r(capsys, tmp_path):
     result = json.loads(out.read_text())
     assert result["unit_numels"] == gpt_unit_numels(ModelConfig(preset="small"), 2)
     assert result["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0 and result["tensor_parallel_bytes_per_step"] > 0
+    small = ["--preset", "small", "--world", "8", "--nodes", "2", "--tensor-parallel", "2", "--activation-checkpointing"]
+    assert main([*small, "--sequence-parallel", "--json", str(out)]) == 0
+    result, gpt = json.loads(out.read_text()), PRESETS["small"]
+    assert result["activations"]["sequence_parallel"] and "tp.reduce_scatter" in result["ledger"]
+    assert result["activation_checkpoint_bytes_per_rank"] == gpt.n_layer * 4 * gpt.block_size * gpt.d_model * 4 // 2
 
 
 def test_cli_tables(capsys, tmp_path):
@@ -342,6 +380,7 @@ def test_cli_tables(capsys, tmp_path):
         (["--world", "4", "--optimizer-state-bytes", "-1"], "--optimizer-state-bytes"),
         (["--world", "8", "--nodes", "2", "--tensor-parallel", "3"], "--tensor-parallel-size = 3"),
         (["--world", "8", "--tensor-parallel", "8"], "--tensor-parallel-size = 8 is not allowed with --n-head = 4"),
+        (["--world", "4", "--sequence-parallel"], "--sequence-parallel = True is not allowed; expected false unless --tensor-parallel-size > 1"),
         (
             ["--world", "4", "--partition-activations"],
             "--partition-activations = True is not allowed; expected false unless --activation-checkpointing",

@@ -16,15 +16,15 @@ SCENARIOS = [
 ]
 
 
-def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
+def train_tensor_parallel(tp: int, kind: str = "gpt", sequence_parallel: bool = False) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config import TopologyConfig
     from zeropp.dtensor_params import is_split, local_tensor
     from zeropp.tensor_parallel import local_numels, parallelize, plan_for
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=tp))  # nodes: the launcher's
-    dp = topology.data_parallel
+    topology = init_topology(TopologyConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel))
+    dp = topology.data_parallel  # nodes: the launcher's
     errors = {}
     for name, stage, accumulation, max_norm in SCENARIOS:
         optim_kwargs = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
@@ -50,15 +50,29 @@ def train_tensor_parallel(tp: int, kind: str = "gpt") -> dict[str, float]:
     return errors
 
 
+SEQUENCE_PARALLEL = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["megatron", "sequence-parallel"])
+
+
 @pytest.mark.parametrize(
-    "kind,world,nodes",
-    [("gpt", 4, 2), ("gpt", 2, 1), ("hf-llama", 4, 2), ("hf-gpt2", 4, 2), ("hf-gpt2", 2, 1)],
-    ids=["gpt-dp2xtp2-2nodes", "gpt-dp1xtp2", "hf-llama-dp2xtp2-2nodes", "hf-gpt2-dp2xtp2-2nodes", "hf-gpt2-dp1xtp2"],
+    "kind,world,nodes,sequence_parallel",
+    [
+        ("gpt", 4, 2, False),
+        ("gpt", 2, 1, False),
+        ("hf-llama", 4, 2, False),
+        ("hf-gpt2", 4, 2, False),
+        ("hf-gpt2", 2, 1, False),
+        ("gpt", 4, 2, True),
+        ("gpt", 2, 1, True),
+        ("hf-llama", 4, 2, True),
+        ("hf-gpt2", 4, 2, True),
+    ],
+    ids=lambda value: {True: "sequence-parallel", False: "megatron"}.get(value, value) if isinstance(value, bool) else str(value),
 )
-def test_tensor_parallel_trains_to_the_weights_of_one_process(kind, world, nodes):
+def test_tensor_parallel_trains_to_the_weights_of_one_process(kind, world, nodes, sequence_parallel):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")
-    for rank_errors in run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=2, kind=kind):
+    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=2, kind=kind, sequence_parallel=sequence_parallel)
+    for rank_errors in results:
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
 
@@ -122,7 +136,7 @@ def test_gpt2_plan_needs_whole_heads_per_rank():
     assert "\n" not in message and "tensor_parallel_size = 3" in message and "n_head = 4" in message
 
 
-def mixed_precision_worker() -> dict:
+def mixed_precision_worker(sequence_parallel: bool) -> dict:
     from test_precision import BF16_STEPS, OPTIM
 
     from zeropp import ZeroConfig, ZeroEngine
@@ -131,7 +145,7 @@ def mixed_precision_worker() -> dict:
     from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel
     reference = reference_state("gpt", BF16_STEPS, dp.size, 1, None, OPTIM)
     out = {}
@@ -152,10 +166,12 @@ def mixed_precision_worker() -> dict:
     return out
 
 
-def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference():
+@SEQUENCE_PARALLEL
+def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference(sequence_parallel):
     from test_precision import BF16_TOLERANCE
 
-    for rank, results in enumerate(run_ranks(mixed_precision_worker, world=4, nodes=2)):
+    per_rank = run_ranks(mixed_precision_worker, world=4, nodes=2, sequence_parallel=sequence_parallel)
+    for rank, results in enumerate(per_rank):
         for precision, got in results.items():
             what = f"rank {rank} {precision}: {got}"
             # DTensor parameters and their local shards in the compute dtype, fp32 masters
@@ -164,7 +180,7 @@ def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference
             assert 1e-4 < got["error"] <= BF16_TOLERANCE, what  # low precision really ran, and stayed close
 
 
-def ledger_of_one_step(stage: int, kind: str = "gpt") -> dict:
+def ledger_of_one_step(stage: int, kind: str = "gpt", sequence_parallel: bool = False) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from zeropp import ConfigError, ZeroConfig, ZeroEngine
@@ -173,15 +189,19 @@ def ledger_of_one_step(stage: int, kind: str = "gpt") -> dict:
     from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel
     zero = ZeroConfig(stage=stage)
     with pytest.raises(ConfigError, match="call zeropp.parallelize"):  # before any collective of the engine
         ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
     engine = ZeroEngine(parallelize(make_model(kind), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
     engine.comm.ledger.reset()
+    x, y = rows(global_batch(kind, 0, 0, dp.size), dp.rank)
+    if sequence_parallel:  # a sequence that does not split in 2: refused before the forward's first collective
+        with CommDebugMode() as observer, pytest.raises(ConfigError, match="a sequence of 15 tokens is not allowed"):
+            engine(x[:, :15], y[:, :15])
+        assert observer.get_total_counts() == 0 and not engine.comm.ledger.calls
     with CommDebugMode() as observer:  # torch's own count of every collective, functional or not
-        x, y = rows(global_batch(kind, 0, 0, dp.size), dp.rank)
         engine.backward(loss_of(kind, engine, x, y))
         engine.step()
     ledger = engine.comm.ledger
@@ -192,6 +212,7 @@ def ledger_of_one_step(stage: int, kind: str = "gpt") -> dict:
         torch_calls=observer.get_total_counts(),
         calls={f"{op}/{phase}": n for (op, phase), n in ledger.calls.items()},
         tp_bytes={phase: ledger.total(op="tp.all_reduce", phase=phase) for phase in ("forward", "backward", "step")},
+        tp_ops={f"{op}/{phase}": ledger.total(op=op, phase=phase) for (op, phase) in ledger.calls if op.startswith("tp.")},
         tp_total=sum(b for (op, _, _), b in ledger.bytes.items() if op.startswith("tp.")),
         tp_inter=sum(b for (op, _, link), b in ledger.bytes.items() if op.startswith("tp.") and link == "inter"),
         dp_bytes={
@@ -229,6 +250,58 @@ def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula(
         assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
 
 
+def test_sequence_parallel_ledger_is_the_documented_formula():
+    """dp 2 x tp 2, stage 3, the embedded GPT with sequence parallelism: per block 2 all-gathers and 2
+    reduce-scatters of b x s x h in forward and in backward (Megatron's bytes), one all-gather more at
+    each end of the model, and the partial gradient of every layer-norm weight and bias all-reduced
+    (without that all-reduce the norms would train on half their gradient: the exactness test fails)."""
+    from zeropp.comm.ledger import ring_bytes
+    from zeropp.estimate.model import gpt_norm_parameters
+    from zeropp.tensor_parallel import megatron_bytes_per_block
+
+    layers, batch, seq, hidden = GPT_TEST.n_layer, 2, GPT_TEST.block_size, GPT_TEST.d_model
+    sent = ring_bytes(batch * seq * hidden * 4, 2)  # one all-gather or reduce-scatter of b x s x h, fp32
+    norms = gpt_norm_parameters(layers)
+    assert norms == 10  # 2 layer norms per block and the final one, a weight and a bias each
+    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3, sequence_parallel=True):
+        assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
+        calls = {name: n for name, n in result["calls"].items() if name.startswith("tp.")}
+        assert calls == {
+            "tp.all_gather/forward": 2 * layers + 1,  # attention's and the MLP's inputs, the head's
+            "tp.reduce_scatter/forward": 2 * layers,  # the row-wise linears' outputs
+            "tp.all_gather/backward": 2 * layers + 1,  # their output gradients, the first block's input gradient
+            "tp.reduce_scatter/backward": 2 * layers,  # the column-wise linears' input gradients
+            "tp.all_reduce/backward": norms,  # the layer norms' partial gradients
+        }
+        assert result["tp_ops"]["tp.all_gather/forward"] == (2 * layers + 1) * sent
+        assert result["tp_ops"]["tp.all_reduce/backward"] == norms * hidden * 4  # 2 (t-1)/t of h fp32 each
+        # tensor_parallel.py's formula: L x 8 r bsh e + 2 r bsh e + P x 2 r h e, r = 1/2, e = 4
+        block = megatron_bytes_per_block(batch, seq, hidden, 2, 4, sequence_parallel=True)
+        assert block == megatron_bytes_per_block(batch, seq, hidden, 2, 4) == 8 * sent  # Megatron's bytes
+        assert result["tp_total"] == layers * block + 2 * sent + norms * hidden * 4 and result["tp_inter"] == 0
+        assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
+
+
+def test_sequence_parallel_plans_and_a_plan_without_that_layout(monkeypatch):
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from zeropp import ConfigError, tensor_parallel
+
+    plan = tensor_parallel.plan_for(make_model("gpt"), 2, sequence_parallel=True)
+    assert {name for name, style in plan.items() if isinstance(style, SequenceParallel)} == {
+        "blocks.*.ln_1", "blocks.*.ln_2", "ln_f"
+    }  # fmt: skip
+    assert {name for name, style in plan.items() if isinstance(style, PrepareModuleInput)} == {
+        "blocks.0", "blocks.*.attn", "blocks.*.mlp", "head"
+    }  # fmt: skip
+    assert all(style.output_layouts == (tensor_parallel.SEQUENCE,) for style in plan.values() if isinstance(style, RowwiseParallel))
+    assert not any(isinstance(s, (SequenceParallel, PrepareModuleInput)) for s in tensor_parallel.plan_for(make_model("gpt"), 2).values())
+    monkeypatch.setitem(tensor_parallel.PLANS, "Sequential", lambda model, tp: {"0": RowwiseParallel()})
+    assert list(tensor_parallel.plan_for(torch.nn.Sequential(), 2)) == ["0"]
+    with pytest.raises(ConfigError, match="sequence_parallel = True is not allowed with model class Sequential"):
+        tensor_parallel.plan_for(torch.nn.Sequential(), 2, sequence_parallel=True)
+
+
 def test_a_collective_without_a_byte_model_stops_the_run():
     from zeropp.comm.observed import ObservedCollectives, UncountedCollective
 
@@ -248,27 +321,35 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     for name, extra in (
         ("tp", (*tensor_parallel, "--save-interval", "2")),
         ("dp", ("--nproc-per-node", "2")),
+        ("sp", ("--nproc-per-node", "4", "--tensor-parallel", "2", "--sequence-parallel")),
         ("resumed", (*tensor_parallel, "--resume", str(tmp_path / "ckpt" / "step-00000002"))),
     ):
         out = tmp_path / f"{name}.json"
         result = zeropp(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         summaries[name] = json.loads(out.read_text())
-    tp, dp, resumed = summaries["tp"], summaries["dp"], summaries["resumed"]
+    tp, dp, resumed, sp = summaries["tp"], summaries["dp"], summaries["resumed"], summaries["sp"]
     assert (tp["world_size"], tp["tensor_parallel_size"], dp["tensor_parallel_size"]) == (4, 2, 1)
-    # 2 data-parallel ranks both times, same micro-batch and initial weights: the same losses, step by step
+    assert (sp["sequence_parallel"], tp["sequence_parallel"]) == (True, False)
+    # 2 data-parallel ranks every time, same micro-batch and initial weights: the same losses, step by step
     assert tp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
+    assert sp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
     assert tp["tokens_per_s"] > 0 and dp["tensor_parallel_bytes_per_step"] == 0
     # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
     from safetensors.torch import load_file
 
+    from zeropp.comm.ledger import ring_bytes
     from zeropp.config import load_config
+    from zeropp.estimate.model import gpt_norm_parameters
     from zeropp.models.gpt import GPT, PRESETS
     from zeropp.tensor_parallel import megatron_bytes_per_block
 
     gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
     per_block = megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp=2, element_bytes=4)
     assert tp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block
+    # sequence parallelism: the same bytes per block, an all-gather at each end, the layer norms' gradients
+    sent, norms = ring_bytes(micro * gpt.block_size * gpt.d_model * 4, 2), gpt_norm_parameters(gpt.n_layer)
+    assert sp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block + 2 * sent + norms * ring_bytes(gpt.d_model * 4, 2, 2)
     assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
     # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
     assert tp["param_count"] < dp["param_count"]
@@ -282,7 +363,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
 # -- the estimator's model against the engine: memory and every byte, with tensor parallelism ----------
 
 
-def one_step_per_config(configs: dict[str, dict]) -> dict:
+def one_step_per_config(configs: dict[str, dict], sequence_parallel: bool = False) -> dict:
     """Two fp32 steps of the embedded GPT split over tp 2 under each ZeroConfig (one launch): the model-state
     bytes the engine measures, its units' numels on this rank, the last step's ledger and its groups, and
     with activation checkpointing the last step's peak checkpoint bytes (device, host)."""
@@ -291,7 +372,7 @@ def one_step_per_config(configs: dict[str, dict]) -> dict:
     from zeropp.tensor_parallel import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(tensor_parallel_size=2))
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel
     out = {}
     for name, zero in configs.items():
@@ -313,9 +394,9 @@ def one_step_per_config(configs: dict[str, dict]) -> dict:
     return out
 
 
-def estimate_for(world: int, nodes: int, zero: dict):
+def estimate_for(world: int, nodes: int, zero: dict, sequence_parallel: bool = False):
     """The estimate of one_step_per_config's step: the test GPT's units on one tp rank, its activations
-    under `zero`'s ZeRO-R switches."""
+    under `zero`'s ZeRO-R switches (and sequence parallelism)."""
     from zeropp import ZeroConfig
     from zeropp.config import ModelConfig
     from zeropp.estimate import estimate, gpt_activations, gpt_unit_numels
@@ -325,7 +406,8 @@ def estimate_for(world: int, nodes: int, zero: dict):
         n_layer=GPT_TEST.n_layer, n_head=GPT_TEST.n_head, d_model=GPT_TEST.d_model, block_size=GPT_TEST.block_size
     )
     units = gpt_unit_numels(gpt, 2)
-    activations = gpt_activations(gpt, 2, **{key: zero[key] for key in ZERO_R_FLAGS if key in zero})
+    switches = {key: zero[key] for key in ZERO_R_FLAGS if key in zero}
+    activations = gpt_activations(gpt, 2, sequence_parallel=sequence_parallel, **switches)
     return units, estimate(units, world, nodes, ZeroConfig(**zero), tensor_parallel=2, activations=activations)
 
 
@@ -375,6 +457,36 @@ def test_zero_r_bytes_and_checkpoints_per_rank_are_the_estimates():
             assert got["ledger"] == est.ledger(rank).as_dict(), (name, rank)
             assert got["checkpoints"] == (device + staged, host), (name, rank)
             assert got["checkpoints"][0 if device else 1] > 0, (name, rank)
+
+
+def test_sequence_parallel_memory_bytes_and_checkpoints_per_rank_are_the_estimates():
+    """dp 2 x tp 2 on 2 nodes x 2 with sequence parallelism, stages 0 and 3, checkpointing with Pa and
+    with Pa+cpu+MD: every byte of every rank's ledger is `zeropp estimate --sequence-parallel`'s, the
+    model states Table 1's on the same share as without it, the checkpoints 1/tp of each block's input
+    with or without Pa."""
+    ac = dict(activation_checkpointing=True)
+    configs = {
+        "stage0": dict(stage=0),
+        "stage3-Pa": dict(stage=3, **ac, partition_activations=True),
+        "stage2-Pa+cpu+MD": dict(stage=2, **ac, partition_activations=True, cpu_checkpointing=True,
+                                 contiguous_memory_optimization=True),
+    }  # fmt: skip
+    per_rank = run_ranks(one_step_per_config, world=4, nodes=2, configs=configs, sequence_parallel=True)
+    whole = GPT_TEST.n_layer * 2 * GPT_TEST.block_size * GPT_TEST.d_model * 4  # every block's input, fp32
+    for name, zero in configs.items():
+        _, est = estimate_for(4, 2, zero, sequence_parallel=True)
+        _, megatron = estimate_for(4, 2, zero)
+        assert est.model_state_bytes == megatron.model_state_bytes
+        assert est.bytes_of("pa") == 0 and est.bytes_of("tp") > megatron.bytes_of("tp") - megatron.bytes_of("pa")
+        device, host = est.activation_checkpoint_bytes(), est.activation_checkpoint_bytes("host")
+        assert device + host == (whole // 2 if "Pa" in name else 0)
+        staged = 2 * est.activations.checkpoint_elements(2) * 4 if zero.get("cpu_checkpointing") else 0
+        for rank, results in enumerate(per_rank):
+            got = results[name]
+            assert got["ledger"] == est.ledger(rank).as_dict(), (name, rank)
+            if "MD" not in name:  # MD's arenas keep the gradient buffers beyond Table 1's
+                assert got["memory"] == est.model_state_bytes, (name, rank)
+            assert got["checkpoints"] == (None if "Pa" not in name else (device + staged, host)), (name, rank)
 
 
 def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nodes():

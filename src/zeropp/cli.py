@@ -50,6 +50,7 @@ from zeropp.materialize import MaterializeError
 from zeropp.metrics import require_matplotlib
 from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import PretrainedError
+from zeropp.tensor_parallel import check_sequence_length
 from zeropp.topology import Layout, resolve_backend
 from zeropp.train import TrainingStopped, preflight
 
@@ -171,7 +172,10 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
         layout.hpz_group_size(config.zero.hpz_partition_size)
         resolve_backend(config.topology)
-        training_text(config, model_source(config))  # model, tokenizer and data: refused here in one line
+        source = model_source(config)
+        training_text(config, source)  # model, tokenizer and data: refused here in one line
+        if config.topology.sequence_parallel:
+            check_sequence_length(source.block_size, config.topology.tensor_parallel_size)
         preflight(config)
         for flag in ("summary_json", "metrics_jsonl", "plot"):
             if getattr(args, flag) is not None:

@@ -260,12 +260,24 @@ class TopologyConfig:
     tensor_parallel_size: int = setting(
         1, "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest"
     )
+    sequence_parallel: bool = setting(
+        False,
+        "with tensor parallelism, shard the activations between the split layers (residual stream, norms) over the "
+        "sequence across the tensor-parallel ranks (Megatron's sequence parallelism)",
+    )
 
     def validate(self) -> None:
         check_choices(self, "topology")
         if self.nodes is not None:
             require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
         require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        if self.sequence_parallel:
+            require(
+                self.tensor_parallel_size > 1,
+                "topology.sequence_parallel",
+                True,
+                "false unless topology.tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)",
+            )
         require(
             0 < self.timeout_s <= MAX_TIMEOUT_S,
             "topology.timeout_s",

@@ -408,7 +408,10 @@ class _Reader:
 
     def sequence_parallel(self) -> None:
         size = self.data["sequence_parallel_size"]
-        self.refuse_unless("sequence_parallel_size", size, 1, "zeropp has no sequence parallelism")
+        self.refuse_unless(
+            "sequence_parallel_size", size, 1,
+            "zeropp has no Ulysses sequence parallelism (topology.sequence_parallel is Megatron's, inside tensor parallelism)",
+        )  # fmt: skip
 
 
 def _check_total(total: int, micro: int, steps: int, world: int) -> None:

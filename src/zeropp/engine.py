@@ -36,7 +36,7 @@ from zeropp.quant import QuantSpec, kernels_for
 from zeropp.runtime import Runtime
 from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions, CheckpointStep
 from zeropp.stages import StagePolicy
-from zeropp.topology import Topology
+from zeropp.topology import Group, Topology
 from zeropp.unit_options import UnitOptions
 from zeropp.units import FlatUnit, innermost_units
 
@@ -125,7 +125,10 @@ class ZeroEngine:
             bucket_numel=config.allgather_bucket_numel,
         )
         topology = self.topology
-        return ActivationCheckpointing(self.units, self.comm, topology.tensor_parallel, topology.device, options)
+        # Pa splits each block input over the tensor-parallel ranks, which all hold it whole; with sequence
+        # parallelism each holds its own 1/tp of the sequence already: Pa keeps that (over a group of one)
+        group = Group(None, (topology.rank,), 0) if topology.sequence_parallel else topology.tensor_parallel
+        return ActivationCheckpointing(self.units, self.comm, group, topology.device, options)
 
     def _host_flat(
         self, params: list[tuple[str, nn.Parameter]], options: UnitOptions

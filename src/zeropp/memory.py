@@ -103,6 +103,11 @@ class Activations:
     # non-reentrant checkpoint stops recomputing once backward has every tensor it needs, and the MLP's
     # all-reduce feeds none; the ZeRO paper (§8) counts the whole forward, 2
     recomputed_all_reduces: int = RUNTIME_RECOMPUTED_ALL_REDUCES
+    # Megatron's sequence parallelism: each tensor-parallel rank holds 1/tp of the sequence between the
+    # split layers (block inputs, so checkpoints, included); `norm_parameters` vectors of `hidden` elements
+    # (the norms' weights and biases) are whole on every rank and get partial gradients there
+    sequence_parallel: bool = False
+    norm_parameters: int = 0
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "seq", "batch"):
@@ -120,8 +125,10 @@ class Activations:
         return self.batch * self.seq * self.hidden
 
     def checkpoint_elements(self, tp: int) -> int:
-        """Elements of one block's checkpoint on one rank: the whole input, or with Pa its 1/tp (padded)."""
-        return math.ceil(self.block_elements / tp) if self.partition_activations else self.block_elements
+        """Elements of one block's checkpoint on one rank: the whole input, or with Pa its 1/tp (padded);
+        with sequence parallelism the input is this rank's 1/tp of the sequence already (Pa keeps it)."""
+        split = self.partition_activations or self.sequence_parallel
+        return math.ceil(self.block_elements / tp) if split else self.block_elements
 
     def checkpoint_bytes(self, tp: int, element_bytes: int, where: Literal["device", "host"] = "device") -> int:
         """Activation-checkpoint bytes one rank holds between forward and backward (every block's), on

@@ -90,7 +90,9 @@ def print_summary(summary: RunSummary) -> None:
     if summary.tensor_parallel_size > 1:
         head.add_row(
             "tensor parallel",
-            f"{summary.tensor_parallel_size} ranks per group, {si(summary.tensor_parallel_bytes_per_step)}/step per rank",
+            f"{summary.tensor_parallel_size} ranks per group"
+            + (", sequence parallel" if summary.sequence_parallel else "")
+            + f", {si(summary.tensor_parallel_bytes_per_step)}/step per rank",
         )
     if summary.config.get("zero", {}).get("activation_checkpointing"):
         head.add_row(

@@ -80,8 +80,11 @@ class RunSummary:
     # to the end, and part of model_state_bytes_per_rank, measured at the last step)
     qgz_residual_bytes_per_rank: int = 0
     qgz_residuals_freed_at_step: int | None = None
-    # the tensor-parallel group's size and its bytes per rank and step (the ledger's tp.* ops, mean over ranks)
+    # the tensor-parallel group's size, whether the activations between its split layers were sharded over
+    # the sequence (topology.sequence_parallel), and its bytes per rank and step (the ledger's tp.* ops,
+    # mean over ranks)
     tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
     tensor_parallel_bytes_per_step: float = 0.0
     # activation checkpoints (zeropp.runtime.checkpointing) rank 0 stored in its last step, peak: on the
     # compute device (with Pa+cpu only the pieces fetched back in backward, at most two) and on the host

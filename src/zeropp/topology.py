@@ -179,6 +179,7 @@ class Topology:
     data_parallel: Group
     tensor_parallel: Group
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
+    sequence_parallel: bool = False  # activations between the split layers sharded over the sequence (tensor_parallel)
     _built: dict[str, Group] = field(default_factory=dict)
     _named: dict[str, Group] = field(default_factory=dict)  # group_named's answers, by torch's group name
 
@@ -279,7 +280,9 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
         atexit.register(shutdown, wait_for_others=False)  # an exit without shutdown() must not leave gloo's threads to the C++ runtime
-    return build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
+    topology = build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
+    topology.sequence_parallel = config.sequence_parallel
+    return topology
 
 
 def resolve_backend(config: TopologyConfig) -> str:

@@ -392,6 +392,7 @@ class Trainer:
             zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
             tensor_parallel_size=topo.tensor_parallel.size,
+            sequence_parallel=topo.sequence_parallel,
             tensor_parallel_bytes_per_step=sum(
                 sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
             ),

@@ -20,8 +20,11 @@ and micro-batch 2 all-reduces of b x s x h in forward and 2 in backward, plus, w
 checkpointing, the forward all-reduces that recomputation repeats in backward
 (:attr:`~zeropp.memory.Activations.recomputed_all_reduces`: 1 in zeropp's runtime, 2 in the ZeRO
 paper's layout), and with Pa one all-gather of the block's checkpoint before its recomputation
-(:func:`activation_transfers`; the SC20 ZeRO paper §8). All stay inside a node (tensor-parallel
-groups are consecutive ranks of one node).
+(:func:`activation_transfers`; the SC20 ZeRO paper §8). With sequence parallelism each all-reduce
+becomes a reduce-scatter and an all-gather (the same bytes), plus an all-gather at each end of the
+model and the norms' partial gradients all-reduced (:func:`sequence_parallel_transfers`,
+:func:`sequence_parallel_ends`). All stay inside a node (tensor-parallel groups are consecutive
+ranks of one node).
 """
 
 from __future__ import annotations
@@ -109,19 +112,65 @@ def megatron_transfers(block_elements: int, element_bytes: int, tp: int, recompu
             yield Transfer("tp.all_reduce", phase, sent, 0.0)
 
 
+# Sequence parallelism's forward collectives per block, attention's then the MLP's: an all-gather of the
+# sub-layer's input, a reduce-scatter of its row-wise linear's output; in backward each one's mirror image
+SEQUENCE_PARALLEL_FORWARD = ("tp.all_gather", "tp.reduce_scatter") * 2
+MIRROR = {"tp.all_gather": "tp.reduce_scatter", "tp.reduce_scatter": "tp.all_gather"}
+# Activations.recomputed_all_reduces -> the forward collectives recomputation repeats with sequence
+# parallelism: zeropp's runtime (1) stops after the MLP's all-gather (its output is saved for backward,
+# the reduce-scatter after it feeds nothing backward needs), the ZeRO paper's layout (2) the whole forward
+SEQUENCE_PARALLEL_RECOMPUTED = {0: 0, 1: 3, 2: 4}
+
+
+def sequence_parallel_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
+    """One block's tensor-parallel collectives in one micro-batch with sequence parallelism, each of
+    b x s x h (the gathered output, the scattered input), (tp-1)/tp of it per rank: Megatron's bytes,
+    each all-reduce now a reduce-scatter and an all-gather. :data:`SEQUENCE_PARALLEL_FORWARD` in
+    forward, their mirror images in backward, and the first `recomputed` of the forward's again there."""
+    sent = ring_bytes(block_elements * element_bytes, tp)
+    for phase, ops in (
+        ("forward", SEQUENCE_PARALLEL_FORWARD),
+        ("backward", (*(MIRROR[op] for op in SEQUENCE_PARALLEL_FORWARD), *SEQUENCE_PARALLEL_FORWARD[:recomputed])),
+    ):
+        for op in ops:
+            yield Transfer(op, phase, sent, 0.0)
+
+
+def sequence_parallel_ends(activations: Activations, tp: int, element_bytes: int) -> Iterator[Transfer]:
+    """Sequence parallelism's collectives outside the blocks, per micro-batch: the (whole) head's input
+    all-gathered in forward, the first block's input gradient all-gathered in backward (the slicing of
+    the whole embeddings' output and of the head's input gradient are local), and every norm parameter's
+    partial gradient all-reduced."""
+    sent = ring_bytes(activations.block_elements * element_bytes, tp)
+    yield Transfer("tp.all_gather", "forward", sent, 0.0)
+    yield Transfer("tp.all_gather", "backward", sent, 0.0)
+    for _ in range(activations.norm_parameters):
+        yield Transfer("tp.all_reduce", "backward", ring_bytes(activations.hidden * element_bytes, tp, 2), 0.0)
+
+
 def activation_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:
     """The tensor-parallel traffic of one step: every block's :func:`megatron_transfers` per micro-batch
     and, with Pa, the all-gather of its partitioned checkpoint (tp partitions of ceil(bsh/tp)) right
     before its recomputation: bsh (tp-1)/tp bytes per block, 1/12 of the block's all-reduces in the ZeRO
-    paper's layout (§8), 1/10 in zeropp's runtime (:attr:`~zeropp.memory.Activations.recomputed_all_reduces`)."""
+    paper's layout (§8), 1/10 in zeropp's runtime (:attr:`~zeropp.memory.Activations.recomputed_all_reduces`).
+    With sequence parallelism: :func:`sequence_parallel_transfers` per block and
+    :func:`sequence_parallel_ends` per micro-batch; Pa moves nothing (a checkpoint is 1/tp already)."""
     if tp == 1:
         return
     recomputed = activations.recomputed_all_reduces if activations.activation_checkpointing else 0
     gathered = tp * activations.checkpoint_elements(tp) * element_bytes
-    for _ in range(micro * activations.layers):
-        yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
-        if activations.partition_activations:
-            yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
+    for _ in range(micro):
+        if activations.sequence_parallel:
+            yield from sequence_parallel_ends(activations, tp, element_bytes)
+        for _ in range(activations.layers):
+            if activations.sequence_parallel:
+                yield from sequence_parallel_transfers(
+                    activations.block_elements, element_bytes, tp, SEQUENCE_PARALLEL_RECOMPUTED[recomputed]
+                )
+                continue
+            yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
+            if activations.partition_activations:
+                yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
 
 
 def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.config import Config, ConfigError, load_config
-from zeropp.estimate.model import estimate, gpt_activations, gpt_unit_numels
+from zeropp.estimate.model import estimate, gpt_activations, gpt_norm_parameters, gpt_unit_numels
 from zeropp.estimate.papers import (
     hpz_example,
     max_model_table,
@@ -44,6 +44,7 @@ MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
 ZERO_R_FLAGS = ("activation_checkpointing", "partition_activations", "cpu_checkpointing")  # zero.* keys of train
 TP_KEY = "topology.tensor_parallel_size"
+SP_KEY = "topology.sequence_parallel"
 DEFAULT_BANDWIDTH = {"intra": "100gbit", "inter": "200mbit"}  # inter: the emulated cluster's tc limit
 
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = cluster.add_mutually_exclusive_group()
     nodes.add_argument("--nodes", dest="topology.nodes", type=int, metavar="N", help="nodes (default 1)")
     nodes.add_argument("--ranks-per-node", type=_at_least(1), metavar="N")
-    add_config_flags(cluster, ("tensor_parallel_size",))
+    add_config_flags(cluster, ("tensor_parallel_size", "sequence_parallel"))
     for link in ("intra", "inter"):
         cluster.add_argument(
             f"--{link}-node-bandwidth",
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _flag_names(message: str) -> str:
     """Config keys in an error message as the flags that set them (zero.stage -> --stage)."""
     flags = {f"zero.{n}" for n in (*ZERO_FLAGS, *ZERO_R_FLAGS)} | {f"model.{n}" for n in MODEL_FLAGS}
-    flags |= {"topology.nodes", TP_KEY}
+    flags |= {"topology.nodes", TP_KEY, SP_KEY}
     return re.sub(
         r"\b(?:zero|model|topology)\.\w+",
         lambda m: "--" + m[0].split(".")[1].replace("_", "-") if m[0] in flags else m[0],
@@ -180,10 +181,16 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         overrides["topology.nodes"] = nodes
     # the estimator prices the method: what training refuses with tensor parallelism for now (a precision)
     # is not refused here, so the tensor-parallel size is applied after the config is read
-    tp = overrides.pop(TP_KEY, None)
+    tp, sp = overrides.pop(TP_KEY, None), overrides.pop(SP_KEY, None)
     config = load_config(args.config, overrides)
-    tp = tp or config.topology.tensor_parallel_size
-    activations = _activations(args, config)
+    topology = dataclasses.replace(
+        config.topology,
+        tensor_parallel_size=tp or config.topology.tensor_parallel_size,
+        sequence_parallel=config.topology.sequence_parallel if sp is None else sp,
+    )
+    topology.validate()
+    tp = topology.tensor_parallel_size
+    activations = _activations(args, config, topology.sequence_parallel)
     model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
     est = estimate(
         model,
@@ -199,17 +206,22 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     return result, [lambda: print_estimate(est, result)]
 
 
-def _activations(args: argparse.Namespace, config: Config) -> Activations | None:
+def _activations(args: argparse.Namespace, config: Config, sequence_parallel: bool) -> Activations | None:
     """The transformer's activations: the embedded GPT's, or a --params model's from --n-layer, --d-model
-    and --block-size (None without them: its tensor-parallel traffic and checkpoints are not priced)."""
+    and --block-size, with the GPT's layer norms (None without them: its tensor-parallel traffic and
+    checkpoints are not priced)."""
     switches = {name: getattr(args, name) for name in ZERO_R_FLAGS}
     micro = config.train.micro_batch_size
     if args.params is None:
-        return gpt_activations(config.model, micro, **switches)
+        return gpt_activations(config.model, micro, sequence_parallel=sequence_parallel, **switches)
     shape = {name: getattr(config.model, name) for name in SHAPE_FLAGS}
     missing = [f"--{_dashed(name)}" for name, value in shape.items() if value is None]
     if not missing:
-        return Activations(shape["n_layer"], shape["d_model"], shape["block_size"], micro, **switches)
+        layers = shape["n_layer"]
+        return Activations(
+            layers, shape["d_model"], shape["block_size"], micro, sequence_parallel=sequence_parallel,
+            norm_parameters=gpt_norm_parameters(layers), **switches,
+        )  # fmt: skip
     if len(missing) < len(shape) or any(switches.values()):
         what = "activation checkpoints" if any(switches.values()) else "the activations"
         raise _UsageError(

@@ -224,9 +224,18 @@ def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
 
 
 def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:
-    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model;
-    `switches`: the other fields of :class:`~zeropp.memory.Activations` (ZeRO-R's, the recomputed all-reduces)."""
+    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model
+    and its layer norms' weights and biases; `switches`: the other fields of
+    :class:`~zeropp.memory.Activations` (ZeRO-R's, sequence parallelism, the recomputed all-reduces)."""
     from zeropp.models.gpt import gpt_config
 
     gpt = gpt_config(model)
-    return Activations(gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, **switches)
+    return Activations(
+        gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, norm_parameters=gpt_norm_parameters(gpt.n_layer), **switches
+    )
+
+
+def gpt_norm_parameters(layers: int) -> int:
+    """Vectors of d_model in the embedded GPT's layer norms (two per block and the final one, a weight and
+    a bias each): what sequence parallelism all-reduces the partial gradients of."""
+    return 2 * (2 * layers + 1)

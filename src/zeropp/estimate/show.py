@@ -88,6 +88,7 @@ def _activation_rows(head: Any, est: Estimate) -> None:
         return
     if acts.activation_checkpointing:
         kind = "Pa+cpu" if acts.cpu_checkpointing else "Pa" if acts.partition_activations else "whole on every tp rank"
+        kind = f"{kind}; 1/{tp} of the sequence" if acts.sequence_parallel and tp > 1 else kind
         host = est.activation_checkpoint_bytes("host")
         head.add_row(
             "activation checkpoints per rank",
@@ -98,7 +99,9 @@ def _activation_rows(head: Any, est: Estimate) -> None:
         tp_bytes, pa = est.bytes_of("tp"), est.bytes_of("pa")
         head.add_row(
             "tensor-parallel traffic",
-            f"{si(tp_bytes)} per rank per step (Megatron's all-reduces, inside a node)"
+            f"{si(tp_bytes)} per rank per step ("
+            + ("sequence parallelism's all-gathers and reduce-scatters" if acts.sequence_parallel else "Megatron's all-reduces")
+            + ", inside a node)"
             + (f"; Pa's all-gathers {si(pa)} = {pa / tp_bytes:.3f}x of it" if pa else ""),
         )
 

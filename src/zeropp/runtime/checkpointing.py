@@ -15,7 +15,9 @@ forward is kept. (Keyword tensor arguments are kept by torch's closure as they a
   multiple of t, this rank's contiguous 1/t copied out (any shape, any dtype). Unpack all-gathers
   the pieces over the tensor-parallel group through :class:`~zeropp.comm.Communicator` (the
   ledger's ``pa.all_gather``, phase backward, (t-1)/t of the input's bytes per rank) and cuts the
-  padding off. With t = 1 the piece is the whole input (a copy, no traffic).
+  padding off. With t = 1 the piece is the whole input (a copy, no traffic); so it is with
+  sequence parallelism, where the engine gives a group of one rank: each rank's block input is
+  already its own 1/t of the sequence, different on every rank.
 - Pa+cpu (``cpu_checkpointing``): the piece is copied to host memory at pack (pinned, non-blocking
   on CUDA). When a block's input is unpacked, the piece of the block recomputed next (the one
   stored before it) starts coming back to the device first, so each piece is fetched one block
