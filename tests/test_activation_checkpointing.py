@@ -229,7 +229,7 @@ def test_zero_r_with_sequence_parallelism_keeps_each_ranks_slice_and_trains_to_t
         assert one["AC"]["held"] == one["AC+Pa"]["held"] == (units * piece, 0)
         assert one["AC+Pa+cpu"]["held"] == one["AC+Pa+cpu+MD"]["held"] == (0, units * piece)
         sent = ring_bytes(b * s * h * fp32, TP)  # one all-gather or reduce-scatter of b x s x h
-        # tensor_parallel.py's formula with checkpointing: per block 8 + 3 recomputed, the ends, the norms
+        # tensor_parallel's formula with checkpointing: per block 8 + 3 recomputed, the ends, the norms
         tp = units * (8 + 3) * sent + 2 * sent + gpt_norm_parameters(units) * ring_bytes(h * fp32, TP, 2)
         for name in SEQUENCE_PARALLEL_VARIANTS:
             assert one[name]["after_backward"] == (0, 0), name

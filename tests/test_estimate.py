@@ -89,7 +89,7 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_estimate_sequence_parallel_traffic_and_checkpoints(tp):
-    """tensor_parallel.py's formula: per block and micro-batch 4 all-gathers and 4 reduce-scatters of
+    """tensor_parallel's formula: per block and micro-batch 4 all-gathers and 4 reduce-scatters of
     b x s x h (Megatron's bytes), 2 all-gathers at the model's ends, the 2 (2L + 1) layer-norm vectors'
     gradients all-reduced; checkpointing recomputes 3 of the block's collectives (the paper's layout 4);
     every checkpoint is 1/tp of the block's input, Pa moves nothing."""

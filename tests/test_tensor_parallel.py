@@ -3,6 +3,8 @@ tensor-parallel traffic in the ledger, refusals."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from launcher import run_ranks
@@ -33,7 +35,9 @@ def train_tensor_parallel(tp: int, kind: str = "gpt", sequence_parallel: bool = 
         assert sum(p.to_local().numel() if is_split(p) else 0 for p in model.parameters()) > 0
         # the estimator's count of what this rank holds, without splitting the model
         whole = make_model(kind)
-        assert local_numels(whole, plan_for(whole, tp), tp) == {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+        assert local_numels(whole, plan_for(whole, tp), tp) == {
+            n: local_tensor(p).numel() for n, p in model.named_parameters()
+        }
         engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, config, topology)
         clipped = False
         for step in range(STEPS):
@@ -66,12 +70,16 @@ SEQUENCE_PARALLEL = pytest.mark.parametrize("sequence_parallel", [False, True], 
         ("hf-llama", 4, 2, True),
         ("hf-gpt2", 4, 2, True),
     ],
-    ids=lambda value: {True: "sequence-parallel", False: "megatron"}.get(value, value) if isinstance(value, bool) else str(value),
+    ids=lambda value: (
+        {True: "sequence-parallel", False: "megatron"}.get(value, value) if isinstance(value, bool) else str(value)
+    ),
 )
 def test_tensor_parallel_trains_to_the_weights_of_one_process(kind, world, nodes, sequence_parallel):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")
-    results = run_ranks(train_tensor_parallel, world=world, nodes=nodes, tp=2, kind=kind, sequence_parallel=sequence_parallel)
+    results = run_ranks(
+        train_tensor_parallel, world=world, nodes=nodes, tp=2, kind=kind, sequence_parallel=sequence_parallel
+    )
     for rank_errors in results:
         for name, error in rank_errors.items():
             assert error <= TOLERANCE, (name, error)
@@ -118,7 +126,9 @@ def test_gpt2_c_attn_pieces_are_each_ranks_heads_of_q_k_and_v():
         assert [where[1] for _, where in result["blocks"]] == [
             slice(part * hidden + r * half, part * hidden + (r + 1) * half) for part in range(3)
         ]
-        assert [piece[1] for piece, _ in result["blocks"]] == [slice(part * half, (part + 1) * half) for part in range(3)]
+        assert [piece[1] for piece, _ in result["blocks"]] == [
+            slice(part * half, (part + 1) * half) for part in range(3)
+        ]
         assert result["heads"] == (half, half // head_dim)  # 32 columns each of q, k, v: 2 heads
         assert result["logits_error"] <= 1e-5
 
@@ -212,7 +222,9 @@ def ledger_of_one_step(stage: int, kind: str = "gpt", sequence_parallel: bool = 
         torch_calls=observer.get_total_counts(),
         calls={f"{op}/{phase}": n for (op, phase), n in ledger.calls.items()},
         tp_bytes={phase: ledger.total(op="tp.all_reduce", phase=phase) for phase in ("forward", "backward", "step")},
-        tp_ops={f"{op}/{phase}": ledger.total(op=op, phase=phase) for (op, phase) in ledger.calls if op.startswith("tp.")},
+        tp_ops={
+            f"{op}/{phase}": ledger.total(op=op, phase=phase) for (op, phase) in ledger.calls if op.startswith("tp.")
+        },
         tp_total=sum(b for (op, _, _), b in ledger.bytes.items() if op.startswith("tp.")),
         tp_inter=sum(b for (op, _, link), b in ledger.bytes.items() if op.startswith("tp.") and link == "inter"),
         dp_bytes={
@@ -250,20 +262,26 @@ def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula(
         assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
 
 
-def test_sequence_parallel_ledger_is_the_documented_formula():
-    """dp 2 x tp 2, stage 3, the embedded GPT with sequence parallelism: per block 2 all-gathers and 2
-    reduce-scatters of b x s x h in forward and in backward (Megatron's bytes), one all-gather more at
-    each end of the model, and the partial gradient of every layer-norm weight and bias all-reduced
-    (without that all-reduce the norms would train on half their gradient: the exactness test fails)."""
+@pytest.mark.parametrize("kind", ["gpt", "hf-gpt2"])
+def test_sequence_parallel_ledger_is_the_documented_formula(kind):
+    """dp 2 x tp 2, stage 3, with sequence parallelism: per block 2 all-gathers and 2 reduce-scatters
+    of b x s x h in forward and in backward (Megatron's bytes), one all-gather more at each end of
+    the sequence-parallel region, and the partial gradient of every layer-norm weight and bias in it
+    all-reduced (without that all-reduce the norms would train on half their gradient: the
+    exactness test fails). GPT-2's final norm is outside the region (its gradient is whole)."""
     from zeropp.comm.ledger import ring_bytes
     from zeropp.estimate.model import gpt_norm_parameters
     from zeropp.tensor_parallel import megatron_bytes_per_block
 
-    layers, batch, seq, hidden = GPT_TEST.n_layer, 2, GPT_TEST.block_size, GPT_TEST.d_model
+    if kind == "hf-gpt2":
+        pytest.importorskip("transformers")
+    layers, batch, seq = GPT_TEST.n_layer, 2, GPT_TEST.block_size
+    hidden = GPT_TEST.d_model if kind == "gpt" else make_model(kind).config.n_embd
     sent = ring_bytes(batch * seq * hidden * 4, 2)  # one all-gather or reduce-scatter of b x s x h, fp32
-    norms = gpt_norm_parameters(layers)
-    assert norms == 10  # 2 layer norms per block and the final one, a weight and a bias each
-    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3, sequence_parallel=True):
+    # 2 layer norms per block (a weight and a bias each) and, for the GPT, the final one
+    norms = gpt_norm_parameters(layers) if kind == "gpt" else 4 * layers
+    assert norms == {"gpt": 10, "hf-gpt2": 8}[kind]
+    for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3, kind=kind, sequence_parallel=True):
         assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
         calls = {name: n for name, n in result["calls"].items() if name.startswith("tp.")}
         assert calls == {
@@ -275,31 +293,43 @@ def test_sequence_parallel_ledger_is_the_documented_formula():
         }
         assert result["tp_ops"]["tp.all_gather/forward"] == (2 * layers + 1) * sent
         assert result["tp_ops"]["tp.all_reduce/backward"] == norms * hidden * 4  # 2 (t-1)/t of h fp32 each
-        # tensor_parallel.py's formula: L x 8 r bsh e + 2 r bsh e + P x 2 r h e, r = 1/2, e = 4
+        # tensor_parallel's formula: L x 8 r bsh e + 2 r bsh e + P x 2 r h e, r = 1/2, e = 4
         block = megatron_bytes_per_block(batch, seq, hidden, 2, 4, sequence_parallel=True)
         assert block == megatron_bytes_per_block(batch, seq, hidden, 2, 4) == 8 * sent  # Megatron's bytes
         assert result["tp_total"] == layers * block + 2 * sent + norms * hidden * 4 and result["tp_inter"] == 0
         assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
 
 
-def test_sequence_parallel_plans_and_a_plan_without_that_layout(monkeypatch):
-    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+def test_sequence_parallel_plans():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from zeropp import ConfigError, tensor_parallel
+    from zeropp.tensor_parallel import plan_for
+    from zeropp.tensor_parallel.plans import SEQUENCE
 
-    plan = tensor_parallel.plan_for(make_model("gpt"), 2, sequence_parallel=True)
+    plan = plan_for(make_model("gpt"), 2, sequence_parallel=True)
     assert {name for name, style in plan.items() if isinstance(style, SequenceParallel)} == {
         "blocks.*.ln_1", "blocks.*.ln_2", "ln_f"
     }  # fmt: skip
     assert {name for name, style in plan.items() if isinstance(style, PrepareModuleInput)} == {
         "blocks.0", "blocks.*.attn", "blocks.*.mlp", "head"
     }  # fmt: skip
-    assert all(style.output_layouts == (tensor_parallel.SEQUENCE,) for style in plan.values() if isinstance(style, RowwiseParallel))
-    assert not any(isinstance(s, (SequenceParallel, PrepareModuleInput)) for s in tensor_parallel.plan_for(make_model("gpt"), 2).values())
-    monkeypatch.setitem(tensor_parallel.PLANS, "Sequential", lambda model, tp: {"0": RowwiseParallel()})
-    assert list(tensor_parallel.plan_for(torch.nn.Sequential(), 2)) == ["0"]
-    with pytest.raises(ConfigError, match="sequence_parallel = True is not allowed with model class Sequential"):
-        tensor_parallel.plan_for(torch.nn.Sequential(), 2, sequence_parallel=True)
+    assert all(style.output_layouts == (SEQUENCE,) for style in plan.values() if isinstance(style, RowwiseParallel))
+    assert not any(
+        isinstance(s, (SequenceParallel, PrepareModuleInput)) for s in plan_for(make_model("gpt"), 2).values()
+    )
+    if importlib.util.find_spec("transformers") is None:
+        return
+    # GPT-2's attention and MLP each start with one column-wise Conv1D, which gathers the sequence itself
+    plan = plan_for(make_model("hf-gpt2"), 2, sequence_parallel=True)
+    assert {name for name, style in plan.items() if isinstance(style, SequenceParallel)} == {
+        "transformer.h.*.ln_1", "transformer.h.*.ln_2"
+    }  # fmt: skip
+    # the region runs from the embeddings' dropout to the final norm, which takes the whole sequence
+    assert {name for name, style in plan.items() if isinstance(style, PrepareModuleInput)} == {
+        "transformer.drop", "transformer.ln_f"
+    }  # fmt: skip
+    assert all(style.input_layouts == (SEQUENCE,) for style in plan.values() if isinstance(style, ColwiseParallel))
+    assert all(style.output_layouts == (SEQUENCE,) for style in plan.values() if isinstance(style, RowwiseParallel))
 
 
 def test_a_collective_without_a_byte_model_stops_the_run():
@@ -349,7 +379,9 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     assert tp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block
     # sequence parallelism: the same bytes per block, an all-gather at each end, the layer norms' gradients
     sent, norms = ring_bytes(micro * gpt.block_size * gpt.d_model * 4, 2), gpt_norm_parameters(gpt.n_layer)
-    assert sp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block + 2 * sent + norms * ring_bytes(gpt.d_model * 4, 2, 2)
+    assert sp["tensor_parallel_bytes_per_step"] == gpt.n_layer * per_block + 2 * sent + norms * ring_bytes(
+        gpt.d_model * 4, 2, 2
+    )
     assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
     # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
     assert tp["param_count"] < dp["param_count"]

@@ -5,7 +5,7 @@ A tensor-parallel plan (:mod:`zeropp.tensor_parallel`) turns some parameters int
 tensor-parallel group; the engine only ever stores, gathers and reduces their local pieces.
 
 A piece is usually one block of the whole tensor (``Shard(d)``: a range of dimension d). A
-``_StridedShard(d, k)`` piece (GPT-2's fused [q | k | v], :mod:`zeropp.conv1d_parallel`) is a range
+``_StridedShard(d, k)`` piece (GPT-2's fused [q | k | v], :mod:`zeropp.tensor_parallel.conv1d`) is a range
 of each of the k equal parts of dimension d, side by side: k blocks. :func:`blocks` lists a piece's
 blocks, each with where it sits in the piece and in the whole; what cuts or reads pieces of whole
 tensors (meta-device initialization, pretrained weights, checkpoints) goes through it.

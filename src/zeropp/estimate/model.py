@@ -215,7 +215,8 @@ def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
 
     from zeropp.grouping import group_parameters, repeated_blocks
     from zeropp.models.gpt import GPT, gpt_config
-    from zeropp.tensor_parallel import gpt_plan, local_numels
+    from zeropp.tensor_parallel import local_numels
+    from zeropp.tensor_parallel.plans import gpt_plan
 
     with torch.device("meta"):
         gpt = GPT(gpt_config(model))

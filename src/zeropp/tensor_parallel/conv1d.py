@@ -1,5 +1,5 @@
-"""Tensor parallelism for Hugging Face ``GPT2LMHeadModel``: DTensor styles for transformers' ``Conv1D``
-and the plan that uses them (:data:`zeropp.tensor_parallel.PLANS`).
+"""DTensor styles for transformers' ``Conv1D``, the linear layer of Hugging Face's GPT-2 (its plan:
+:func:`zeropp.tensor_parallel.plans.gpt2_plan`).
 
 GPT-2's linear layers are ``Conv1D``: a weight of (in, out) and ``addmm(bias, x, weight)``, which
 torch's ColwiseParallel and RowwiseParallel refuse (they know ``nn.Linear``, whose weight is (out,
@@ -24,8 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-from zeropp.config import ConfigError
 
 
 def _split(dim: int, fused: int) -> Placement:
@@ -59,8 +57,8 @@ class Conv1DColwise(ColwiseParallel):
     """ColwiseParallel for ``Conv1D``: weight split on dim 1, bias on dim 0; of each of `fused`
     side-by-side outputs (GPT-2's c_attn: 3) when there are several."""
 
-    def __init__(self, fused: int = 1) -> None:
-        super().__init__(output_layouts=_split(-1, fused))
+    def __init__(self, fused: int = 1, input_layouts: Placement | None = None) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=_split(-1, fused))
         self.param_placements = {"weight": _split(1, fused), "bias": _split(0, fused)}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -70,8 +68,8 @@ class Conv1DColwise(ColwiseParallel):
 class Conv1DRowwise(RowwiseParallel):
     """RowwiseParallel for ``Conv1D``: weight split on dim 0, bias whole (added after the all-reduce)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, output_layouts: Placement | None = None) -> None:
+        super().__init__(output_layouts=output_layouts)
         self.desired_input_layouts = (Shard(-1),)
         self.param_placements = {"weight": Shard(0), "bias": Replicate()}
 
@@ -90,23 +88,3 @@ class LocalHeads(ParallelStyle):
         module.split_size //= tp
         module.num_heads //= tp
         return module
-
-
-def gpt2_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
-    """Megatron's layout for Hugging Face ``GPT2LMHeadModel``: c_attn (each rank its heads of q, k and
-    v) and the MLP's c_fc column-wise, the two c_proj row-wise; embeddings, layer norms and the LM
-    head (tied to the token embedding) whole on every rank."""
-    n_head = model.config.n_head
-    if n_head % tp:
-        raise ConfigError(
-            f"topology.tensor_parallel_size = {tp} is not allowed with n_head = {n_head}; "
-            "expected a divisor of it (each rank computes whole heads)"
-        )
-    block = "transformer.h.*"
-    return {
-        f"{block}.attn": LocalHeads(),
-        f"{block}.attn.c_attn": Conv1DColwise(fused=3),
-        f"{block}.attn.c_proj": Conv1DRowwise(),
-        f"{block}.mlp.c_fc": Conv1DColwise(),
-        f"{block}.mlp.c_proj": Conv1DRowwise(),
-    }
