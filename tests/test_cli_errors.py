@@ -42,6 +42,10 @@ def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
             ("--tensor-parallel", "2", "--nodes", "1", "--sequence-parallel", "--block-size", "63"),
             ("a sequence of 63 tokens", "a multiple of topology.tensor_parallel_size = 2"),
         ),
+        (  # the plan's shapes are checked on the meta device before the ranks start
+            ("--tensor-parallel", "2", "--nodes", "1", "--n-head", "1"),
+            ("tensor_parallel_size = 2", "model.n_head = 1", "a divisor of it"),
+        ),
     ],
 )
 def test_bad_flags(flags, fragments):

@@ -25,6 +25,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from zeropp import runlock
 from zeropp.benchmarks import available
 from zeropp.checkpoint import CheckpointError
@@ -50,7 +52,7 @@ from zeropp.materialize import MaterializeError
 from zeropp.metrics import require_matplotlib
 from zeropp.models.source import model_source, training_text
 from zeropp.pretrained import PretrainedError
-from zeropp.tensor_parallel import check_sequence_length
+from zeropp.tensor_parallel import check_sequence_length, plan_for
 from zeropp.topology import Layout, resolve_backend
 from zeropp.train import TrainingStopped, preflight
 
@@ -174,8 +176,12 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         resolve_backend(config.topology)
         source = model_source(config)
         training_text(config, source)  # model, tokenizer and data: refused here in one line
-        if config.topology.sequence_parallel:
-            check_sequence_length(source.block_size, config.topology.tensor_parallel_size)
+        topology = config.topology
+        if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
+            with torch.device("meta"):
+                plan_for(source.build(), topology.tensor_parallel_size, topology.sequence_parallel)
+        if topology.sequence_parallel:
+            check_sequence_length(source.block_size, topology.tensor_parallel_size)
         preflight(config)
         for flag in ("summary_json", "metrics_jsonl", "plot"):
             if getattr(args, flag) is not None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from zeropp.partition import chunk_range
 
 Slices = tuple[slice, ...]
 
@@ -46,12 +48,10 @@ def blocks(param: torch.Tensor, rows: tuple[int, int] | None = None) -> list[tup
     if is_split(param):
         (placement,) = param.placements  # tensor parallelism: a 1-D mesh
         mesh, dim, n = param.device_mesh, placement.dim, param.shape[placement.dim]
-        if isinstance(placement, _StridedShard):  # this rank's indices on `dim`
-            mode = _StridedShardOffsetMode.ALL
-            _, indices = placement.local_shard_size_and_offset(n, mesh.size(), mesh.get_local_rank(), mode)
-        else:
-            size, offset = Shard.local_shard_size_and_offset(n, mesh.size(), mesh.get_local_rank())
-            indices = range(offset, offset + size)
+        # a Shard is one torch.chunk range of dim; a _StridedShard(dim, k) that range of each of its k parts
+        parts = placement.split_factor if isinstance(placement, _StridedShard) else 1
+        start, stop = chunk_range(n // parts, mesh.size(), mesh.get_local_rank())
+        indices = [part * (n // parts) + i for part in range(parts) for i in range(start, stop)]
         runs: list[list[int]] = []  # [start, stop) of consecutive indices
         for i in indices:
             if runs and runs[-1][1] == i:

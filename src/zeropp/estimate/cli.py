@@ -191,6 +191,10 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     topology.validate()
     tp = topology.tensor_parallel_size
     activations = _activations(args, config, topology.sequence_parallel)
+    if activations is not None and topology.sequence_parallel:
+        from zeropp.tensor_parallel import check_sequence_length
+
+        check_sequence_length(activations.seq, tp)  # as zeropp train refuses it
     model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
     est = estimate(
         model,

@@ -87,8 +87,9 @@ def _activation_rows(head: Any, est: Estimate) -> None:
             head.add_row("tensor-parallel traffic", "not priced: give --n-layer, --d-model and --block-size")
         return
     if acts.activation_checkpointing:
-        kind = "Pa+cpu" if acts.cpu_checkpointing else "Pa" if acts.partition_activations else "whole on every tp rank"
-        kind = f"{kind}; 1/{tp} of the sequence" if acts.sequence_parallel and tp > 1 else kind
+        kind = "Pa+cpu" if acts.cpu_checkpointing else "Pa" if acts.partition_activations else None
+        split = f"1/{tp} of the sequence" if acts.sequence_parallel and tp > 1 else "whole on every tp rank"
+        kind = split if kind is None else f"{kind}; {split}" if acts.sequence_parallel and tp > 1 else kind
         host = est.activation_checkpoint_bytes("host")
         head.add_row(
             "activation checkpoints per rank",

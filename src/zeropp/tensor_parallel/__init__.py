@@ -51,7 +51,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._pytree import tree_flatten
 
 from zeropp.comm import Communicator, Ledger
 from zeropp.config import ConfigError
@@ -123,7 +122,9 @@ def check_sequence_length(length: int, tp: int) -> None:
 
 
 def _check_inputs(tp: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The model's inputs (batch, sequence, ...) before its forward's first collective."""
-    for tensor in tree_flatten((args, kwargs))[0]:
-        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
-            check_sequence_length(tensor.shape[1], tp)
+    """The model's tokens (batch, sequence, ...) before its forward's first collective: the first
+    positional input, else Hugging Face's ``input_ids`` or ``inputs_embeds`` (masks are not looked at:
+    a 4-D one is (batch, 1, sequence, sequence))."""
+    tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+        check_sequence_length(tokens.shape[1], tp)

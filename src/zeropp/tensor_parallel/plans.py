@@ -31,12 +31,7 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan
     embedding, and splitting the vocabulary would take a vocabulary-parallel embedding plus a
     loss-parallel cross-entropy for one vocab x d_model matrix; whole, they cost no traffic.
     `sequence_parallel`: :func:`sequence_parallel_plan`'s layout on top."""
-    config = model.config
-    if config.n_head % tp:
-        raise ConfigError(
-            f"topology.tensor_parallel_size = {tp} is not allowed with model.n_head = {config.n_head}; "
-            f"expected a divisor of n_head (each rank computes whole heads)"
-        )
+    _require_equal_shares(tp, {"model.n_head": model.config.n_head})  # the MLP's 4 d_model follows
     plan: Plan = {}
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
@@ -60,13 +55,8 @@ def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Pl
     row-wise; embeddings, norms and the LM head whole on every rank. `sequence_parallel`:
     :func:`sequence_parallel_plan`'s layout on top (a decoder layer hands its attention the hidden
     states as a keyword)."""
-    config = model.config
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(config, key) % tp:
-            raise ConfigError(
-                f"topology.tensor_parallel_size = {tp} is not allowed with {key} = {getattr(config, key)}; "
-                "expected a divisor of it (each rank computes whole heads)"
-            )
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    _require_equal_shares(tp, {key: getattr(model.config, key) for key in keys})
     layer = "model.layers.*"
     plan = {
         **{f"{layer}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
@@ -93,12 +83,8 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Pla
     gather at the module holding several. The region starts at the embeddings' dropout and ends
     before the final norm, which runs on the whole sequence (GPT2Model views its output with the
     whole sequence length), so its gradient is whole, not partial."""
-    n_head = model.config.n_head
-    if n_head % tp:
-        raise ConfigError(
-            f"topology.tensor_parallel_size = {tp} is not allowed with n_head = {n_head}; "
-            "expected a divisor of it (each rank computes whole heads)"
-        )
+    config = model.config
+    _require_equal_shares(tp, {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd})
     block = "transformer.h.*"
     gathered = SEQUENCE if sequence_parallel else None
     plan: Plan = {
@@ -116,6 +102,17 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Pla
             head="transformer.ln_f",
         )
     return plan
+
+
+def _require_equal_shares(tp: int, sizes: dict[str, int]) -> None:
+    """Refuse, in one line, a head count or MLP width that tp ranks cannot share equally: each rank
+    computes whole heads, and a row-wise linear takes its input as tp equal pieces."""
+    for key, size in sizes.items():
+        if size % tp:
+            raise ConfigError(
+                f"topology.tensor_parallel_size = {tp} is not allowed with {key} = {size}; "
+                "expected a divisor of it (each rank computes whole heads and an equal share of the MLP)"
+            )
 
 
 def _rowwise(sequence_parallel: bool, style: type[RowwiseParallel] = RowwiseParallel) -> RowwiseParallel:
