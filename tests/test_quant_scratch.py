@@ -1,9 +1,11 @@
-"""The reference kernels' scratch memory (zeropp.quant.scratch) changes no result.
+"""Reused memory changes no result: the reference kernels' scratch (zeropp.quant.scratch) and the
+quantized collectives' message pool (zeropp.comm.quantized.MessagePool).
 
-Against the same kernels given fresh, garbage-filled memory for every temporary (a temporary read
-before it is written, or two temporaries sharing memory, would show), bit for bit: every function
-of the API on one process, and ZeRO++ training (qwZ + hpZ + qgZ, with accumulation, error feedback
-and two-level qgZ) on 4 gloo ranks as 2 nodes x 2. What a kernel returns never lives in scratch.
+Against fresh, garbage-filled memory for every temporary and every message (a buffer read before
+it is written, or two live ones sharing memory, would show), bit for bit: every function of the
+quantization API on one process, and ZeRO++ training (qwZ + hpZ + qgZ, with accumulation, error
+feedback and two-level qgZ) on 4 gloo ranks as 2 nodes x 2. What a kernel returns never lives in
+scratch; a message goes back to the pool only once its collective has completed.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ def _garbage(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
 
 @contextlib.contextmanager
 def fresh_garbage_scratch():
-    """Every temporary fresh and filled with garbage while inside."""
+    """Every temporary and every message fresh and filled with garbage while inside."""
+    from zeropp.comm.quantized import messages
+
     real = scratch.empty
     scratch.empty = _garbage
+    messages.take = lambda shape, device: _garbage("message", shape, torch.uint8, device)
     try:
         yield
     finally:
         scratch.empty = real
+        del messages.take  # the class's method again
 
 
 def _calls(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor | Quantized]:
@@ -163,10 +169,13 @@ def training_worker() -> dict[str, bool]:
         with fresh_garbage_scratch():
             fresh = _train(extra, topo)
         same[name] = all(torch.equal(reused[k], fresh[k]) for k in fresh) and reused.keys() == fresh.keys()
+    from zeropp.comm.quantized import messages
+
+    same["messages-kept"] = messages.kept_bytes() > 0  # the pool was used (and got its buffers back)
     return same
 
 
-def test_zeropp_training_is_bit_identical_with_and_without_scratch_reuse():
+def test_zeropp_training_is_bit_identical_with_and_without_reused_memory():
     for rank, same in enumerate(run_ranks(training_worker, 4, nodes=2)):
         for name, equal in same.items():
-            assert equal, f"rank {rank} {name}: weights differ between reused and fresh scratch memory"
+            assert equal, f"rank {rank} {name}: weights differ between reused and fresh memory (or nothing was reused)"
