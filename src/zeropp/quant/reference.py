@@ -6,7 +6,10 @@ and unpacked through int16 words (contiguous passes, no strided byte ones); dequ
 widens the int8 codes into its output and multiplies them by the scales there.
 ``row_order`` permutes the rows of the (small) quantized result, not of the input. ``out`` of
 ``quantize`` goes through a copy, which a fused kernel avoids. Temporaries that do not outlive a
-call live in :mod:`zeropp.quant.scratch` (on the CPU, reused from call to call); what a call returns
+call live in :mod:`zeropp.quant.scratch` (on the CPU, reused from call to call), five slots shared
+by temporaries never alive at once: ``values`` (fp32: ``|x|`` then the codes; dequantized sources;
+values cast afterwards), ``sum`` (the fp32 sum of sources), ``words`` (int4 packing's pairs and
+words), ``shifted`` (their shifted copy), ``data`` (codes before ``row_order``). What a call returns
 is always its own memory.
 """
 
@@ -27,7 +30,7 @@ def quantize(
     rows = x.reshape(-1, n).float()
     lead = (row_order.numel(),) if row_order is not None else tuple(x.shape[:-1])
     block, blocks = spec.block(n), spec.blocks(n)
-    codes = torch.abs(rows, out=scratch.empty("codes", tuple(rows.shape), torch.float32, x.device))  # |x|, codes later
+    codes = torch.abs(rows, out=scratch.empty("values", tuple(rows.shape), torch.float32, x.device))  # |x|, codes later
     code_blocks = _block_views(codes, block)
     scales = torch.empty(rows.shape[0], blocks, dtype=torch.float32, device=x.device)
     for magnitudes, columns in code_blocks:
@@ -67,7 +70,7 @@ def dequantize_reduce(
     direct = out is not None and dtype == torch.float32 and out.dtype == dtype and out.is_contiguous()
     returned = out is None and dtype == torch.float32
     shape = _values_shape(q)[1:]
-    total = _sum_sources(q, out.view(shape) if direct else _result_or_scratch(returned, "total", shape, q))
+    total = _sum_sources(q, out.view(shape) if direct else _result_or_scratch(returned, "sum", shape, q))
     if divisor != 1:  # a one-element tensor: a true division on every device (not x * (1/divisor))
         total.div_(torch.full((1,), divisor, dtype=torch.float32, device=total.device))
     if direct:
@@ -93,7 +96,7 @@ def _result_or_scratch(returned: bool, slot: str, shape: tuple[int, ...], q: Qua
 
 def _sum_sources(q: Quantized, total: torch.Tensor) -> torch.Tensor:
     """``((x0 + x1) + x2) + ...`` over the sources (dimension 0) in fp32, into `total`; returns it."""
-    values = _dequantize_fp32(q, scratch.empty("sources", _values_shape(q), torch.float32, q.data.device))
+    values = _dequantize_fp32(q, scratch.empty("values", _values_shape(q), torch.float32, q.data.device))
     if values.shape[0] == 1:
         return total.copy_(values[0])
     torch.add(values[0], values[1], out=total)
@@ -137,7 +140,7 @@ def _pack_int4(codes: torch.Tensor, temporary: bool) -> torch.Tensor:
     byte); ``m = w & 0x0F0F`` keeps both nibbles (bits 0-3 and 8-11), and the low byte of
     ``m | (m >> 4)`` is the packed byte."""
     rows, n = codes.shape
-    pairs = scratch.empty("pairs", (rows, n + n % 2), torch.int8, codes.device)
+    pairs = scratch.empty("words", (rows, n + n % 2), torch.int8, codes.device)
     pairs[:, :n] = codes
     pairs[:, n:] = 0
     words = pairs.view(torch.int16).bitwise_and_(0x0F0F)
@@ -153,7 +156,7 @@ def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     (``((w << 4) | (w << 8)) & 0xF0F0``); as two little-endian int8 bytes shifted right by 4, they are
     the sign-extended codes."""
     words = scratch.empty("words", tuple(packed.shape), torch.int16, packed.device).copy_(packed)
-    low = torch.bitwise_left_shift(words, 4, out=scratch.empty("low", tuple(packed.shape), torch.int16, packed.device))
+    low = torch.bitwise_left_shift(words, 4, out=scratch.empty("shifted", tuple(packed.shape), torch.int16, packed.device))
     words.bitwise_left_shift_(8).bitwise_or_(low).bitwise_and_(_HIGH_NIBBLES)
     codes = words.view(torch.int8).view(packed.shape[0], -1)
     return codes.bitwise_right_shift_(4)[:, :n]

@@ -9,8 +9,8 @@ Each slot belongs to one temporary of one kernel, so two live temporaries never 
 
 Only CPU tensors use it: CUDA's caching allocator already reuses memory, and a buffer shared by
 work on two streams (qwZ's quantization stream and the default one) would race. The memory kept is
-the largest call's temporaries, about 6 bytes per element of the largest quantized row block
-(its fp32 codes plus the int4 packing's int16 words), or 10 for the int4 reduction's sources.
+each slot's largest request: for qgZ about 9 bytes per element of the largest chunk a rank
+quantizes (its fp32 values, the fp32 sum of the node's sources, the int4 packing's words).
 """
 
 from __future__ import annotations
