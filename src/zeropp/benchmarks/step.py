@@ -18,7 +18,11 @@ variant: the median step time over every repetition's steps after the first ``--
 job, tokens/s from it, and the peak resident memory per rank (``VmHWM`` after a reset once the
 variant is built, above the process's resident set before the model existed; glibc's mmap threshold
 pinned as in ``zeropp bench memory``). Ratios are to ``pytorch`` at the same world size. The load
-average of the machine is recorded before every job.
+average of the machine is recorded before every job. Beside the wall-clock time, the CPU time a
+rank spent per step (its process, every thread: ``time.process_time``; the median over the same
+steps of the mean over ranks): with more ranks than cores the step time also holds the waits for
+the other ranks to be scheduled, which the load of other jobs stretches, while the CPU time is
+the work the variant asked of the machine.
 
     zeropp bench step [--worlds 1 4] [--n-layer 12] [--d-model 512] [--block-size 256] [--steps 6]
                       [--reps 2] [--compile] [--variants ...] [--out results/bench_step.json]
@@ -93,17 +97,21 @@ def worker(args: argparse.Namespace) -> None:
     train_step = build_step(args.worker, gpt, topology, args)
     meter.reset_peak()
     batches = Batches("train", config.block_size, args.micro_batch_size, topology.world_size, topology.rank, seed=0)
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for step in range(args.steps):
         x, y = batches.local_batch(step)
-        tick = time.perf_counter()
+        tick, cpu_tick = time.perf_counter(), time.process_time()
         losses.append(train_step(x, y).item())
         times.append(time.perf_counter() - tick)
+        cpu_times.append(time.process_time() - cpu_tick)
     peaks = torch.zeros(topology.world_size)
     comm = Communicator(topology)
     comm.all_gather(peaks, torch.tensor([float(meter.peak())]), topology.world, bucket_numel=1)
+    cpu = torch.zeros(topology.world_size, args.steps, dtype=torch.float64)
+    comm.all_gather(cpu, torch.tensor(cpu_times, dtype=torch.float64), topology.world, bucket_numel=args.steps)
     if topology.rank == 0:
-        Path(args.worker_out).write_text(json.dumps({"times": times, "losses": losses, "peaks": peaks.tolist()}))
+        record = {"times": times, "cpu_times": cpu.mean(0).tolist(), "losses": losses, "peaks": peaks.tolist()}
+        Path(args.worker_out).write_text(json.dumps(record))
     shutdown()
 
 
@@ -147,6 +155,7 @@ def summarize(records: list[dict[str, Any]], world: int, args: argparse.Namespac
     median = statistics.median(times)
     return {
         "median_step_time_s": median,
+        "median_cpu_time_s_per_rank": statistics.median(t for r in records for t in r["cpu_times"][args.warmup :]),
         "tokens_per_s": args.micro_batch_size * args.block_size * world / median,
         "peak_memory_bytes_per_rank": max(max(r["peaks"]) for r in records),
         "first_loss": records[0]["losses"][0],
@@ -159,18 +168,19 @@ def summarize(records: list[dict[str, Any]], world: int, args: argparse.Namespac
 def markdown(rows: dict[str, dict[str, Any]], world: int) -> str:
     base = rows.get("pytorch", {})
     lines = [
-        f"| world {world} | median step (ms) | tokens/s | vs PyTorch | peak RSS/rank (MiB) | vs PyTorch | loss 1st → last |",
-        "|---|---|---|---|---|---|---|",
+        f"| world {world} | median step (ms) | tokens/s | vs PyTorch | CPU/rank/step (ms) | peak RSS/rank (MiB) | vs PyTorch | loss 1st → last |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         if "failed" in r:
-            lines.append(f"| {name} | failed: {r['failed']} | | | | | |")
+            lines.append(f"| {name} | failed: {r['failed']} | | | | | | |")
             continue
         step, peak = r["median_step_time_s"], r["peak_memory_bytes_per_rank"]
         vs_time = f"{step / base['median_step_time_s']:.3f}x" if "median_step_time_s" in base else "n/a"
         vs_peak = f"{peak / base['peak_memory_bytes_per_rank']:.2f}x" if "median_step_time_s" in base else "n/a"
         lines.append(
-            f"| {name} | {step * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {vs_time} | {peak / 2**20:,.0f} | {vs_peak} | "
+            f"| {name} | {step * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {vs_time} | {r['median_cpu_time_s_per_rank'] * 1e3:.1f} | "
+            f"{peak / 2**20:,.0f} | {vs_peak} | "
             f"{r['first_loss']:.4f} → {r['last_loss']:.4f} |"
         )
     return "\n".join(lines)

@@ -13,6 +13,8 @@
 
 Every exchanged row travels as one uint8 message, its fp32 scales then its data (:func:`joined`,
 :func:`split`): one collective per gather or hop instead of one for the data and one for the scales.
+On the CPU the messages sent and received are reused (:class:`MessagePool`): a buffer goes back to
+the pool once its collective has completed and what it received has been dequantized.
 
 Pipelining: the columns of the slices are cut into chunks (``chunks`` per reduce bucket). All
 chunks start their intra-node exchange at once; as each finishes it is reduced, re-quantized
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +71,8 @@ def all_gather_quantized(
     """
     n, width = group.size, shard.numel()
     with _on(stream):
-        message = joined(kernels.quantize(shard.view(1, -1), spec))
-        gathered = torch.empty((n, message.shape[-1]), dtype=torch.uint8, device=out.device)
+        message = joined(kernels.quantize(shard.view(1, -1), spec), messages)
+        gathered = messages.take((n, message.shape[-1]), out.device)
         works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]
 
     def land() -> None:
@@ -78,6 +81,7 @@ def all_gather_quantized(
             consumer.wait_stream(stream)
             gathered.record_stream(consumer)  # allocated on the side stream, read on this one
         kernels.dequantize(split(gathered, width, spec), out.dtype, out=out.view(n, width))
+        messages.give_back(message, gathered)
 
     pending = Pending(works, land)
     if not async_op:
@@ -85,11 +89,41 @@ def all_gather_quantized(
     return pending
 
 
-def joined(q: Quantized) -> torch.Tensor:
+class MessagePool:
+    """uint8 message buffers by shape, taken for a collective and given back once it has completed
+    and its contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap
+    threshold faults its pages in at every use; CUDA's caching allocator reuses memory already, and
+    a buffer recycled across streams could race); what it keeps is the most buffers of each shape
+    in use at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        free = self._free[shape] if device.type == "cpu" else None
+        return free.pop() if free else torch.empty(shape, dtype=torch.uint8, device=device)
+
+    def give_back(self, *buffers: torch.Tensor) -> None:
+        for buffer in buffers:
+            if buffer.device.type == "cpu":
+                self._free[tuple(buffer.shape)].append(buffer)
+
+    def kept_bytes(self) -> int:
+        return sum(b.numel() for free in self._free.values() for b in free)
+
+
+messages = MessagePool()  # one per process: the collectives of every unit share it
+
+
+def joined(q: Quantized, pool: MessagePool | None = None) -> torch.Tensor:
     """`q`'s rows as uint8 messages [rows, bytes], each a row's fp32 scales then its data: one
-    collective moves both (the same bytes as two, half the calls)."""
+    collective moves both (the same bytes as two, half the calls). In a buffer of `pool` if given."""
     scales = q.scales.reshape(-1, q.scales.shape[-1]).contiguous().view(torch.uint8)
-    return torch.cat((scales, q.data.reshape(-1, q.data.shape[-1]).view(torch.uint8)), dim=1)
+    data = q.data.reshape(-1, q.data.shape[-1]).view(torch.uint8)
+    if pool is None:
+        return torch.cat((scales, data), dim=1)
+    shape = (scales.shape[0], scales.shape[1] + data.shape[1])
+    return torch.cat((scales, data), dim=1, out=pool.take(shape, data.device))
 
 
 def split(messages: torch.Tensor, n: int, spec: QuantSpec) -> Quantized:
@@ -148,6 +182,7 @@ class _Arriving:
     """A ``joined`` message in flight (one all-to-all) and the quantized rows it holds once waited for."""
 
     pending: Pending
+    sent: torch.Tensor
     message: torch.Tensor
     n: int
     spec: QuantSpec
@@ -155,6 +190,10 @@ class _Arriving:
     def wait(self) -> Quantized:
         self.pending.wait()
         return split(self.message, self.n, self.spec)
+
+    def done(self) -> None:
+        """What arrived has been read: both buffers go back to the pool."""
+        messages.give_back(self.sent, self.message)
 
 
 class _QgzReduction:
@@ -180,9 +219,9 @@ class _QgzReduction:
         self.inter: list[_Arriving] = []
 
     def _exchange(self, q: Quantized, group: Group) -> _Arriving:
-        message = joined(q)
-        received = torch.empty_like(message)
-        return _Arriving(self.comm.all_to_all(received, message, group, async_op=True), received, q.n, q.spec)
+        message = joined(q, messages)
+        received = messages.take(tuple(message.shape), message.device)
+        return _Arriving(self.comm.all_to_all(received, message, group, async_op=True), message, received, q.n, q.spec)
 
     def start_intra(self, slices: torch.Tensor) -> None:
         """Hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j."""
@@ -215,6 +254,7 @@ class _QgzReduction:
                 sums = self.kernels.dequantize_reduce(sources, torch.float32)
                 start = self.columns[len(self.inter)][0]
                 partial = self.feedback.quantize(self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel())
+            arriving.done()
             self.intra[len(self.inter)] = None  # the received chunk is no longer needed
             self.inter.append(self._exchange(partial, self.groups.inter_node))
         return True
@@ -223,10 +263,12 @@ class _QgzReduction:
         self.start_inter(block=True)
         for (start, stop), arriving in zip(self.columns, self.inter, strict=True):
             self._reduce_into(arriving.wait(), self.shard[start:stop])
+            arriving.done()
 
     def land_one_node(self) -> None:
         for (start, stop), arriving in zip(self.columns, self.intra, strict=True):
             self._reduce_into(arriving.wait(), self.shard[start:stop].view(1, -1))
+            arriving.done()
 
     def _reduce_into(self, received: Quantized, out: torch.Tensor) -> None:
         divisor = self.groups.shard.size

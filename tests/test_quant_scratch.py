@@ -1,0 +1,181 @@
+"""Reused memory changes no result: the reference kernels' scratch (zeropp.quant.scratch) and the
+quantized collectives' message pool (zeropp.comm.quantized.MessagePool).
+
+Against fresh, garbage-filled memory for every temporary and every message (a buffer read before
+it is written, or two live ones sharing memory, would show), bit for bit: every function of the
+quantization API on one process, and ZeRO++ training (qwZ + hpZ + qgZ, with accumulation, error
+feedback and two-level qgZ) on 4 gloo ranks as 2 nodes x 2. What a kernel returns never lives in
+scratch; a message goes back to the pool only once its collective has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import global_batch, loss_of, make_model, rows
+
+from zeropp.quant import Quantized, QuantSpec, reference, scratch
+
+
+def _garbage(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh tensor of random bytes (NaNs and infinities among them) instead of the slot's buffer."""
+    raw = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device).random_()
+    return raw.view(dtype).view(shape)
+
+
+@contextlib.contextmanager
+def fresh_garbage_scratch():
+    """Every temporary and every message fresh and filled with garbage while inside."""
+    from zeropp.comm.quantized import messages
+
+    real = scratch.empty
+    scratch.empty = _garbage
+    messages.take = lambda shape, device: _garbage("message", shape, torch.uint8, device)
+    try:
+        yield
+    finally:
+        scratch.empty = real
+        del messages.take  # the class's method again
+
+
+def _calls(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor | Quantized]:
+    """Every reference function on `x` [rows, n], with and without `out` and `row_order`."""
+    rows_, n = x.shape
+    q = reference.quantize(x, spec)
+    sources = q.reshape(rows_, 1)  # rows_ sources of one row each
+    out32, out16 = torch.empty(1, n), torch.empty(1, n, dtype=torch.bfloat16)
+    results = {
+        "quantize": q,
+        "quantize-ordered": reference.quantize(x, spec, row_order=torch.arange(rows_).flip(0)),
+        "quantize-out": reference.quantize(x, spec, out=Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), n, spec)),
+        "dequantize": reference.dequantize(q, torch.float32),
+        "dequantize-bf16": reference.dequantize(q, torch.bfloat16),
+        "dequantize-out": reference.dequantize(q, torch.float32, out=torch.empty(rows_, n)),
+        "reduce": reference.dequantize_reduce(sources, torch.float32, divisor=3),
+        "reduce-bf16": reference.dequantize_reduce(sources, torch.bfloat16),
+        "reduce-out": reference.dequantize_reduce(sources, torch.float32, divisor=rows_, out=out32),
+        "reduce-out-bf16": reference.dequantize_reduce(sources, torch.bfloat16, out=out16),
+        "reduce-quantize": reference.dequantize_reduce_quantize(sources, spec),
+    }
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results.items()}
+
+
+def _same(a: torch.Tensor | Quantized, b: torch.Tensor | Quantized) -> bool:
+    if isinstance(a, Quantized):
+        return _same(a.data, b.data) and _same(a.scales, b.scales)
+    return torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+
+
+CASES = list(itertools.product((4, 8), (256, 7, None), (1, 255, 1000), (1, 3, 4)))
+
+
+def _input(bits: int, block: int | None, n: int, rows_: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(bits * 100_003 + n * 7 + rows_ + (block or 0))
+    x = torch.randn(rows_, n, generator=g) * torch.logspace(-3, 2, rows_)[:, None]
+    x[0, : n // 3] = 0  # a zero block
+    if n > 3:
+        x[-1, 2] = float("inf")  # a non-finite block
+    return x
+
+
+@pytest.mark.parametrize("bits,block,n,rows_", CASES)
+def test_reused_scratch_gives_the_fresh_memory_results(bits, block, n, rows_):
+    spec, x = QuantSpec(bits, block), _input(bits, block, n, rows_)
+    reused = _calls(x, spec)
+    _calls(_input(bits, block, n + 1, rows_ + 1), spec)  # leaves other values (and sizes) in the slots
+    again = _calls(x, spec)
+    with fresh_garbage_scratch():
+        fresh = _calls(x, spec)
+    for name in reused:
+        assert _same(reused[name], fresh[name]), name
+        assert _same(again[name], fresh[name]), name
+
+
+def test_results_never_live_in_scratch():
+    spec, x = QuantSpec(4, 16), torch.randn(4, 300)
+    kept = _returned(x, spec)
+    snapshot = {k: (v.data.clone(), v.scales.clone()) if isinstance(v, Quantized) else v.clone() for k, v in kept.items()}
+    _returned(torch.randn(4, 300) * 100, spec)  # every slot rewritten
+    buffers = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in scratch._slots.buffers.values()]
+    assert buffers, "the calls used no scratch memory"
+    for name, value in kept.items():
+        tensors = (value.data, value.scales) if isinstance(value, Quantized) else (value,)
+        for t in tensors:
+            start = t.untyped_storage().data_ptr()
+            assert all(start >= stop or start + t.untyped_storage().nbytes() <= begin for begin, stop in buffers), name
+        before = snapshot[name]
+        assert _same(value, Quantized(*before, value.n, value.spec) if isinstance(value, Quantized) else before), name
+
+
+def _returned(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor | Quantized]:
+    """The functions' results as they return them (not cloned)."""
+    q = reference.quantize(x, spec)
+    return {
+        "quantize": q,
+        "quantize-ordered": reference.quantize(x, spec, row_order=torch.tensor([2, 0, 3, 1])),
+        "dequantize": reference.dequantize(q, torch.float32),
+        "reduce": reference.dequantize_reduce(q, torch.float32, divisor=2),
+        "reduce-quantize": reference.dequantize_reduce_quantize(q.reshape(2, 2), spec),
+    }
+
+
+def test_scratch_keeps_the_largest_request_and_can_be_released():
+    scratch.release()
+    reference.quantize(torch.randn(4, 4096), QuantSpec(4, 256))
+    largest = scratch.kept_bytes()
+    assert largest >= 4 * 4096 * 4  # the fp32 codes of the call at least
+    reference.quantize(torch.randn(2, 100), QuantSpec(4, 256))
+    assert scratch.kept_bytes() == largest  # smaller calls reuse the same buffers
+    scratch.release()
+    assert scratch.kept_bytes() == 0
+
+
+# -- ZeRO++ training on 4 gloo ranks: bit for bit the same weights --------------------------------
+
+STEPS, ACCUMULATION = 3, 2
+SCENARIOS = {
+    "zeropp": {},
+    "feedback-two-level": dict(gradient_error_feedback="loco", gradient_intra_node_bits=8),
+    "one-chunk-int4-weights": dict(qgz_pipeline_chunks=1, weight_bits=4),
+}
+
+
+def _train(extra: dict, topo) -> dict[str, torch.Tensor]:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config import ZEROPP_SWITCHES
+
+    config = ZeroConfig(stage=3, gradient_accumulation_steps=ACCUMULATION, **ZEROPP_SWITCHES, **extra)
+    engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2), config, topo)
+    for step in range(STEPS):
+        for micro in range(ACCUMULATION):
+            engine.backward(loss_of("gpt", engine, *rows(global_batch("gpt", step, micro, topo.world_size), topo.rank)))
+        assert engine.step()
+    return engine.full_state_dict()
+
+
+def training_worker() -> dict[str, bool]:
+    from zeropp.config import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topo = init_topology(TopologyConfig(nodes=2))
+    same = {}
+    for name, extra in SCENARIOS.items():
+        reused = _train(extra, topo)
+        with fresh_garbage_scratch():
+            fresh = _train(extra, topo)
+        same[name] = all(torch.equal(reused[k], fresh[k]) for k in fresh) and reused.keys() == fresh.keys()
+    from zeropp.comm.quantized import messages
+
+    same["messages-kept"] = messages.kept_bytes() > 0  # the pool was used (and got its buffers back)
+    return same
+
+
+def test_zeropp_training_is_bit_identical_with_and_without_reused_memory():
+    for rank, same in enumerate(run_ranks(training_worker, 4, nodes=2)):
+        for name, equal in same.items():
+            assert equal, f"rank {rank} {name}: weights differ between reused and fresh memory (or nothing was reused)"
