@@ -25,14 +25,14 @@ from torch.utils._pytree import tree_map_only
 
 from zeropp import materialize, state
 from zeropp.arena import Arena
-from zeropp.comm import Communicator, Ledger
+from zeropp.comm import Communicator, Ledger, quantized
 from zeropp.config import ConfigError, ZeroConfig
 from zeropp.dtensor_params import is_split
 from zeropp.fingerprint import check_same_model
 from zeropp.grouping import group_parameters, repeated_blocks
 from zeropp.materialize import InitFn
 from zeropp.precision import DTYPES, LossScaler
-from zeropp.quant import QuantSpec, kernels_for
+from zeropp.quant import QuantSpec, kernels_for, scratch
 from zeropp.runtime import Runtime
 from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions, CheckpointStep
 from zeropp.stages import StagePolicy
@@ -272,12 +272,15 @@ class ZeroEngine:
 
     def set_quantized_gradients(self, on: bool) -> None:
         """Reduce gradients with qgZ (on) or a full-precision reduce-scatter (off; the paper's schedule
-        turns qgZ off for the end of a run, and its error-feedback residuals are freed then). Every rank
-        must switch at the same step."""
+        turns qgZ off for the end of a run, and its error-feedback residuals are freed then, with the
+        message buffers and kernel scratch its hops kept). Every rank must switch at the same step."""
         for unit in self.units:
             unit.quantize_gradients = on and unit.options.grad_quant is not None
             if not on and unit.error_feedback is not None:
                 unit.error_feedback.free()
+        if not on:  # qwZ's buffers go with them and come back at its next gather
+            quantized.messages.release()
+            scratch.release()
 
     def qgz_residual_bytes(self) -> int:
         """Bytes of qgZ error-feedback residuals this rank holds (created at a unit's first qgZ reduction)."""

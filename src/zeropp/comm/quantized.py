@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -90,26 +89,54 @@ def all_gather_quantized(
 
 
 class MessagePool:
-    """uint8 message buffers by shape, taken for a collective and given back once it has completed
-    and its contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap
-    threshold faults its pages in at every use; CUDA's caching allocator reuses memory already, and
-    a buffer recycled across streams could race); what it keeps is the most buffers of each shape
-    in use at once."""
+    """uint8 message buffers, taken for a collective and given back once it has completed and its
+    contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap threshold
+    faults its pages in at every use; CUDA's caching allocator reuses memory already, and a buffer
+    recycled across streams could race).
+
+    A taken buffer is the most recently given back one of its shape. The pool holds at most
+    ``KEPT_PER_PEAK`` times the most bytes ever in use at once, dropping the longest unused buffers
+    first: a bound set by the messages in flight (a unit's gathers and qgZ hops, times the prefetch
+    depth), not by how many unit shapes a model has. The factor leaves room for one step's distinct
+    shapes of a transformer (embedding, block and head units; qwZ in forward, qwZ and qgZ in
+    backward: the 6 x 256 bench GPT keeps 1.8 times its peak and then allocates nothing).
+    """
+
+    KEPT_PER_PEAK = 4
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+        self._free: list[torch.Tensor] = []  # oldest given back first
+        self._kept = self._in_use = self._peak = 0  # bytes
 
     def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        free = self._free[shape] if device.type == "cpu" else None
-        return free.pop() if free else torch.empty(shape, dtype=torch.uint8, device=device)
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=torch.uint8, device=device)
+        newest = next((i for i in range(len(self._free) - 1, -1, -1) if self._free[i].shape == shape), None)
+        if newest is None:
+            buffer = torch.empty(shape, dtype=torch.uint8)
+        else:
+            buffer = self._free.pop(newest)
+            self._kept -= buffer.numel()
+        self._in_use += buffer.numel()
+        self._peak = max(self._peak, self._in_use)
+        return buffer
 
     def give_back(self, *buffers: torch.Tensor) -> None:
         for buffer in buffers:
             if buffer.device.type == "cpu":
-                self._free[tuple(buffer.shape)].append(buffer)
+                self._in_use -= buffer.numel()
+                self._kept += buffer.numel()
+                self._free.append(buffer)
+        while self._kept > self.KEPT_PER_PEAK * self._peak:
+            self._kept -= self._free.pop(0).numel()
 
     def kept_bytes(self) -> int:
-        return sum(b.numel() for free in self._free.values() for b in free)
+        return self._kept
+
+    def release(self) -> None:
+        """Drop the kept buffers and forget the peak (e.g. once qgZ is switched off for good)."""
+        self._free.clear()
+        self._kept, self._peak = 0, self._in_use
 
 
 messages = MessagePool()  # one per process: the collectives of every unit share it

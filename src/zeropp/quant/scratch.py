@@ -10,7 +10,9 @@ Each slot belongs to one temporary of one kernel, so two live temporaries never 
 Only CPU tensors use it: CUDA's caching allocator already reuses memory, and a buffer shared by
 work on two streams (qwZ's quantization stream and the default one) would race. The memory kept is
 each slot's largest request: for qgZ about 9 bytes per element of the largest chunk a rank
-quantizes (its fp32 values, the fp32 sum of the node's sources, the int4 packing's words).
+quantizes (its fp32 values, the fp32 sum of the node's sources, the int4 packing's words); qwZ's
+bf16/fp16 dequantization widens through the same fp32 values slot. Switching qgZ off empties the
+slots (``ZeroEngine.set_quantized_gradients``).
 """
 
 from __future__ import annotations
