@@ -328,3 +328,31 @@ def test_zeropp_train_reports_the_checkpoint_bytes_and_pa_traffic(tmp_path):
     assert summary["activation_checkpoint_host_bytes_per_rank"] == 0
     assert summary["ledger"]["pa.all_gather"] == {"backward": {"intra": gpt.n_layer * whole / 2, "inter": 0.0}}
     assert summary["tensor_parallel_bytes_per_step"] == 10 * summary["ledger"]["pa.all_gather"]["backward"]["intra"]
+
+
+def hugging_face_worker() -> float:
+    from test_tensor_parallel_dropout import dropout_gpt2
+
+    from zeropp import ZeroEngine
+    from zeropp.config import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology, states = init_topology(TopologyConfig()), []
+    for extra in ({}, AC):
+        model = dropout_gpt2()
+        assert model.config.use_cache  # Hugging Face's default: forward fills a KV cache
+        engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-2), ZeroConfig(stage=3, **extra), topology)
+        torch.manual_seed(1)
+        for step in range(2):
+            engine.backward(loss_of("hf-gpt2", engine, *rows(global_batch("hf-gpt2", step, 0, 1), 0)))
+            assert engine.step()
+        states.append(engine.full_state_dict())
+    return max((states[0][k] - states[1][k]).abs().max().item() for k in states[0])
+
+
+def test_hugging_face_models_train_checkpointed_without_their_kv_cache():
+    """GPT-2 with eager attention, its KV cache on by default and dropout: recomputation would append
+    its keys to the cache a second time (a shape error in eager attention) and must redraw forward's
+    masks; checkpointed training equals the plain run."""
+    pytest.importorskip("transformers")
+    assert run_ranks(hugging_face_worker, world=1) == [0.0]

@@ -16,6 +16,7 @@ runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zerop
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -92,6 +93,10 @@ class ZeroEngine:
         if self.config.compile:
             compile_units(self.units)
         self.checkpointing = self._activation_checkpointing()
+        # a Hugging Face model fills a KV cache in forward unless told not to: a recomputed block would
+        # write it a second time (attending to its keys twice), so checkpointed training runs without
+        # it, as Hugging Face's own gradient checkpointing does
+        self._uncached = self.checkpointing is not None and "use_cache" in inspect.signature(model.forward).parameters
         self.last_checkpoint_step: CheckpointStep | None = None  # what the last optimizer step stored
 
         self.micro_step = 0
@@ -212,6 +217,8 @@ class ZeroEngine:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
+        if self._uncached and phase == "forward":
+            kwargs["use_cache"] = False
         with self.comm.in_phase(phase):
             return self.module(*args, **kwargs)
 

@@ -58,6 +58,7 @@ from zeropp.dtensor_params import is_split, local_tensor
 from zeropp.materialize import broadcast_packed, is_meta
 from zeropp.tensor_parallel.accounting import local_numels, megatron_bytes_per_block
 from zeropp.tensor_parallel.plans import Plan, gpt2_plan, gpt_plan, llama_plan, sequence_parallel_plan
+from zeropp.tensor_parallel.rng import fork_split_regions
 from zeropp.topology import Topology
 
 __all__ = [
@@ -104,6 +105,7 @@ def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) 
         return model
     plan = plan_for(model, tp.size, topology.sequence_parallel) if plan is None else plan
     parallelize_module(model, tensor_parallel_mesh(topology), plan)
+    fork_split_regions(model, plan, tp.rank, topology.device)  # each rank's own dropout masks where parts differ
     if topology.sequence_parallel:
         model.register_forward_pre_hook(functools.partial(_check_inputs, tp.size), with_kwargs=True)
     if not is_meta(model):  # a meta-device model is initialized by the engine, the same on every rank

@@ -142,11 +142,7 @@ def sequence_parallel_plan(
 
     Module outputs are this rank's slice as a plain tensor, so the model's own code (residual adds,
     slicing) runs on them unchanged."""
-    plan: Plan = {
-        first_block: PrepareModuleInput(
-            input_layouts=Replicate(), desired_input_layouts=SEQUENCE, use_local_output=True
-        )
-    }
+    plan: Plan = {first_block: SequenceSliced()}
     plan |= {norm: SequenceParallel(use_local_output=True) for norm in norms}
     for name, keyword in gathered.items():
         plan[name] = (
@@ -156,5 +152,19 @@ def sequence_parallel_plan(
                 input_kwarg_layouts={keyword: SEQUENCE}, desired_input_kwarg_layouts={keyword: Replicate()}
             )
         )
-    plan[head] = PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
+    plan[head] = SequenceGathered()
     return plan
+
+
+class SequenceSliced(PrepareModuleInput):
+    """The sequence-parallel region's first module: takes its input whole, keeps this rank's slice."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate(), desired_input_layouts=SEQUENCE, use_local_output=True)
+
+
+class SequenceGathered(PrepareModuleInput):
+    """The first module after the sequence-parallel region: takes the whole sequence, all-gathered."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)

@@ -1,0 +1,112 @@
+"""Dropout under tensor parallelism: which random stream each part of the model draws from.
+
+What a tensor-parallel group computes whole (the embeddings, the residual stream, the head) is the
+same on every rank of the group, so a dropout there must draw the same mask on every rank: it uses
+the default generator, seeded alike. Between a column-wise linear whose output is split and the
+row-wise linear that ends its layer, each rank holds its own heads or hidden units, and with
+sequence parallelism, between the split layers, its own slice of the sequence: there each rank's
+mask must be its own, as the parts of one mask over the whole tensor are (Megatron's
+model-parallel generator). Without that, attention dropout on a rank's heads or a residual dropout
+on a rank's slice repeats the same mask on every rank's part.
+
+A region forks the generator (:class:`RankStream`): on entry it draws one seed from the CPU default
+generator (the same draw on every rank: the default stream moves on alike), keeps the generators'
+state and reseeds them with that seed mixed with the rank; on exit it puts the kept state back.
+Because the seed is a draw of the default generator, activation checkpointing that restores the
+generators before recomputing (torch's checkpoint does) recomputes the same masks; there is no
+generator of our own for it to save.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from zeropp.tensor_parallel.plans import Plan, SequenceGathered, SequenceSliced
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads rank numbers over the seed's bits
+
+
+class RankStream:
+    """The generators of this process forked to a stream of this rank's own while a region runs."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def enter(self, *_) -> None:
+        if self.kept is not None:  # already inside (e.g. q, k and v each open attention's region)
+            return
+        seed = int(torch.randint(2**62, ()))
+        cuda = self.device.type == "cuda"
+        self.kept = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        rank_seed = (seed ^ (self.rank * _GOLDEN)) & (2**63 - 1)
+        torch.default_generator.manual_seed(rank_seed)
+        if cuda:
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(rank_seed)
+
+    def exit(self, *_) -> None:
+        if self.kept is None:
+            return
+        cpu, cuda = self.kept
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        self.kept = None
+
+    def forget(self, *_) -> None:
+        """Drop a state kept by a region left open (a recomputation that ran only its start)."""
+        self.kept = None
+
+
+def fork_split_regions(model: nn.Module, plan: Plan, rank: int, device: torch.device) -> list[RankStream]:
+    """Give each region of `model` where tensor-parallel ranks hold different parts its own stream per
+    rank, from `plan` (after ``parallelize_module`` applied it):
+
+    - a layer: from the output of a column-wise style that splits it (not one gathering its output
+      whole) to the input of the row-wise style after it, in the module holding both; the holder's
+      end closes it as well (also when its forward raised, e.g. a recomputation torch's checkpoint
+      stopped early);
+    - with sequence parallelism, from :class:`SequenceSliced`'s module to :class:`SequenceGathered`'s.
+
+    Every region is closed when the model's forward ends and forgotten when the next one starts."""
+    streams: dict[str | None, RankStream] = {}  # by the module holding a layer's region; None: the sequence's
+
+    def stream(holder: str | None) -> RankStream:
+        if holder not in streams:
+            streams[holder] = RankStream(rank, device)
+            if holder is not None:
+                model.get_submodule(holder).register_forward_hook(streams[holder].exit, always_call=True)
+        return streams[holder]
+
+    for pattern, style in plan.items():
+        for name, module in _matching(model, pattern):
+            holder = name.rpartition(".")[0]
+            if isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate):
+                module.register_forward_hook(stream(holder).enter)
+            elif isinstance(style, RowwiseParallel):
+                module.register_forward_pre_hook(stream(holder).exit)
+            elif isinstance(style, SequenceSliced):
+                module.register_forward_pre_hook(stream(None).enter)
+            elif isinstance(style, SequenceGathered):
+                module.register_forward_pre_hook(stream(None).exit)
+    for forked in streams.values():
+        model.register_forward_pre_hook(forked.forget)
+        model.register_forward_hook(forked.exit, always_call=True)
+    return list(streams.values())
+
+
+def _matching(model: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:
+    """The modules a plan key names, matched as ``parallelize_module`` does: dot by dot, each part an
+    fnmatch pattern."""
+    parts = pattern.split(".")
+    for name, module in model.named_modules():
+        atoms = name.split(".")
+        if len(atoms) == len(parts) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(atoms, parts, strict=True)):
+            yield name, module
