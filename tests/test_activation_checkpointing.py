@@ -330,29 +330,41 @@ def test_zeropp_train_reports_the_checkpoint_bytes_and_pa_traffic(tmp_path):
     assert summary["tensor_parallel_bytes_per_step"] == 10 * summary["ledger"]["pa.all_gather"]["backward"]["intra"]
 
 
-def hugging_face_worker() -> float:
-    from test_tensor_parallel_dropout import dropout_gpt2
+class Wrapped(torch.nn.Module):
+    """A user's wrapper around a Hugging Face model: its forward takes no ``use_cache``."""
 
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        return self.model(input_ids=input_ids, labels=labels)
+
+
+def hugging_face_worker(wrapped: bool) -> float:
     from zeropp import ZeroEngine
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
 
     topology, states = init_topology(TopologyConfig()), []
     for extra in ({}, AC):
-        model = dropout_gpt2()
+        model = make_model("hf-gpt2-dropout")
         assert model.config.use_cache  # Hugging Face's default: forward fills a KV cache
+        model = Wrapped(model) if wrapped else model
         engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-2), ZeroConfig(stage=3, **extra), topology)
         torch.manual_seed(1)
         for step in range(2):
             engine.backward(loss_of("hf-gpt2", engine, *rows(global_batch("hf-gpt2", step, 0, 1), 0)))
             assert engine.step()
         states.append(engine.full_state_dict())
+    assert model.config.use_cache if not wrapped else model.model.config.use_cache  # left as it was
     return max((states[0][k] - states[1][k]).abs().max().item() for k in states[0])
 
 
-def test_hugging_face_models_train_checkpointed_without_their_kv_cache():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "wrapped"])
+def test_hugging_face_models_train_checkpointed_without_their_kv_cache(wrapped):
     """GPT-2 with eager attention, its KV cache on by default and dropout: recomputation would append
     its keys to the cache a second time (a shape error in eager attention) and must redraw forward's
-    masks; checkpointed training equals the plain run."""
+    masks; checkpointed training equals the plain run, also under a wrapper of the user's."""
     pytest.importorskip("transformers")
-    assert run_ranks(hugging_face_worker, world=1) == [0.0]
+    assert run_ranks(hugging_face_worker, world=1, wrapped=wrapped) == [0.0]

@@ -144,7 +144,9 @@ def test_message_pool_hands_out_the_newest_buffer_of_a_shape_and_never_one_in_us
     assert a.data_ptr() != b.data_ptr()
     pool.give_back(a, b)
     assert pool.take((2, 8), cpu) is b and pool.take((2, 8), cpu) is a
+    pool.give_back(a)
     assert pool.take((3, 8), cpu) is not a  # another shape: a fresh buffer
+    assert pool.allocations == 3
 
 
 def test_message_pool_keeps_a_bounded_multiple_of_its_peak_whatever_the_number_of_shapes():
@@ -162,6 +164,21 @@ def test_message_pool_keeps_a_bounded_multiple_of_its_peak_whatever_the_number_o
     assert pool.kept_bytes() == 0
     pool.give_back(held)  # in use while released: comes back and is kept within the bound
     assert pool.kept_bytes() == 1049
+    for width in range(10, 20):  # the bound is the peak since the release: 1049 bytes
+        pool.give_back(pool.take((1, width), cpu))
+    assert pool.kept_bytes() <= MessagePool.KEPT_PER_PEAK * 1049
+
+
+def test_message_pool_keeps_exactly_up_to_its_bound():
+    from zeropp.comm.quantized import MessagePool
+
+    pool, cpu = MessagePool(), torch.device("cpu")
+    for shape in ((1, 64), (64, 1), (2, 32), (32, 2)):  # 64 bytes in use at a time, four shapes
+        pool.give_back(pool.take(shape, cpu))
+    assert pool.kept_bytes() == 4 * 64  # all four: 4 x the peak is allowed
+    pool.give_back(pool.take((4, 16), cpu))
+    assert pool.kept_bytes() == 4 * 64  # a fifth drops the oldest
+    assert pool.take((1, 64), cpu).shape == (1, 64) and pool.allocations == 6
 
 
 # -- ZeRO++ training on 4 gloo ranks: bit for bit the same weights --------------------------------
@@ -174,17 +191,22 @@ SCENARIOS = {
 }
 
 
-def _train(extra: dict, topo) -> dict[str, torch.Tensor]:
+def _train(extra: dict, topo) -> tuple[object, list[int]]:
+    """The engine after STEPS steps, and the message buffers the pool allocated in each step."""
     from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.comm.quantized import messages
     from zeropp.config import ZEROPP_SWITCHES
 
     config = ZeroConfig(stage=3, gradient_accumulation_steps=ACCUMULATION, **ZEROPP_SWITCHES, **extra)
     engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2), config, topo)
+    allocations = []
     for step in range(STEPS):
+        before = messages.allocations
         for micro in range(ACCUMULATION):
             engine.backward(loss_of("gpt", engine, *rows(global_batch("gpt", step, micro, topo.world_size), topo.rank)))
         assert engine.step()
-    return engine
+        allocations.append(messages.allocations - before)
+    return engine, allocations
 
 
 def training_worker() -> dict[str, bool]:
@@ -195,11 +217,14 @@ def training_worker() -> dict[str, bool]:
     topo = init_topology(TopologyConfig(nodes=2))
     same = {}
     for name, extra in SCENARIOS.items():
-        engine = _train(extra, topo)
+        messages.release()
+        engine, allocations = _train(extra, topo)
         reused = engine.full_state_dict()
         same[f"{name}: messages kept"] = messages.kept_bytes() > 0  # the pool was used and got its buffers back
+        # later steps allocate only when more messages are in flight at once than before (timing)
+        same[f"{name}: messages allocated per step {allocations} mostly in the first"] = sum(allocations[1:]) < allocations[0]
         with fresh_garbage_scratch():
-            fresh = _train(extra, topo).full_state_dict()
+            fresh = _train(extra, topo)[0].full_state_dict()
         same[name] = all(torch.equal(reused[k], fresh[k]) for k in fresh) and reused.keys() == fresh.keys()
     engine.set_quantized_gradients(False)  # the schedule's switch frees what qgZ's hops kept
     same["released when qgZ is switched off"] = messages.kept_bytes() == 0 and scratch.kept_bytes() == 0

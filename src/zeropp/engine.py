@@ -16,7 +16,6 @@ runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zerop
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,7 +34,13 @@ from zeropp.materialize import InitFn
 from zeropp.precision import DTYPES, LossScaler
 from zeropp.quant import QuantSpec, kernels_for, scratch
 from zeropp.runtime import Runtime
-from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions, CheckpointStep
+from zeropp.runtime.checkpointing import (
+    ActivationCheckpointing,
+    CheckpointOptions,
+    CheckpointStep,
+    kv_cache_configs,
+    kv_cache_off,
+)
 from zeropp.stages import StagePolicy
 from zeropp.topology import Group, Topology
 from zeropp.unit_options import UnitOptions
@@ -93,10 +98,7 @@ class ZeroEngine:
         if self.config.compile:
             compile_units(self.units)
         self.checkpointing = self._activation_checkpointing()
-        # a Hugging Face model fills a KV cache in forward unless told not to: a recomputed block would
-        # write it a second time (attending to its keys twice), so checkpointed training runs without
-        # it, as Hugging Face's own gradient checkpointing does
-        self._uncached = self.checkpointing is not None and "use_cache" in inspect.signature(model.forward).parameters
+        self._kv_caches = [] if self.checkpointing is None else kv_cache_configs(model)
         self.last_checkpoint_step: CheckpointStep | None = None  # what the last optimizer step stored
 
         self.micro_step = 0
@@ -217,9 +219,7 @@ class ZeroEngine:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        if self._uncached and phase == "forward":
-            kwargs["use_cache"] = False
-        with self.comm.in_phase(phase):
+        with self.comm.in_phase(phase), kv_cache_off(self._kv_caches if phase == "forward" else []):
             return self.module(*args, **kwargs)
 
     # -- backward --------------------------------------------------------------------------------

@@ -99,7 +99,9 @@ class MessagePool:
     first: a bound set by the messages in flight (a unit's gathers and qgZ hops, times the prefetch
     depth), not by how many unit shapes a model has. The factor leaves room for one step's distinct
     shapes of a transformer (embedding, block and head units; qwZ in forward, qwZ and qgZ in
-    backward: the 6 x 256 bench GPT keeps 1.8 times its peak and then allocates nothing).
+    backward: the 6 x 256 bench GPT keeps 1.8 times its peak). After the first step a buffer is
+    allocated only when more messages of a shape are in flight at once than before (or the bound
+    dropped one): `allocations` counts them.
     """
 
     KEPT_PER_PEAK = 4
@@ -107,6 +109,7 @@ class MessagePool:
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []  # oldest given back first
         self._kept = self._in_use = self._peak = 0  # bytes
+        self.allocations = 0  # CPU buffers it had to allocate
 
     def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -114,6 +117,7 @@ class MessagePool:
         newest = next((i for i in range(len(self._free) - 1, -1, -1) if self._free[i].shape == shape), None)
         if newest is None:
             buffer = torch.empty(shape, dtype=torch.uint8)
+            self.allocations += 1
         else:
             buffer = self._free.pop(newest)
             self._kept -= buffer.numel()

@@ -39,9 +39,10 @@ inside ``engine.backward``, so its collectives (DTensor's and Pa's) are in the b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,3 +227,26 @@ class ActivationCheckpointing:
         step = CheckpointStep(self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas))
         self.memory.new_step()
         return step
+
+
+def kv_cache_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs of the Hugging Face models in `model` (it, or any module of it, e.g. under a
+    wrapper of the user's) that say whether forward fills a KV cache (``use_cache``)."""
+    configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def kv_cache_off(configs: Sequence[Any]) -> Iterator[None]:
+    """`configs` say ``use_cache = False`` while inside. A checkpointed training forward runs so: a
+    recomputed block would write its keys into the KV cache a second time (and attend to them twice),
+    so Hugging Face's own gradient checkpointing turns the cache off too. A forward called with
+    ``use_cache`` itself is left to it."""
+    kept = [c.use_cache for c in configs]
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config, use_cache in zip(configs, kept, strict=True):
+            config.use_cache = use_cache

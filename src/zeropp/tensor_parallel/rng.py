@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from zeropp.tensor_parallel.plans import Plan, SequenceGathered, SequenceSliced
 
@@ -39,7 +39,9 @@ class RankStream:
         self.rank, self.device = rank, device
         self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def enter(self, *_) -> None:
+    def enter(self, module: nn.Module, *_) -> None:
+        if not module.training:  # no dropout: the default stream stays where training left it
+            return
         if self.kept is not None:  # already inside (e.g. q, k and v each open attention's region)
             return
         seed = int(torch.randint(2**62, ()))
@@ -61,45 +63,57 @@ class RankStream:
         self.kept = None
 
     def forget(self, *_) -> None:
-        """Drop a state kept by a region left open (a recomputation that ran only its start)."""
+        """Drop a state kept by a region left open: a recomputation runs a block's ``forward`` without
+        the module hooks around it, and torch's checkpoint may stop it before the region's end
+        (restoring the generators itself)."""
         self.kept = None
 
 
-def fork_split_regions(model: nn.Module, plan: Plan, rank: int, device: torch.device) -> list[RankStream]:
+def fork_split_regions(model: nn.Module, plan: Plan, rank: int, device: torch.device) -> None:
     """Give each region of `model` where tensor-parallel ranks hold different parts its own stream per
     rank, from `plan` (after ``parallelize_module`` applied it):
 
     - a layer: from the output of a column-wise style that splits it (not one gathering its output
-      whole) to the input of the row-wise style after it, in the module holding both; the holder's
-      end closes it as well (also when its forward raised, e.g. a recomputation torch's checkpoint
-      stopped early);
-    - with sequence parallelism, from :class:`SequenceSliced`'s module to :class:`SequenceGathered`'s.
+      whole) to the input of the next row-wise style in the module holding it;
+    - with sequence parallelism, from :class:`SequenceSliced`'s module to :class:`SequenceGathered`'s,
+      held by the model.
 
-    Every region is closed when the model's forward ends and forgotten when the next one starts."""
-    streams: dict[str | None, RankStream] = {}  # by the module holding a layer's region; None: the sequence's
+    A region's holder forgets a state left open when its forward starts and closes the region when
+    its forward ends, also when it raised."""
+    edges = [
+        (module, *edge)
+        for pattern, style in plan.items()
+        for name, module in _matching(model, pattern)
+        if (edge := _region_edge(name, style)) is not None
+    ]
+    streams: dict[tuple[str, str], RankStream] = {}
+    for module, region, opens in edges:
+        if not opens:
+            continue
+        if region not in streams:
+            streams[region] = RankStream(rank, device)
+            holder = model.get_submodule(region[0])
+            holder.register_forward_pre_hook(streams[region].forget)
+            holder.register_forward_hook(streams[region].exit, always_call=True)
+        # a layer opens at its split output, the sequence's region at its first module's input
+        register = module.register_forward_hook if region[1] == "layer" else module.register_forward_pre_hook
+        register(streams[region].enter)
+    for module, region, opens in edges:
+        if not opens and region in streams:
+            module.register_forward_pre_hook(streams[region].exit)
 
-    def stream(holder: str | None) -> RankStream:
-        if holder not in streams:
-            streams[holder] = RankStream(rank, device)
-            if holder is not None:
-                model.get_submodule(holder).register_forward_hook(streams[holder].exit, always_call=True)
-        return streams[holder]
 
-    for pattern, style in plan.items():
-        for name, module in _matching(model, pattern):
-            holder = name.rpartition(".")[0]
-            if isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate):
-                module.register_forward_hook(stream(holder).enter)
-            elif isinstance(style, RowwiseParallel):
-                module.register_forward_pre_hook(stream(holder).exit)
-            elif isinstance(style, SequenceSliced):
-                module.register_forward_pre_hook(stream(None).enter)
-            elif isinstance(style, SequenceGathered):
-                module.register_forward_pre_hook(stream(None).exit)
-    for forked in streams.values():
-        model.register_forward_pre_hook(forked.forget)
-        model.register_forward_hook(forked.exit, always_call=True)
-    return list(streams.values())
+def _region_edge(name: str, style: ParallelStyle) -> tuple[tuple[str, str], bool] | None:
+    """The region (holder's name, "layer" or "sequence") that a plan entry for module `name` opens
+    (True) or closes (False); None: neither."""
+    holder = name.rpartition(".")[0]
+    if isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate):
+        return (holder, "layer"), True
+    if isinstance(style, RowwiseParallel):
+        return (holder, "layer"), False
+    if isinstance(style, (SequenceSliced, SequenceGathered)):
+        return ("", "sequence"), isinstance(style, SequenceSliced)
+    return None
 
 
 def _matching(model: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:
