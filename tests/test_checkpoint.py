@@ -360,3 +360,23 @@ def test_loading_into_a_different_model_is_refused(small_checkpoint):
     message = run_ranks(different_model_worker, 1, path=str(small_checkpoint))[0]
     last = f"blocks.{PRESETS['tiny'].n_layer - 1}."
     assert "holds a different model" in message and last in message and "(absent)" in message, message
+
+
+def cuda_generator_worker(root: str) -> bool:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.checkpoint import load_checkpoint, save_checkpoint
+    from zeropp.models.gpt import GPT, PRESETS
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    engine = ZeroEngine(GPT(PRESETS["tiny"]), torch.optim.AdamW, {}, ZeroConfig(), topology)
+    path = save_checkpoint(engine, root, step=1)
+    expected = torch.rand(4, device=topology.device)
+    load_checkpoint(engine, path)
+    return torch.equal(torch.rand(4, device=topology.device), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_checkpoint_restores_the_cuda_generator(tmp_path):
+    """Dropout on CUDA draws from the device's generator: a resume continues its stream."""
+    assert run_ranks(cuda_generator_worker, 1, root=str(tmp_path)) == [True]

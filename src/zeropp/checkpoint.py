@@ -7,7 +7,7 @@ A checkpoint is a directory ``step-00000120`` holding
   :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
   ``fixed.<name>``: whole-shaped tensors, a layout that does not depend on how the run was
   sharded, see :mod:`zeropp.state`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
-  RNG state.
+  CPU RNG state (and on CUDA ``rng.cuda.rank<r>``, its device's: dropout draws from it there).
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
   sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.
@@ -182,9 +182,18 @@ def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
         saved = engine.sharded_state_dict()
     except StateError as error:
         raise CheckpointError(str(error)) from None
-    saved[f"rng.rank{engine.topology.rank}"] = torch.get_rng_state()
+    saved.update(_rng_states(engine))
     saved.update(_residuals(engine))
     return saved
+
+
+def _rng_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """This rank's generator states by checkpoint key: the CPU one, and its CUDA device's."""
+    rank, device = engine.topology.rank, engine.topology.device
+    states = {f"rng.rank{rank}": torch.get_rng_state()}
+    if device.type == "cuda":
+        states[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state(device)
+    return states
 
 
 def _residual_key(rank: int, unit: int, hop: str) -> str:
@@ -272,14 +281,17 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
         if name is not None:
             optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
     wanted = engine.sharded_state_template(optimizer_keys)
-    rng = f"rng.rank{engine.topology.rank}"
-    if rng in saved and meta["world_size"] == engine.topology.world_size:
-        wanted[rng] = torch.empty_like(torch.get_rng_state())
+    rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
+    if meta["world_size"] == engine.topology.world_size:  # a rank's stream belongs to its rank
+        wanted.update(rng)
     wanted.update(_residuals_to_load(engine, meta, saved, path))
     _read(wanted, path)
     engine.load_sharded_state_dict(wanted)
-    if rng in wanted:
-        torch.set_rng_state(wanted[rng])
+    for key in rng.keys() & wanted.keys():
+        if key.startswith("rng.cuda."):
+            torch.cuda.set_rng_state(wanted[key], engine.topology.device)
+        else:
+            torch.set_rng_state(wanted[key])
     for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
         for key, value in saved.items():
             group[key] = type(group[key])(value) if isinstance(group.get(key), tuple) else value
