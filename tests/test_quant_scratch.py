@@ -228,6 +228,10 @@ def training_worker() -> dict[str, bool]:
         same[name] = all(torch.equal(reused[k], fresh[k]) for k in fresh) and reused.keys() == fresh.keys()
     engine.set_quantized_gradients(False)  # the schedule's switch frees what qgZ's hops kept
     same["released when qgZ is switched off"] = messages.kept_bytes() == 0 and scratch.kept_bytes() == 0
+    engine.backward(loss_of("gpt", engine, *rows(global_batch("gpt", STEPS, 0, topo.world_size), topo.rank)))
+    engine.step()  # qwZ alone fills them again
+    engine.set_quantized_gradients(False)  # what the schedule says at every later step: nothing to free
+    same["qwZ's buffers kept while qgZ stays off"] = messages.kept_bytes() > 0 and scratch.kept_bytes() > 0
     return same
 
 

@@ -281,11 +281,12 @@ class ZeroEngine:
         """Reduce gradients with qgZ (on) or a full-precision reduce-scatter (off; the paper's schedule
         turns qgZ off for the end of a run, and its error-feedback residuals are freed then, with the
         message buffers and kernel scratch its hops kept). Every rank must switch at the same step."""
+        switched_off = not on and any(unit.quantize_gradients for unit in self.units)
         for unit in self.units:
             unit.quantize_gradients = on and unit.options.grad_quant is not None
             if not on and unit.error_feedback is not None:
                 unit.error_feedback.free()
-        if not on:  # qwZ's buffers go with them and come back at its next gather
+        if switched_off:  # qwZ's buffers go with them once and come back at its next gather
             quantized.messages.release()
             scratch.release()
 
