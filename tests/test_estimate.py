@@ -118,6 +118,12 @@ def test_estimate_sequence_parallel_traffic_and_checkpoints(tp):
     assert checkpointed.activation_checkpoint_bytes() == pa.activation_checkpoint_bytes() == piece
     assert cpu.activation_checkpoint_bytes() == 0 and cpu.activation_checkpoint_bytes("host") == piece
     assert plain.model_state_bytes == megatron.model_state_bytes
+    # stages 0-1 reduce gradients once a step: the 2 micro-batches' partial norm gradients summed once
+    once = estimate(
+        gpt_unit_numels(model, tp), 8, 2, ZeroConfig(stage=1, gradient_accumulation_steps=2), tensor_parallel=tp,
+        activations=gpt_activations(model, micro, sequence_parallel=True),
+    )  # fmt: skip
+    assert once.bytes_of("tp") == plain.bytes_of("tp") - norms * ring_bytes(4 * gpt.d_model, tp, 2)
 
 
 # -- zeropp's own byte models ---------------------------------------------------------------------------

@@ -203,9 +203,9 @@ def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula(
 def test_sequence_parallel_ledger_is_the_documented_formula(kind):
     """dp 2 x tp 2, stage 3, with sequence parallelism: per block 2 all-gathers and 2 reduce-scatters
     of b x s x h in forward and in backward (Megatron's bytes), one all-gather more at each end of
-    the sequence-parallel region, and the partial gradient of every layer-norm weight and bias in it
-    all-reduced (without that all-reduce the norms would train on half their gradient: the
-    exactness test fails). GPT-2's final norm is outside the region (its gradient is whole)."""
+    the sequence-parallel region, and the partial gradients of the layer-norm weights and biases in it
+    all-reduced, one message per unit (without that all-reduce the norms would train on half their
+    gradient: the exactness test fails). GPT-2's final norm is outside the region (its gradient is whole)."""
     from zeropp.comm.ledger import ring_bytes
     from zeropp.estimate.model import gpt_norm_parameters
     from zeropp.tensor_parallel import megatron_bytes_per_block
@@ -215,9 +215,10 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
     layers, batch, seq = GPT_TEST.n_layer, 2, GPT_TEST.block_size
     hidden = GPT_TEST.d_model if kind == "gpt" else make_model(kind).config.n_embd
     sent = ring_bytes(batch * seq * hidden * 4, 2)  # one all-gather or reduce-scatter of b x s x h, fp32
-    # 2 layer norms per block (a weight and a bias each) and, for the GPT, the final one
+    # 2 layer norms per block (a weight and a bias each) and, for the GPT, the final one (in the root unit)
     norms = gpt_norm_parameters(layers) if kind == "gpt" else 4 * layers
     assert norms == {"gpt": 10, "hf-gpt2": 8}[kind]
+    units_with_norms = layers + 1 if kind == "gpt" else layers
     for result in run_ranks(ledger_of_one_step, world=4, nodes=2, stage=3, kind=kind, sequence_parallel=True):
         assert result["ledger_calls"] == result["torch_calls"]  # nothing issued outside the ledger's view
         calls = {name: n for name, n in result["calls"].items() if name.startswith("tp.")}
@@ -226,7 +227,7 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
             "tp.reduce_scatter/forward": 2 * layers,  # the row-wise linears' outputs
             "tp.all_gather/backward": 2 * layers + 1,  # their output gradients, the first block's input gradient
             "tp.reduce_scatter/backward": 2 * layers,  # the column-wise linears' input gradients
-            "tp.all_reduce/backward": norms,  # the layer norms' partial gradients
+            "tp.all_reduce/backward": units_with_norms,  # the layer norms' partial gradients, one per unit
         }
         assert result["tp_ops"]["tp.all_gather/forward"] == (2 * layers + 1) * sent
         assert result["tp_ops"]["tp.all_reduce/backward"] == norms * hidden * 4  # 2 (t-1)/t of h fp32 each
@@ -235,6 +236,44 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
         assert block == megatron_bytes_per_block(batch, seq, hidden, 2, 4) == 8 * sent  # Megatron's bytes
         assert result["tp_total"] == layers * block + 2 * sent + norms * hidden * 4 and result["tp_inter"] == 0
         assert result["dp_bytes"] == pytest.approx(result["zero3_bytes"])
+
+
+def norm_gradient_ledger(stage: int, accumulation: int) -> dict:
+    """tp 2 with sequence parallelism (dp 1): the ledger's norm-gradient all-reduces in one step."""
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=True))
+    zero = ZeroConfig(stage=stage, gradient_accumulation_steps=accumulation)
+    engine = ZeroEngine(parallelize(make_model("gpt"), topology), torch.optim.AdamW, dict(lr=1e-3), zero, topology)
+    engine.comm.ledger.reset()
+    for micro in range(accumulation):
+        engine.backward(loss_of("gpt", engine, *rows(global_batch("gpt", 0, micro, 1), 0)))
+    engine.step()
+    ledger = engine.comm.ledger
+    return dict(calls=ledger.calls[("tp.all_reduce", "backward")], bytes=ledger.total(op="tp.all_reduce", phase="backward"))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_norm_gradients_are_summed_once_per_unit_and_gradient_reduction(stage):
+    """Each unit all-reduces its norms' partial gradients as one message when it reduces its gradients:
+    every micro-batch at stages 2-3, once a step at 0-1 (the partial sums of the micro-batches
+    accumulate first); the estimator's :func:`~zeropp.comm.volume.norm_gradient_transfers` agrees."""
+    from zeropp.comm.ledger import ring_bytes
+    from zeropp.comm.volume import norm_gradient_transfers
+    from zeropp.estimate.model import gpt_norm_parameters
+    from zeropp.memory import Activations
+
+    layers, hidden, accumulation = GPT_TEST.n_layer, GPT_TEST.d_model, 2
+    reductions = accumulation if stage >= 2 else 1
+    norms = gpt_norm_parameters(layers)
+    acts = Activations(layers, hidden, GPT_TEST.block_size, 2, sequence_parallel=True, norm_parameters=norms)
+    priced = sum(t.sent for t in norm_gradient_transfers(acts, 2, 4, reductions))
+    for result in run_ranks(norm_gradient_ledger, world=2, stage=stage, accumulation=accumulation):
+        assert result["calls"] == (layers + 1) * reductions  # the blocks' units and the root's (ln_f)
+        assert result["bytes"] == reductions * norms * ring_bytes(hidden * 4, 2, 2) == priced
 
 
 def test_a_collective_without_a_byte_model_stops_the_run():

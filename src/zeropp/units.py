@@ -134,6 +134,7 @@ class FlatUnit:
         self._gather: Pending | None = None
         self._grads_missing = 0
         self._unwritten: set[int] | None = None  # parameters with nothing in a fresh grad_flat yet
+        self._tp_partial: set[int] = set()  # parameters whose gradients are partial sums over tp ranks
         self.reshard()
         if groups.secondary is not None and not self.resident:  # filled by the first gather's reshard
             secondary = groups.secondary
@@ -274,7 +275,9 @@ class FlatUnit:
             self._unwritten = set(range(len(self.params)))
         if isinstance(grad, DTensor):  # tensor parallelism: in the parameter's own placement, this rank's piece
             param = self.params[index]
-            if grad.placements != param.placements:  # e.g. partial sums: all-reduced over the tensor-parallel group
+            if all(p.is_partial() for p in grad.placements) and all(p.is_replicate() for p in param.placements):
+                self._tp_partial.add(index)  # summed over the tensor-parallel group when reduced
+            elif grad.placements != param.placements:
                 grad = grad.redistribute(placements=param.placements)
             grad = grad.to_local()
         start, stop = self.layout.param_range(index)
@@ -310,6 +313,11 @@ class FlatUnit:
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype).zero_()
         self._zero_unwritten()
+        # sequence parallelism: each tp rank's norm gradients cover its slice of the sequence; one
+        # all-reduce per unit sums them (Megatron's coalesced norm all-reduce); linear, so micro-batches
+        # accumulated before it add up the same
+        partial = [self.grad_flat[slice(*self.layout.param_range(i))] for i in sorted(self._tp_partial)]
+        self.comm.all_reduce_coalesced(partial, self.comm.topology.tensor_parallel, reduce="sum")
         if not self.policy.shard_optimizer:
             return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
         flat = self.grad_flat

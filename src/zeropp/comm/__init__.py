@@ -227,6 +227,15 @@ class Communicator:
         work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=True)
         return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size)), async_op)
 
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], group: Group, *, reduce: ReduceKind = "mean") -> None:
+        """All-reduce `tensors` (of one dtype) in place as one message: packed, reduced, unpacked."""
+        if group.size == 1 or not tensors:
+            return
+        packed = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(packed, group, reduce=reduce)
+        for tensor, reduced in zip(tensors, packed.split([t.numel() for t in tensors]), strict=True):
+            tensor.copy_(reduced.view_as(tensor))
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
         """Send the j-th of group.size equal chunks of `inp` (split on dim 0) to group rank j; chunk i
         of `out` comes from group rank i."""

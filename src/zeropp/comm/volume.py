@@ -22,8 +22,9 @@ checkpointing, the forward all-reduces that recomputation repeats in backward
 paper's layout), and with Pa one all-gather of the block's checkpoint before its recomputation
 (:func:`activation_transfers`; the SC20 ZeRO paper §8). With sequence parallelism each all-reduce
 becomes a reduce-scatter and an all-gather (the same bytes), plus an all-gather at each end of the
-model and the norms' partial gradients all-reduced (:func:`sequence_parallel_transfers`,
-:func:`sequence_parallel_ends`). All stay inside a node (tensor-parallel groups are consecutive
+model, and the norms' partial gradients all-reduced with each unit's gradient reduction
+(:func:`sequence_parallel_transfers`, :func:`sequence_parallel_ends`, :func:`norm_gradient_transfers`).
+All stay inside a node (tensor-parallel groups are consecutive
 ranks of one node).
 """
 
@@ -92,7 +93,10 @@ def step_transfers(
     tp = layout.tensor_parallel_size
     yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz)
     if activations is not None:
-        yield from activation_transfers(activations, tp, BYTES[zero.precision], zero.gradient_accumulation_steps)
+        micro = zero.gradient_accumulation_steps
+        yield from activation_transfers(activations, tp, BYTES[zero.precision], micro)
+        grad_bytes, reductions = BYTES[zero.grad_dtype or zero.precision], micro if zero.stage >= 2 else 1
+        yield from norm_gradient_transfers(activations, tp, grad_bytes, reductions)
     if zero.stage >= 1 or tp > 1:
         for _ in range(2 if zero.precision == "fp16" else 1):
             if zero.stage >= 1:
@@ -139,13 +143,23 @@ def sequence_parallel_transfers(block_elements: int, element_bytes: int, tp: int
 def sequence_parallel_ends(activations: Activations, tp: int, element_bytes: int) -> Iterator[Transfer]:
     """Sequence parallelism's collectives outside the blocks, per micro-batch: the (whole) head's input
     all-gathered in forward, the first block's input gradient all-gathered in backward (the slicing of
-    the whole embeddings' output and of the head's input gradient are local), and every norm parameter's
-    partial gradient all-reduced."""
+    the whole embeddings' output and of the head's input gradient are local)."""
     sent = ring_bytes(activations.block_elements * element_bytes, tp)
     yield Transfer("tp.all_gather", "forward", sent, 0.0)
     yield Transfer("tp.all_gather", "backward", sent, 0.0)
-    for _ in range(activations.norm_parameters):
-        yield Transfer("tp.all_reduce", "backward", ring_bytes(activations.hidden * element_bytes, tp, 2), 0.0)
+
+
+def norm_gradient_transfers(activations: Activations, tp: int, grad_bytes: int, reductions: int) -> Iterator[Transfer]:
+    """Sequence parallelism's norm gradients: each tensor-parallel rank's is the partial sum over its
+    slice of the sequence. A unit all-reduces its norms' partial sums as one message when it reduces
+    its gradients: every micro-batch at stages 2-3, once a step at 0-1 (`reductions`), in the gradient
+    dtype. Priced as one message of all norm parameters per reduction: the same bytes however the
+    units divide them (each a multiple of the ring's share)."""
+    if tp == 1 or not activations.sequence_parallel:
+        return
+    numel = activations.norm_parameters * activations.hidden
+    for _ in range(reductions):
+        yield Transfer("tp.all_reduce", "backward", ring_bytes(numel * grad_bytes, tp, 2), 0.0)
 
 
 def activation_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:

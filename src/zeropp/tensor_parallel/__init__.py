@@ -11,7 +11,8 @@ shards that over the data-parallel group. Everything the plan leaves out stays w
 tensor-parallel rank, equal there (taken from the group's first rank here) and kept equal: its
 inputs and output gradients are the same on every tensor-parallel rank, so are its gradients.
 (With sequence parallelism the norms' are not: each rank's is the partial sum over its slice of the
-sequence, a ``Partial`` DTensor, which :meth:`~zeropp.units.FlatUnit.add_grad` all-reduces.)
+sequence, a ``Partial`` DTensor; each unit all-reduces its norms' as one message over the
+tensor-parallel group when it reduces its gradients, :meth:`~zeropp.units.FlatUnit.reduce_gradients`.)
 
 Traffic (Megatron's layout, per transformer block and micro-batch, b x s x h activations in the
 compute dtype): a column-wise linear takes its input whole and all-reduces the input's gradient in
@@ -33,13 +34,16 @@ r = (t-1)/t and e bytes per element::
     L x 8 r b*s*h*e          the blocks: 4 all-gathers and 4 reduce-scatters each (Megatron's bytes)
     + 2 r b*s*h*e            the model's ends: the head's input gathered in forward, the first
                              block's input gradient gathered in backward
-    + P x 2 r h*e            the norms' partial gradients all-reduced: P vectors of h, 2 (2L + 1)
+    + P x 2 r h*g            the norms' partial gradients all-reduced, per gradient reduction (each
+                             micro-batch at stages 2-3, once a step at 0-1; g bytes per gradient
+                             element), one message per unit holding norms: P vectors of h, 2 (2L + 1)
                              for the GPT's layer norms, 2L + 1 for Llama's RMSNorms, 4L for
                              GPT-2's (its final norm runs on the whole sequence)
     + L x 3 r b*s*h*e        with activation checkpointing: recomputation repeats attention's
                              all-gather and reduce-scatter and the MLP's all-gather
 
-(:func:`~zeropp.comm.volume.sequence_parallel_transfers`, :func:`~zeropp.comm.volume.sequence_parallel_ends`).
+(:func:`~zeropp.comm.volume.sequence_parallel_transfers`, :func:`~zeropp.comm.volume.sequence_parallel_ends`,
+:func:`~zeropp.comm.volume.norm_gradient_transfers`).
 """
 
 from __future__ import annotations
