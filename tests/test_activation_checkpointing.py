@@ -341,7 +341,7 @@ class Wrapped(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels)
 
 
-def hugging_face_worker(wrapped: bool) -> float:
+def hugging_face_worker(wrapped: bool) -> dict:
     from zeropp import ZeroEngine
     from zeropp.config import TopologyConfig
     from zeropp.topology import init_topology
@@ -350,21 +350,36 @@ def hugging_face_worker(wrapped: bool) -> float:
     for extra in ({}, AC):
         model = make_model("hf-gpt2-dropout")
         assert model.config.use_cache  # Hugging Face's default: forward fills a KV cache
+        hf = model
         model = Wrapped(model) if wrapped else model
         engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-2), ZeroConfig(stage=3, **extra), topology)
         torch.manual_seed(1)
-        for step in range(2):
+        for step in range(3):
+            engine.train(step < 2)  # the last step in eval mode: no dropout, the blocks still recomputed
             engine.backward(loss_of("hf-gpt2", engine, *rows(global_batch("hf-gpt2", step, 0, 1), 0)))
             assert engine.step()
         states.append(engine.full_state_dict())
-    assert model.config.use_cache if not wrapped else model.model.config.use_cache  # left as it was
-    return max((states[0][k] - states[1][k]).abs().max().item() for k in states[0])
+    seen = []
+    hf.register_forward_pre_hook(lambda *_: seen.append(hf.config.use_cache))
+    x, y = rows(global_batch("hf-gpt2", 0, 0, 1), 0)
+    loss_of("hf-gpt2", engine, x, y)
+    with torch.no_grad():
+        loss_of("hf-gpt2", engine, x, y)
+    try:
+        engine(input_ids=x.float(), labels=y)  # fails inside the forward
+    except (RuntimeError, TypeError):
+        seen.append(hf.config.use_cache)
+    return dict(error=max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]), seen=seen)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["model", "wrapped"])
 def test_hugging_face_models_train_checkpointed_without_their_kv_cache(wrapped):
     """GPT-2 with eager attention, its KV cache on by default and dropout: recomputation would append
     its keys to the cache a second time (a shape error in eager attention) and must redraw forward's
-    masks; checkpointed training equals the plain run, also under a wrapper of the user's."""
+    masks; checkpointed training (in train and eval mode) equals the plain run, also under a wrapper
+    of the user's."""
     pytest.importorskip("transformers")
-    assert run_ranks(hugging_face_worker, world=1, wrapped=wrapped) == [0.0]
+    (result,) = run_ranks(hugging_face_worker, world=1, wrapped=wrapped)
+    assert result["error"] == 0.0
+    # off in a forward that builds a graph, on without one (generation), back after a forward that raised
+    assert result["seen"] == [False, True, False, True]

@@ -134,6 +134,29 @@ def test_a_column_wise_output_gathered_whole_draws_one_mask():
     assert torch.equal(out[0], out[1])
 
 
+def sequence_region_worker() -> dict:
+    """A sequence-parallel plan of the user's: dropout on each rank's slice, then on the gathered whole."""
+    from zeropp.config import TopologyConfig
+    from zeropp.tensor_parallel import parallelize
+    from zeropp.tensor_parallel.plans import SequenceGathered, SequenceSliced
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=True))
+    torch.manual_seed(0)
+    identity, dropout = torch.nn.Identity, torch.nn.Dropout
+    model = torch.nn.Sequential(identity(), dropout(P), identity(), dropout(P))
+    model = parallelize(model, topology, plan={"0": SequenceSliced(), "2": SequenceGathered()}).train()
+    with DropoutMasks() as recorded, torch.no_grad():
+        out = model(torch.ones(2, 8, 16))
+    return dict(masks=recorded.masks, out=out)
+
+
+def test_the_sequence_region_ends_where_the_sequence_is_gathered():
+    (sliced, gathered), (sliced_1, gathered_1) = (r["masks"] for r in run_ranks(sequence_region_worker, world=2))
+    assert sliced.shape == (2, 4, 16) and 0.35 < _agreement(sliced, sliced_1) < 0.65  # each rank its slice's
+    assert gathered.shape == (2, 8, 16) and torch.equal(gathered, gathered_1)  # the whole: one mask
+
+
 def training_worker(sequence_parallel: bool) -> dict:
     """ZeRO-3 on dp 1 x tp 2 with every dropout at P, with and without activation checkpointing."""
     from zeropp import ZeroConfig, ZeroEngine
@@ -174,10 +197,11 @@ def test_a_rank_stream_on_cuda_recomputes_forwards_masks_under_checkpoint():
     from zeropp.tensor_parallel.rng import RankStream
 
     device = torch.device("cuda")
-    region, layer = RankStream(1, device), torch.nn.Linear(64, 64, device=device)
+    layer = torch.nn.Linear(64, 64, device=device)
+    region = RankStream(1, device, layer)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        region.enter(layer)
+        region.enter()
         try:
             return torch.nn.functional.dropout(layer(x), P)
         finally:

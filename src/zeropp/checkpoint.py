@@ -7,7 +7,9 @@ A checkpoint is a directory ``step-00000120`` holding
   :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
   ``fixed.<name>``: whole-shaped tensors, a layout that does not depend on how the run was
   sharded, see :mod:`zeropp.state`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
-  CPU RNG state (and on CUDA ``rng.cuda.rank<r>``, its device's: dropout draws from it there).
+  CPU RNG state (and on CUDA ``rng.cuda.rank<r>``, its device's: dropout draws from it there),
+  restored where the world size matches (a rank's stream is its own); a state the checkpoint lacks
+  (saved on CPU, loaded on CUDA) leaves that generator as it is.
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
   sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.

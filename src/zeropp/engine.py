@@ -219,7 +219,7 @@ class ZeroEngine:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        with self.comm.in_phase(phase), kv_cache_off(self._kv_caches if phase == "forward" else []):
+        with self.comm.in_phase(phase), kv_cache_off(self._kv_caches if torch.is_grad_enabled() else []):
             return self.module(*args, **kwargs)
 
     # -- backward --------------------------------------------------------------------------------

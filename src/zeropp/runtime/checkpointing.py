@@ -238,15 +238,17 @@ def kv_cache_configs(model: torch.nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def kv_cache_off(configs: Sequence[Any]) -> Iterator[None]:
-    """`configs` say ``use_cache = False`` while inside. A checkpointed training forward runs so: a
-    recomputed block would write its keys into the KV cache a second time (and attend to them twice),
-    so Hugging Face's own gradient checkpointing turns the cache off too. A forward called with
-    ``use_cache`` itself is left to it."""
-    kept = [c.use_cache for c in configs]
-    for config in configs:
-        config.use_cache = False
+    """`configs` say ``use_cache = False`` while inside. A forward that builds a graph for backward runs
+    so under checkpointing (in train or eval mode: the blocks are recomputed either way): a recomputed
+    block would write its keys into the KV cache a second time (and attend to them twice), so Hugging
+    Face's own gradient checkpointing turns the cache off too. A forward called with ``use_cache``
+    itself is left to it."""
+    changed: list[tuple[Any, Any]] = []
     try:
+        for config in configs:
+            changed.append((config, config.use_cache))
+            config.use_cache = False
         yield
     finally:
-        for config, use_cache in zip(configs, kept, strict=True):
+        for config, use_cache in changed:
             config.use_cache = use_cache

@@ -33,14 +33,15 @@ _GOLDEN = 0x9E3779B97F4A7C15  # spreads rank numbers over the seed's bits
 
 
 class RankStream:
-    """The generators of this process forked to a stream of this rank's own while a region runs."""
+    """The generators of this process forked to a stream of this rank's own while a region of `holder`
+    runs."""
 
-    def __init__(self, rank: int, device: torch.device) -> None:
-        self.rank, self.device = rank, device
+    def __init__(self, rank: int, device: torch.device, holder: nn.Module) -> None:
+        self.rank, self.device, self.holder = rank, device, holder
         self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def enter(self, module: nn.Module, *_) -> None:
-        if not module.training:  # no dropout: the default stream stays where training left it
+    def enter(self, *_) -> None:
+        if not self.holder.training:  # no dropout in it: the default stream stays where training left it
             return
         if self.kept is not None:  # already inside (e.g. q, k and v each open attention's region)
             return
@@ -91,8 +92,8 @@ def fork_split_regions(model: nn.Module, plan: Plan, rank: int, device: torch.de
         if not opens:
             continue
         if region not in streams:
-            streams[region] = RankStream(rank, device)
             holder = model.get_submodule(region[0])
+            streams[region] = RankStream(rank, device, holder)
             holder.register_forward_pre_hook(streams[region].forget)
             holder.register_forward_hook(streams[region].exit, always_call=True)
         # a layer opens at its split output, the sequence's region at its first module's input
