@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -148,7 +149,8 @@ def zeropp_step(args: argparse.Namespace, topology: Any) -> tuple[Callable[[int]
     config, batches = model_and_batches(args)
     with torch.device("meta"):
         gpt = GPT(config)
-    engine = ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), ZeroConfig(stage=args.stage), topology, seed=0)
+    config = ZeroConfig(stage=args.stage, contiguous_memory_optimization=args.contiguous_memory)
+    engine = ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), config, topology, seed=0)
 
     def zeropp(step: int) -> None:
         x, y = batches.local_batch(step)
@@ -181,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    parser.add_argument(
+        "--contiguous-memory", action="store_true", help="MD: zeropp's gradient buffers are ranges of one kept buffer"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench_overhead.json"))
     args = parser.parse_args(argv)
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"), ("WORLD_SIZE", "1")):
@@ -196,11 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         plain(i)
         zeropp(i)
     times: dict[str, list[float]] = {"plain": [], "zeropp": []}
+    faults: dict[str, list[int]] = {"plain": [], "zeropp": []}  # minor page faults: fresh memory touched
     for i in range(args.steps):  # alternated, so load changes reach both alike
         for name, step in (("plain", plain), ("zeropp", zeropp)):
-            tick = time.perf_counter()
+            tick, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             step(i)
             times[name].append(time.perf_counter() - tick)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
     plain_s, zeropp_s = (statistics.median(times[k]) for k in ("plain", "zeropp"))
     timer = OwnTimer()
     with timer.installed():  # a second engine, built with the timers in: its hooks are timed too
@@ -221,11 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.threads} thread(s); other jobs may share the CPU",
         "model": {"n_layer": args.n_layer, "d_model": args.d_model, "block_size": args.block_size, "units": units},
         "stage": args.stage,
+        "contiguous_memory": args.contiguous_memory,
         "steps": args.steps,
         "plain_step_s": plain_s,
         "zeropp_step_s": zeropp_s,
         "ratio": zeropp_s / plain_s,
         "overhead_us_per_unit_step": (zeropp_s - plain_s) / units * 1e6,
+        "minor_faults_per_step": {name: statistics.median(f) for name, f in faults.items()},
         "breakdown": rows,
         "op_calls_per_step": counts,
     }
@@ -239,9 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def markdown(r: dict[str, Any]) -> str:
     m = r["model"]
     lines = [
-        f"{m['n_layer']} layers x {m['d_model']} ({m['units']} units), stage {r['stage']}, world 1, {r['machine']}",
+        f"{m['n_layer']} layers x {m['d_model']} ({m['units']} units), stage {r['stage']}"
+        f"{' with MD' if r['contiguous_memory'] else ''}, world 1, {r['machine']}",
         f"\nplain PyTorch {r['plain_step_s'] * 1e3:.2f} ms/step, zeropp {r['zeropp_step_s'] * 1e3:.2f} ms/step: "
-        f"{r['ratio']:.3f}x, {r['overhead_us_per_unit_step']:.0f} us per unit per step above plain\n",
+        f"{r['ratio']:.3f}x, {r['overhead_us_per_unit_step']:.0f} us per unit per step above plain; minor page "
+        f"faults per step {r['minor_faults_per_step']['plain']:,.0f} and {r['minor_faults_per_step']['zeropp']:,.0f}\n",
         "| zeropp code (own time, timers on) | us/step | us/unit/step | calls/step |",
         "|---|---|---|---|",
     ]

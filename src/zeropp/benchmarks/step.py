@@ -10,7 +10,9 @@ in its own ``torchrun`` job on this machine (gloo; world 4 = 2 simulated nodes x
 - ``fsdp2``: ``fully_shard`` per block and on the root;
 - ``deepspeed-zero3``: DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``), when it is installed;
 - with ``--compile``, ``pytorch-compiled`` and ``zeropp-3-compiled``: every block's forward through
-  ``torch.compile`` (inductor), the step otherwise the same.
+  ``torch.compile`` (inductor), the step otherwise the same;
+- ``zeropp-3-md`` (named in ``--variants``): stage 3 with MD (``contiguous_memory_optimization``), so
+  the gradient buffers are ranges of one buffer kept across steps instead of fresh allocations.
 
 The variants alternate: each repetition runs every variant once (``--steps`` steps), in an order
 rotated by one per repetition, so a change in the machine's load reaches every variant alike. Per
@@ -49,6 +51,7 @@ import torch
 
 BASE_VARIANTS = ("pytorch", "zeropp-0", "zeropp-1", "zeropp-2", "zeropp-3", "zeropp++", "fsdp2", "deepspeed-zero3")
 COMPILED_VARIANTS = ("pytorch-compiled", "zeropp-3-compiled")
+MD_VARIANTS = ("zeropp-3-md",)
 RANK_ERROR = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception)\b")  # a rank's exception, as torchrun prints it
 NODES_AT = {4: 2}  # world size -> simulated nodes (hpZ and qgZ's two hops need more than one)
 
@@ -59,12 +62,12 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
     from zeropp.benchmarks.peers import adamw, engine_step, training_step
     from zeropp.config import ZEROPP_SWITCHES
 
-    compiled = variant.endswith("-compiled")
-    name = variant.removesuffix("-compiled")
+    compiled, md = variant.endswith("-compiled"), variant.endswith("-md")
+    name = variant.removesuffix("-compiled").removesuffix("-md")
     if name.startswith("zeropp"):
         stage = 3 if name == "zeropp++" else int(name.removeprefix("zeropp-"))
         switches = ZEROPP_SWITCHES if name == "zeropp++" else {}
-        config = ZeroConfig(stage=stage, compile=compiled, **switches)
+        config = ZeroConfig(stage=stage, compile=compiled, contiguous_memory_optimization=md, **switches)
         return engine_step(ZeroEngine(gpt, torch.optim.AdamW, adamw(args.lr), config, topology, seed=0))
     from zeropp.grouping import repeated_blocks
     from zeropp.materialize import initialize_model
@@ -201,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, help="threads per rank (default: the cores divided by the world size)")
     parser.add_argument("--compile", action="store_true", help="add pytorch-compiled and zeropp-3-compiled (inductor)")
-    parser.add_argument("--variants", nargs="+", choices=[*BASE_VARIANTS, *COMPILED_VARIANTS])
+    parser.add_argument("--variants", nargs="+", choices=[*BASE_VARIANTS, *COMPILED_VARIANTS, *MD_VARIANTS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_step.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one rank of one variant
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
