@@ -149,8 +149,8 @@ def zeropp_step(args: argparse.Namespace, topology: Any) -> tuple[Callable[[int]
     config, batches = model_and_batches(args)
     with torch.device("meta"):
         gpt = GPT(config)
-    config = ZeroConfig(stage=args.stage, contiguous_memory_optimization=args.contiguous_memory)
-    engine = ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), config, topology, seed=0)
+    zero = ZeroConfig(stage=args.stage, contiguous_memory_optimization=args.contiguous_memory)
+    engine = ZeroEngine(gpt, torch.optim.AdamW, dict(lr=1e-3), zero, topology, seed=0)
 
     def zeropp(step: int) -> None:
         x, y = batches.local_batch(step)
