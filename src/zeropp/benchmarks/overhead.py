@@ -2,7 +2,9 @@
 
 One process (world 1, gloo), ``--n-layer`` blocks of width ``--d-model`` (32 x 128: 33 units whose
 compute is small, so bookkeeping shows), ``--micro-batch-size`` sequences of ``--block-size`` tokens,
-fp32, AdamW. Plain PyTorch and zeropp at ``--stage`` alternate step by step on the same batches.
+fp32, AdamW. Plain PyTorch and zeropp at ``--stage`` alternate step by step on the same batches;
+each step's minor page faults (fresh memory touched) are counted beside its time. With
+``--contiguous-memory`` zeropp runs with MD, its gradient buffers kept across steps.
 
 The breakdown times zeropp's own functions for a second set of steps: each is wrapped, here only,
 in a timer that charges a call its *own* time (its callees' time goes to them), so the rows add up
@@ -13,7 +15,8 @@ The timed steps run on a second engine built with the timers in place (hooks bin
 when they are registered). The timers add their own cost (two ``perf_counter`` calls and a list
 append per call); the untimed step times at the top are the ones to compare.
 
-    zeropp bench overhead [--n-layer 32] [--d-model 128] [--stage 3] [--steps 30] [--out results/bench_overhead.json]
+    zeropp bench overhead [--n-layer 32] [--d-model 128] [--stage 3] [--steps 30] [--contiguous-memory]
+                          [--out results/bench_overhead.json]
 """
 
 from __future__ import annotations
