@@ -6,9 +6,9 @@ import sys
 import torch
 
 import zeropp
-from zeropp import hf
-from zeropp.data import Batches
-from zeropp.data.text import ByteTokenizer, text_splits
+from zeropp.app import hf
+from zeropp.app.data.batches import Batches
+from zeropp.app.data.text import ByteTokenizer, text_splits
 
 
 def train(topology: zeropp.Topology, config_json: str, text: str, out: str, steps: int = 8) -> float:

@@ -3,7 +3,7 @@
 import torch
 
 import zeropp
-from zeropp.models.gpt import GPT, GPTConfig
+from zeropp.app.models.gpt import GPT, GPTConfig
 
 
 def train(topology: zeropp.Topology) -> None:

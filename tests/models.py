@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zeropp.models.gpt import GPT, GPTConfig
+from zeropp.app.models.gpt import GPT, GPTConfig
 
 GPT_TEST = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32)
 

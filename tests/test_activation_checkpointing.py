@@ -26,7 +26,7 @@ VARIANTS = {
 
 def _engine(topology, stage: int, accumulation: int, extra: dict):
     from zeropp import ZeroEngine
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.tensor_parallel.apply import parallelize
 
     config = ZeroConfig(stage=stage, gradient_accumulation_steps=accumulation, **extra)
     model = parallelize(make_model("gpt"), topology)
@@ -83,8 +83,8 @@ def _odd_inputs(topology) -> dict:
     """Pa on inputs of any shape and dtype: gradients as without checkpointing, bytes as padded."""
     from types import SimpleNamespace
 
-    from zeropp.comm import Communicator
-    from zeropp.runtime.checkpointing import ActivationCheckpointing, CheckpointOptions
+    from zeropp.comm.communicator import Communicator
+    from zeropp.runtime.activation_checkpointing import ActivationCheckpointing, CheckpointOptions
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 7, dtype=torch.float64, generator=g)
@@ -109,7 +109,7 @@ def _odd_inputs(topology) -> dict:
 
 
 def zero_r_scenarios() -> dict:
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=TP))
@@ -124,8 +124,8 @@ def zero_r_scenarios() -> dict:
 
 
 def test_zero_r_trains_to_the_same_weights_holds_and_moves_what_the_formulas_say():
-    from zeropp.memory import PAPER_RECOMPUTED_ALL_REDUCES, RUNTIME_RECOMPUTED_ALL_REDUCES
-    from zeropp.tensor_parallel import megatron_bytes_per_block
+    from zeropp.costs.memory import PAPER_RECOMPUTED_ALL_REDUCES, RUNTIME_RECOMPUTED_ALL_REDUCES
+    from zeropp.costs.tensor_parallel import megatron_bytes_per_block
 
     units, b, s, h, fp32 = GPT_TEST.n_layer, PER_RANK, GPT_TEST.block_size, GPT_TEST.d_model, 4
     whole = b * s * h * fp32  # one block's checkpointed input
@@ -197,7 +197,7 @@ SEQUENCE_PARALLEL_VARIANTS = ("AC", "AC+Pa", "AC+Pa+cpu", "AC+Pa+cpu+MD")
 
 
 def sequence_parallel_scenarios() -> dict:
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=TP, sequence_parallel=True))
@@ -218,7 +218,7 @@ def test_zero_r_with_sequence_parallelism_keeps_each_ranks_slice_and_trains_to_t
     them and hold units x b x s/2 x h, on the host with Pa+cpu; recomputation repeats attention's
     all-gather and reduce-scatter and the MLP's all-gather."""
     from zeropp.comm.ledger import ring_bytes
-    from zeropp.estimate.model import gpt_norm_parameters
+    from zeropp.tools.estimate.model import gpt_norm_parameters
 
     units, b, s, h, fp32 = GPT_TEST.n_layer, PER_RANK, GPT_TEST.block_size, GPT_TEST.d_model, 4
     piece = b * s * h * fp32 // TP  # one block's input on this rank
@@ -311,8 +311,8 @@ def test_zeropp_train_reports_the_checkpoint_bytes_and_pa_traffic(tmp_path):
     from launcher import free_port
     from test_cli import zeropp
 
-    from zeropp.config import load_config
-    from zeropp.models.gpt import PRESETS
+    from zeropp.app.models.gpt import PRESETS
+    from zeropp.config.sections import load_config
 
     out = tmp_path / "summary.json"
     result = zeropp(
@@ -343,7 +343,7 @@ class Wrapped(torch.nn.Module):
 
 def hugging_face_worker(wrapped: bool) -> dict:
     from zeropp import ZeroEngine
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology, states = init_topology(TopologyConfig()), []

@@ -9,8 +9,8 @@ import statistics
 import pytest
 import torch
 
-from zeropp.benchmarks import convergence, weight_error
-from zeropp.data import Batches
+from zeropp.app.data.batches import Batches
+from zeropp.tools.bench import convergence, weight_error
 
 
 def _run(losses: list[float], inter: float = 100.0) -> dict:

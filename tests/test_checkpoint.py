@@ -24,7 +24,7 @@ PROBE = torch.arange(64).view(2, 32) * 7 % 256
 
 
 def _config(checkpoint_dir: Path, steps: int, nodes: int, micro_batch: int = 1, **sections):
-    from zeropp.config import load_config
+    from zeropp.config.sections import load_config
 
     data = {
         "model": dict(TINY["model"]),
@@ -65,7 +65,7 @@ RESUME_CASES = {
 
 
 def resume_worker(root: str) -> dict:
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     out = {}
     for name, zero in RESUME_CASES.items():
@@ -95,7 +95,7 @@ def _residuals_across_worlds(folder: Path) -> dict:
     import contextlib
     import io
 
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     zero, resume = RESUME_CASES["zeropp-loco"], {"resume": "auto"}
     same = Trainer(_config(folder, 12, nodes=2, zero=zero, checkpoint=resume))
@@ -125,7 +125,7 @@ def test_resume_is_bit_identical_for_stages_1_2_3_and_zeropp_with_error_feedback
 
 
 def save_world4_worker(root: str) -> dict:
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     trainer = Trainer(_config(Path(root), 8, nodes=2, zero={"stage": 3}))
     for step in range(4):
@@ -140,7 +140,7 @@ def save_world4_worker(root: str) -> dict:
 
 
 def load_worker(root: str, stage: int, micro_batch: int) -> dict:
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     config = _config(Path(root), 8, nodes=1, micro_batch=micro_batch, zero={"stage": stage})
     config.checkpoint.resume = "auto"
@@ -154,8 +154,8 @@ def load_worker(root: str, stage: int, micro_batch: int) -> dict:
 def test_save_at_world4_loads_at_world2_and_world1_and_exports(tmp_path):
     from safetensors.torch import load_file
 
-    from zeropp.checkpoint import export_checkpoint
-    from zeropp.models.gpt import GPT, gpt_config
+    from zeropp.app.models.gpt import GPT, gpt_config
+    from zeropp.checkpoint.dcp import export_checkpoint
 
     world4 = run_ranks(save_world4_worker, 4, nodes=2, root=str(tmp_path))
     exported = tmp_path / "model.safetensors"
@@ -186,8 +186,8 @@ def interrupted_save_worker(root: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from zeropp.checkpoint import CheckpointError, _state_to_save, find_latest, load_checkpoint
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
+    from zeropp.checkpoint.dcp import CheckpointError, _state_to_save, find_latest, load_checkpoint
 
     trainer = Trainer(_config(Path(root), 8, nodes=2, zero={"stage": 3}))
     trainer.train_step(0)
@@ -259,7 +259,7 @@ def _children(pid: int) -> list[int]:
 def test_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path):
     from safetensors.torch import load_file
 
-    from zeropp.checkpoint import export_checkpoint
+    from zeropp.checkpoint.dcp import export_checkpoint
 
     run = ["train", "--preset", "tiny", "--steps", "60", "--eval-batches", "1", "--save-interval", "10"]
     run += ["--keep-last", "0", "--resume", "auto", "--max-restarts", "1"]
@@ -341,8 +341,8 @@ def test_bad_checkpoint_inputs_fail_in_one_line_before_launch_and_destroy_nothin
 
 def different_model_worker(path: str) -> str:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.checkpoint import CheckpointError, load_checkpoint
-    from zeropp.models.gpt import GPT, PRESETS
+    from zeropp.app.models.gpt import GPT, PRESETS
+    from zeropp.checkpoint.dcp import CheckpointError, load_checkpoint
     from zeropp.topology import init_topology
 
     one_layer_less = dataclasses.replace(PRESETS["tiny"], n_layer=PRESETS["tiny"].n_layer - 1)
@@ -355,7 +355,7 @@ def different_model_worker(path: str) -> str:
 
 
 def test_loading_into_a_different_model_is_refused(small_checkpoint):
-    from zeropp.models.gpt import PRESETS
+    from zeropp.app.models.gpt import PRESETS
 
     message = run_ranks(different_model_worker, 1, path=str(small_checkpoint))[0]
     last = f"blocks.{PRESETS['tiny'].n_layer - 1}."
@@ -364,8 +364,8 @@ def test_loading_into_a_different_model_is_refused(small_checkpoint):
 
 def cuda_generator_worker(root: str) -> bool:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.checkpoint import load_checkpoint, save_checkpoint
-    from zeropp.models.gpt import GPT, PRESETS
+    from zeropp.app.models.gpt import GPT, PRESETS
+    from zeropp.checkpoint.dcp import load_checkpoint, save_checkpoint
     from zeropp.topology import init_topology
 
     topology = init_topology()

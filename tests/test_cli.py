@@ -56,7 +56,7 @@ def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_p
 
 
 def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residuals_frees_them_and_switches(tmp_path):
-    from zeropp.memory import qgz_residual_bytes
+    from zeropp.costs.memory import qgz_residual_bytes
 
     out = tmp_path / "summary.json"
     result = zeropp(

@@ -106,7 +106,7 @@ def test_export_to_a_directory_or_a_full_disk(checkpoint, tmp_path, monkeypatch,
 
 
 def test_bench_cluster_without_root_refuses_before_creating_its_folder(tmp_path, monkeypatch, capsys):
-    from zeropp.benchmarks import cluster
+    from zeropp.tools.bench import cluster
 
     monkeypatch.setattr(cluster.os if hasattr(cluster, "os") else __import__("os"), "geteuid", lambda: 1000)
     out = tmp_path / "results"
@@ -117,7 +117,8 @@ def test_bench_cluster_without_root_refuses_before_creating_its_folder(tmp_path,
 
 
 def test_config_file_without_read_permission(tmp_path, monkeypatch):
-    from zeropp.config import ConfigError, load_config
+    from zeropp.config.sections import load_config
+    from zeropp.errors import ConfigError
 
     path = tmp_path / "run.toml"
     path.write_text("[train]\nsteps = 3\n")

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from zeropp import cluster
-from zeropp.cluster import (
+from zeropp.app.summary import RunSummary, ZeroppSwitches
+from zeropp.tools import cluster
+from zeropp.tools.cluster import (
     ClusterError,
     EmulatedCluster,
     compare_to_ledger,
@@ -31,7 +32,6 @@ from zeropp.cluster import (
     per_step_wire_bytes,
     run_cluster,
 )
-from zeropp.summary import RunSummary, ZeroppSwitches
 
 
 def _namespaces_unavailable() -> str | None:
@@ -285,7 +285,7 @@ def test_a_bad_train_flag_fails_and_cleans_up(capsys):
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_killed_run_cleans_up(tmp_path, sig, status):
     links = root_links()
-    command = [sys.executable, "-m", "zeropp.cluster", "run", "--quiet", "--", *TINY, "--steps", "5000"]
+    command = [sys.executable, "-m", "zeropp.tools.cluster", "run", "--quiet", "--", *TINY, "--steps", "5000"]
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     prefix = f"zpp{proc.pid}-0"
     deadline = time.monotonic() + 90

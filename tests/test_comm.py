@@ -11,8 +11,8 @@ TIMEOUT_S = 2.0
 
 
 def stuck_peer_worker() -> str:
-    from zeropp.comm import CollectiveTimeout, Communicator
-    from zeropp.config import TopologyConfig
+    from zeropp.comm.communicator import CollectiveTimeout, Communicator
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=2, timeout_s=TIMEOUT_S))

@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from zeropp.config import Config, ConfigError, TopologyConfig, ZeroConfig, load_config
-from zeropp.topology import Layout, init_topology
+from zeropp.config.sections import Config, TopologyConfig, ZeroConfig, load_config
+from zeropp.errors import ConfigError
+from zeropp.index.ranks import Layout
+from zeropp.topology import init_topology
 
 
 def config_error(fn, *args, **kwargs) -> str:

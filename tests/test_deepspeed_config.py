@@ -15,11 +15,13 @@ import pytest
 import torch
 from launcher import free_port
 
-from zeropp.config import Config, ConfigError, LossScaleConfig, OptimConfig, ZeroConfig
-from zeropp.deepspeed_config import translate
-from zeropp.deepspeed_keys import MAPPED
-from zeropp.precision import LossScaler
-from zeropp.schedule import learning_rate
+from zeropp.app.schedule import learning_rate
+from zeropp.config.deepspeed import translate
+from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
+from zeropp.config.deepspeed_keys import MAPPED
+from zeropp.config.sections import Config, LossScaleConfig, OptimConfig, ZeroConfig
+from zeropp.errors import ConfigError
+from zeropp.zero.precision import LossScaler
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = {"zero_optimization": {"stage": 3}}
@@ -153,7 +155,7 @@ def test_zero3_tutorial_config():
         stage=3, reduce_bucket_numel=1_250_000, allgather_bucket_numel=62_500_000, persistence_threshold=100_000,
         offload_optimizer="cpu", offload_params="cpu",
     )  # fmt: skip
-    assert ZeroConfig.from_deepspeed(tutorial, world_size=8) == expected
+    assert zero_config_from_deepspeed(tutorial, world_size=8) == expected
     note = translate(tutorial, world_size=8).note()
     for key in ("contiguous_gradients", "stage3_max_live_parameters", "sub_group_size", "stage3_prefetch_bucket_size"):
         assert f"zero_optimization.{key}" in note
@@ -167,7 +169,7 @@ def test_zero_tutorial_stage_1_and_2_configs(stage, tmp_path):
         block.update(contiguous_gradients=True, overlap_comm=True, reduce_scatter=True, allgather_bucket_size=5e8)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": block}))
-    zero = ZeroConfig.from_deepspeed(path, world_size=8)
+    zero = zero_config_from_deepspeed(path, world_size=8)
     assert (zero.stage, zero.reduce_bucket_numel, zero.allgather_bucket_numel) == (stage, 62_500_000, 62_500_000)
 
 
@@ -180,7 +182,7 @@ def test_zeropp_tutorial_config():
             "contiguous_gradients": True, "overlap_comm": True,
         }
     }  # fmt: skip
-    zero = ZeroConfig.from_deepspeed(tutorial, world_size=64)
+    zero = zero_config_from_deepspeed(tutorial, world_size=64)
     assert zero == ZeroConfig(
         stage=3, reduce_bucket_numel=156_250, allgather_bucket_numel=7_812_500, persistence_threshold=100_000,
         quantized_weights=True, hpz_partition_size=16, quantized_gradients=True,

@@ -12,11 +12,15 @@ import torch
 from launcher import run_ranks
 from test_estimate_papers import SCALES_INT8
 
-from zeropp import tensor_parallel
+from zeropp.app.models.gpt import PRESETS
 from zeropp.comm.ledger import ring_bytes
-from zeropp.comm.volume import zero3_step_bytes
-from zeropp.config import ConfigError, LossScaleConfig, ModelConfig, ZeroConfig
-from zeropp.estimate import (
+from zeropp.config.sections import LossScaleConfig, ModelConfig, ZeroConfig
+from zeropp.costs import tensor_parallel
+from zeropp.costs.memory import PAPER_RECOMPUTED_ALL_REDUCES, Activations
+from zeropp.costs.volume import zero3_step_bytes
+from zeropp.errors import ConfigError
+from zeropp.index.ranks import Layout
+from zeropp.tools.estimate import (
     ZEROPP_SWITCHES,
     estimate,
     gpt_activations,
@@ -26,9 +30,6 @@ from zeropp.estimate import (
     parse_bandwidth,
     trillion_example,
 )
-from zeropp.memory import PAPER_RECOMPUTED_ALL_REDUCES, Activations
-from zeropp.models.gpt import PRESETS
-from zeropp.topology import Layout
 
 # -- tensor parallelism and ZeRO-R ---------------------------------------------------------------------
 
@@ -237,7 +238,7 @@ STEPS = 2
 
 def ledger_worker() -> dict:
     from zeropp import ZeroEngine
-    from zeropp.models.gpt import GPT, GPTConfig
+    from zeropp.app.models.gpt import GPT, GPTConfig
     from zeropp.topology import build_topology, init_topology
 
     first = init_topology()

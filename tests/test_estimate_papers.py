@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from zeropp.estimate import (
+from zeropp.tools.estimate import (
     ZERO_TABLE_DP,
     hpz_example,
     max_model_table,

@@ -33,7 +33,7 @@ SCENARIOS = [
 
 def train_scenarios(simulated_nodes: int) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))

@@ -1,5 +1,5 @@
 """qgZ error feedback with the Triton kernels against the torch reference, bit for bit (the residual
-update of zeropp.comm.feedback_triton); on CPU under Triton's interpreter (tests/triton_setup.py)."""
+update of zeropp.quant.triton.feedback); on CPU under Triton's interpreter (tests/triton_setup.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import pytest
 import torch
 from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, import_kernels, tk
 
-from zeropp.comm.feedback import ErrorFeedback, _fused_update
-from zeropp.quant import QuantSpec, reference
+from zeropp.comm.feedback import ErrorFeedback
+from zeropp.quant import reference
+from zeropp.quant.backends import backend_of
+from zeropp.quant.spec import QuantSpec
 
-feedback_triton = import_kernels("zeropp.comm.feedback_triton")
+feedback_triton = import_kernels("zeropp.quant.triton.feedback")
 pytestmark = NEEDS_GPU_OR_INTERPRETER
 
 
@@ -33,7 +35,7 @@ def test_triton_residual_update_is_the_reference_bit_for_bit(bits, block, dtype,
     """Three quantizations of the same slice (columns 37..37+203 of rows 400 wide: strided residual
     rows, a partial last block; block 49 makes int4 bytes straddle blocks): same codes, same scales,
     same residual."""
-    assert _fused_update(tk) is feedback_triton.update_residual and _fused_update(reference) is None
+    assert backend_of(tk).update_residual is feedback_triton.update_residual and backend_of(reference).update_residual is None
     spec, start, width = QuantSpec(bits, block), 37, 400
     ours, theirs = ErrorFeedback(beta), ErrorFeedback(beta)
     for values in _steps(5, 203, dtype):

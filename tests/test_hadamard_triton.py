@@ -1,4 +1,4 @@
-"""qgZ's Hadamard rotation on its Triton kernel (zeropp.quant.hadamard_triton) against the torch
+"""qgZ's Hadamard rotation on its Triton kernel (zeropp.quant.triton.hadamard) against the torch
 butterflies (zeropp.quant.hadamard), bit for bit; on CPU under Triton's interpreter (tests/triton_setup.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from launcher import run_ranks
 from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, import_kernels, tk
 
 from zeropp.quant import hadamard, reference
+from zeropp.quant.backends import backend_of
 
-hadamard_triton = import_kernels("zeropp.quant.hadamard_triton")
+hadamard_triton = import_kernels("zeropp.quant.triton.hadamard")
 pytestmark = NEEDS_GPU_OR_INTERPRETER
 
 
@@ -45,17 +46,18 @@ def test_triton_rotation_reads_strided_rows_and_leaves_the_input_alone():
     assert torch.equal(_bits(rotated), _bits(hadamard.rotate(x[:, 16:80], 32)))
 
 
-def test_rotation_for_picks_the_kernel_of_the_backend():
-    assert hadamard.rotation_for(tk) is hadamard_triton.rotate
-    assert hadamard.rotation_for(reference) is hadamard.rotate
+def test_the_backend_pairs_the_rotation_with_its_kernels():
+    assert backend_of(tk).rotate is hadamard_triton.rotate
+    assert backend_of(reference).rotate is hadamard.rotate
 
 
 def qgz_backends_worker(simulated_nodes: int) -> list[str]:
     """Two-level qgZ with the rotation on the Triton kernels and on the torch reference: the same bits."""
-    from zeropp.comm import Communicator
+    from zeropp.comm.communicator import Communicator
     from zeropp.comm.quantized import reduce_scatter_quantized
-    from zeropp.config import TopologyConfig
-    from zeropp.quant import QuantSpec, kernels_for
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.quant.backends import kernels_for
+    from zeropp.quant.spec import QuantSpec
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=simulated_nodes))

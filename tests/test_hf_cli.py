@@ -99,7 +99,7 @@ def runs(inputs, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_trains_as_two_nodes_and_resumes_bit_identically(runs):
-    from zeropp.checkpoint import consolidated_state
+    from zeropp.checkpoint.dcp import consolidated_state
 
     for case, run in runs.items():
         first = json.loads((run["folder"] / "first.json").read_text())
@@ -144,8 +144,8 @@ def test_metrics_jsonl_has_one_line_per_step_and_the_progress_says_what_it_shows
 def engine_logits(runs: dict[str, dict], inputs: Path, exported: Path) -> dict[str, torch.Tensor]:
     """Each case's logits in the engine (stage 3, no quantized weights) from its step-6 checkpoint, and from
     its exported folder as --hf-model (weights read straight into the shards; its tokenizer for the Llama)."""
-    from zeropp.config import load_config
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
+    from zeropp.config.sections import load_config
 
     def logits(model: dict, train: dict, checkpoint: dict) -> torch.Tensor:
         config = {"model": {**model, "block_size": 32}, "train": {**train, "steps": 6}, "topology": {"nodes": 1}}
@@ -275,7 +275,7 @@ def test_without_transformers_or_matplotlib_one_line_says_what_to_install(inputs
 
 
 def test_text_folders_are_read_in_sorted_order_and_split_at_the_last_five_percent(tmp_path):
-    from zeropp.data.text import ByteTokenizer, DataError, documents, split, tokenize
+    from zeropp.app.data.text import ByteTokenizer, DataError, documents, split, tokenize
 
     (tmp_path / "b.txt").write_text("second")
     (tmp_path / "a.txt").write_text("first")
@@ -292,7 +292,7 @@ def test_text_folders_are_read_in_sorted_order_and_split_at_the_last_five_percen
 
 
 def test_mfu_uses_6n_plus_attention_over_the_devices_bf16_peak(monkeypatch):
-    from zeropp.metrics import flops_per_token, peak_flops
+    from zeropp.app.metrics import flops_per_token, peak_flops
 
     assert flops_per_token(1000, 2, 32, 64) == 6 * 1000 + 12 * 2 * 32 * 64
     assert peak_flops(torch.device("cpu")) is None
@@ -305,7 +305,7 @@ def test_mfu_uses_6n_plus_attention_over_the_devices_bf16_peak(monkeypatch):
 
 def test_plot_draws_the_training_and_validation_curves(tmp_path):
     pytest.importorskip("matplotlib")
-    from zeropp.metrics import MetricsLog, StepMetrics, plot_losses
+    from zeropp.app.metrics import MetricsLog, StepMetrics, plot_losses
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
     for step in range(1, 5):

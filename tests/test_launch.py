@@ -133,7 +133,7 @@ def test_missing_nodes_are_announced_and_given_up_on_after_the_join_timeout():
 
 
 def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
-    from zeropp.comm import CollectiveTimeout, PeerLost, Pending
+    from zeropp.comm.communicator import CollectiveTimeout, PeerLost, Pending
 
     class Failing:
         def __init__(self, text: str) -> None:

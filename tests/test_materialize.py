@@ -21,8 +21,8 @@ def _meta_model(kind: str) -> torch.nn.Module:
 
 
 def _initial_reference(kind: str) -> dict[str, torch.Tensor]:
-    from zeropp.grouping import repeated_blocks
-    from zeropp.materialize import initialize_model
+    from zeropp.zero.grouping import repeated_blocks
+    from zeropp.zero.materialize import initialize_model
 
     model = _meta_model(kind)
     return initialize_model(model, repeated_blocks(model), seed=SEED).state_dict()
@@ -30,8 +30,8 @@ def _initial_reference(kind: str) -> dict[str, torch.Tensor]:
 
 def train_meta_built(simulated_nodes: int, kinds: list[str], tp: int = 1) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=simulated_nodes, tensor_parallel_size=tp))
@@ -73,8 +73,8 @@ def test_meta_built_models_train_like_single_process_from_the_same_weights(world
 
 def test_meta_initialization_sets_buffers_and_refuses_what_no_initializer_sets():
     pytest.importorskip("transformers")
-    from zeropp.grouping import repeated_blocks
-    from zeropp.materialize import MaterializeError, initialize_model
+    from zeropp.zero.grouping import repeated_blocks
+    from zeropp.zero.materialize import MaterializeError, initialize_model
 
     llama = _meta_model("hf-llama")
     initialize_model(llama, repeated_blocks(llama))
@@ -107,7 +107,7 @@ def test_meta_initialization_sets_buffers_and_refuses_what_no_initializer_sets()
 
 def construction_memory(meta: bool, blocks: int, width: int) -> dict:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.memory import PeakMeter
+    from zeropp.costs.memory import PeakMeter
     from zeropp.topology import init_topology
 
     topology = init_topology()

@@ -16,7 +16,7 @@ SCALAR_STEP_BYTES = 64  # per step: the grad-norm all-reduce of one fp32 number 
 
 
 def _gpt(block_size: int = 32, d_model: int = 64):
-    from zeropp.models.gpt import GPT, GPTConfig
+    from zeropp.app.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=block_size, n_layer=2, n_head=2, d_model=d_model))
@@ -54,7 +54,7 @@ def _units(engine) -> list[tuple[int, int]]:
 
 
 def memory_worker() -> dict:
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=NODES))
@@ -97,7 +97,7 @@ def test_model_state_memory_matches_zero_table_1():
 
 
 def ledger_worker() -> dict:
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=NODES))
@@ -189,7 +189,7 @@ def test_ledger_volume_matches_zero_section_7():
 
 
 def accumulation_worker() -> dict:
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=NODES))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.config import ConfigError, TopologyConfig, load_config
-from zeropp.flags import add_config_flags
-from zeropp.topology import Layout
+from zeropp.app.flags import add_config_flags
+from zeropp.config.sections import TopologyConfig, load_config
+from zeropp.errors import ConfigError
+from zeropp.index.ranks import Layout
 
 
 def test_two_nodes_of_four_with_tp2():
@@ -69,7 +70,7 @@ def test_config_key_aliases_and_flag():
 def test_a_model_without_a_plan_is_refused_in_one_line_naming_its_class():
     from torch import nn
 
-    from zeropp.tensor_parallel import plan_for
+    from zeropp.tensor_parallel.apply import plan_for
 
     with pytest.raises(ConfigError) as error:
         plan_for(nn.Sequential(nn.Linear(2, 2)), 2)
@@ -78,8 +79,8 @@ def test_a_model_without_a_plan_is_refused_in_one_line_naming_its_class():
 
 
 def test_gpt_plan_needs_whole_heads_per_rank():
-    from zeropp.models.gpt import GPT, GPTConfig
-    from zeropp.tensor_parallel import plan_for
+    from zeropp.app.models.gpt import GPT, GPTConfig
+    from zeropp.tensor_parallel.apply import plan_for
 
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, d_model=8))
     assert set(plan_for(model, 2)) == {"blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0", "blocks.0.mlp.2"}

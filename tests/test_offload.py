@@ -9,7 +9,8 @@ from launcher import run_ranks
 from models import global_batch, loss_of, make_model, rows
 from test_exactness import ADAM_EPS
 
-from zeropp.config import ConfigError, ZeroConfig
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
 
 OFFLOADS = {
     "off": {},
@@ -20,7 +21,7 @@ OFFLOADS = {
 
 def train_with_offloads(simulated_nodes: int, stage: int, extra: dict) -> dict[str, dict]:
     from zeropp import ZeroEngine
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))
@@ -48,7 +49,7 @@ def train_with_offloads(simulated_nodes: int, stage: int, extra: dict) -> dict[s
     ids=["stage1", "stage2", "stage3", "stage3-bf16-hpz-qwz"],
 )
 def test_offload_trains_exactly_like_no_offload(stage, extra):
-    from zeropp.memory import analytic_model_state_bytes
+    from zeropp.costs.memory import analytic_model_state_bytes
 
     for per_rank in run_ranks(train_with_offloads, 4, nodes=2, simulated_nodes=2, stage=stage, extra=extra):
         off = per_rank["off"]["state"]
@@ -69,7 +70,7 @@ def test_offloaded_parameters_need_stage_3_and_an_offloaded_optimizer():
 
 
 def test_memory_formula_splits_device_and_host():
-    from zeropp.memory import analytic_model_state_bytes
+    from zeropp.costs.memory import analytic_model_state_bytes
 
     psi = 1000
     kwargs = dict(offload_optimizer=True, offload_params=True)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from zeropp.config import ConfigError
-from zeropp.partition import FlatLayout
-from zeropp.topology import Layout
+from zeropp.errors import ConfigError
+from zeropp.index.flat import FlatLayout
+from zeropp.index.ranks import Layout
 
 SHAPE_SETS = [
     ((1,),),  # a single 1-element parameter
@@ -120,7 +120,7 @@ def test_split_and_join_are_inverse_views(shapes):
 def test_chunk_range_cuts_like_torch_chunk(numel, parts):
     import torch
 
-    from zeropp.partition import chunk_range
+    from zeropp.index.flat import chunk_range
 
     values = torch.arange(numel)
     pieces = torch.chunk(values, parts) if numel else ()

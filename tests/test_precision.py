@@ -6,8 +6,8 @@ import torch
 from launcher import run_ranks
 from models import global_batch, loss_of, make_model, reference_state, rows
 
-from zeropp.config import LossScaleConfig
-from zeropp.precision import LossScaler
+from zeropp.config.sections import LossScaleConfig
+from zeropp.zero.precision import LossScaler
 
 WORLD = 2
 BF16_STEPS = 5
@@ -61,7 +61,7 @@ def test_loss_scaler_disabled_is_fixed_at_one():
 
 
 def _topology():
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     return init_topology(TopologyConfig())

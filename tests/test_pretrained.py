@@ -37,10 +37,10 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
 
 
 def load_into_shards(simulated_nodes: int, kind: str, folder: str, tp: int = 1) -> dict[str, float]:
-    import zeropp.pretrained as pretrained
+    import zeropp.checkpoint.pretrained as pretrained
     from zeropp import ZeroConfig, ZeroEngine, load_pretrained
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=simulated_nodes, tensor_parallel_size=tp))
@@ -86,7 +86,7 @@ def test_sharded_folder_loads_exactly_at_every_stage(tmp_path, kind, tp):
 
 def bad_weights(path: str) -> str:
     from zeropp import ZeroEngine, load_pretrained
-    from zeropp.pretrained import PretrainedError
+    from zeropp.checkpoint.pretrained import PretrainedError
     from zeropp.topology import init_topology
 
     engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-3), None, init_topology())
@@ -114,8 +114,8 @@ def test_every_bad_tensor_gets_one_line(tmp_path):
 
 def export_and_reload(root: str) -> float:
     from zeropp import ZeroConfig, ZeroEngine, load_pretrained
-    from zeropp.checkpoint import export_checkpoint, save_checkpoint
-    from zeropp.config import TopologyConfig
+    from zeropp.checkpoint.dcp import export_checkpoint, save_checkpoint
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=2))

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from zeropp.comm.feedback import ErrorFeedback
-from zeropp.config import ConfigError, load_config
-from zeropp.quant import QuantSpec, hadamard, kernels_for
+from zeropp.config.sections import load_config
+from zeropp.errors import ConfigError
+from zeropp.quant import hadamard
+from zeropp.quant.backends import kernels_for
+from zeropp.quant.spec import QuantSpec
 
 KERNELS = kernels_for(torch.device("cpu"), "torch")
 

@@ -1,4 +1,4 @@
-"""Single-process tests of qgZ's index math (``zeropp.partition``): ``qgz_send_order`` against eq. 2
+"""Single-process tests of qgZ's index math (``zeropp.index.flat``): ``qgz_send_order`` against eq. 2
 of ZeRO++, ``qgz_slice_order`` against Algorithm 2, a symbolic simulation of the two-hop qgZ exchange
 for every X, Y <= 8 and stages <= 4, ``column_chunks`` and ``secondary_range``."""
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from zeropp.partition import column_chunks, qgz_send_order, qgz_slice_order, secondary_range
+from zeropp.index.flat import column_chunks, qgz_send_order, qgz_slice_order, secondary_range
 
 
 def _eq2(x: int, y: int) -> list[int]:

@@ -21,9 +21,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zeropp.models.gpt import GPT, GPTConfig
-from zeropp.quant import Quantized, QuantKernels, QuantSpec, kernels_for, pack_int4, unpack_int4
+from zeropp.app.models.gpt import GPT, GPTConfig
 from zeropp.quant import reference as ref
+from zeropp.quant.backends import kernels_for
+from zeropp.quant.spec import Quantized, QuantKernels, QuantSpec, pack_int4, unpack_int4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_UNIT = 2.0**-24  # unit roundoff of fp32

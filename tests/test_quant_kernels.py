@@ -16,8 +16,10 @@ import torch
 from test_quant import assert_implements_quant_kernels
 from triton_setup import DEVICE, NEEDS_GPU_OR_INTERPRETER, tk
 
-import zeropp.quant
-from zeropp.quant import Quantized, QuantSpec, kernels_for, reference
+import zeropp.quant.triton
+from zeropp.quant import backends, reference
+from zeropp.quant.backends import kernels_for
+from zeropp.quant.spec import Quantized, QuantSpec
 
 pytestmark = [
     NEEDS_GPU_OR_INTERPRETER,
@@ -224,10 +226,13 @@ def test_kernels_for_dispatch():
         kernels_for(torch.device("cpu"), "cuda")
 
 
-def test_kernels_for_without_triton(monkeypatch):
+def test_kernels_for_without_triton(monkeypatch, request):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
-    monkeypatch.delitem(sys.modules, "zeropp.quant.triton_kernels")
-    monkeypatch.delattr(zeropp.quant, "triton_kernels")
+    for name in ("kernels", "hadamard", "feedback"):
+        monkeypatch.delitem(sys.modules, f"zeropp.quant.triton.{name}", raising=False)
+        monkeypatch.delattr(zeropp.quant.triton, name, raising=False)
+    backends.triton_backend.cache_clear()
+    request.addfinalizer(backends.triton_backend.cache_clear)  # the next use imports the real kernels again
     assert kernels_for(torch.device("cuda")) is reference
     with pytest.raises(RuntimeError, match="needs the triton package"):
         kernels_for(torch.device("cuda"), "triton")

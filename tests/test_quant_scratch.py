@@ -19,7 +19,8 @@ import torch
 from launcher import run_ranks
 from models import global_batch, loss_of, make_model, rows
 
-from zeropp.quant import Quantized, QuantSpec, reference, scratch
+from zeropp.quant import reference, scratch
+from zeropp.quant.spec import Quantized, QuantSpec
 
 
 def _garbage(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -195,7 +196,7 @@ def _train(extra: dict, topo) -> tuple[object, list[int]]:
     """The engine after STEPS steps, and the message buffers the pool allocated in each step."""
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.comm.quantized import messages
-    from zeropp.config import ZEROPP_SWITCHES
+    from zeropp.config.sections import ZEROPP_SWITCHES
 
     config = ZeroConfig(stage=3, gradient_accumulation_steps=ACCUMULATION, **ZEROPP_SWITCHES, **extra)
     engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2), config, topo)
@@ -211,7 +212,7 @@ def _train(extra: dict, topo) -> tuple[object, list[int]]:
 
 def training_worker() -> dict[str, bool]:
     from zeropp.comm.quantized import messages
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=2))

@@ -44,7 +44,7 @@ def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
 def exported(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from zeropp.checkpoint import export_checkpoint
+    from zeropp.checkpoint.dcp import export_checkpoint
 
     out = tmp_path / f"{checkpoint.name}.safetensors"
     export_checkpoint(checkpoint, out)
@@ -55,7 +55,7 @@ def exported(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 
 
 def float_keys() -> list[str]:
-    from zeropp.config import LossScaleConfig, leaf_keys
+    from zeropp.config.sections import LossScaleConfig, leaf_keys
 
     keys = [key.dotted for key in leaf_keys().values() if "float" in str(key.hint)]
     return keys + [f"zero.loss_scale.{name}" for name, key in leaf_keys(LossScaleConfig).items() if key.hint is float]
@@ -63,7 +63,8 @@ def float_keys() -> list[str]:
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_every_float_key_refuses_non_finite_values(value):
-    from zeropp.config import ConfigError, load_config
+    from zeropp.config.sections import load_config
+    from zeropp.errors import ConfigError
 
     keys = float_keys()
     assert {"optim.lr", "optim.weight_decay", "optim.beta1", "zero.max_grad_norm", "topology.timeout_s"} <= set(keys)
@@ -100,9 +101,9 @@ def test_diverging_run_stops_in_one_line_and_keeps_only_finite_checkpoints(tmp_p
 
 
 def nan_save_worker(root: str) -> dict:
-    from zeropp.checkpoint import CheckpointError
-    from zeropp.config import load_config
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
+    from zeropp.checkpoint.dcp import CheckpointError
+    from zeropp.config.sections import load_config
 
     config = load_config({"model": {"preset": "tiny"}, "train": {"micro_batch_size": 1}})
     config.checkpoint.checkpoint_dir, config.checkpoint.keep_last = root, 1
@@ -160,17 +161,17 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_taken_o
         first.terminate()  # torchrun's agent stops the ranks, then the launcher ends
         first.communicate(timeout=60)
     # the kernel drops a lock when its process ends, however it ends: the file is left and taken over
-    from zeropp.runlock import hold
+    from zeropp.app.runlock import hold
 
     assert str(first.pid) in lock.read_text()
     dead = tmp_path / "dead"
-    killed = f"import os; from zeropp.runlock import hold; hold({str(dead)!r}, 1); os.kill(os.getpid(), 9)"
+    killed = f"import os; from zeropp.app.runlock import hold; hold({str(dead)!r}, 1); os.kill(os.getpid(), 9)"
     assert subprocess.run([sys.executable, "-c", killed], timeout=60).returncode == -9
     hold(dead)
     assert json.loads((dead / ".zeropp.lock").read_text())["pid"] == os.getpid()
     hold(dead)  # this process again: a no-op, not a refusal
     refused = subprocess.run(
-        [sys.executable, "-c", f"from zeropp.runlock import hold; hold({str(dead)!r}, 1234)"],
+        [sys.executable, "-c", f"from zeropp.app.runlock import hold; hold({str(dead)!r}, 1234)"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert "is in use by another run" in refused.stderr and f"pid {os.getpid()}" in refused.stderr
@@ -185,7 +186,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_runs_lock_taken_o
 
 
 def test_every_launcher_tells_its_ranks_and_only_node_rank_0_takes_the_lock(tmp_path, monkeypatch):
-    from zeropp.runlock import ENV, hold_for_ranks
+    from zeropp.app.runlock import ENV, hold_for_ranks
 
     monkeypatch.delenv(ENV, raising=False)
     hold_for_ranks(tmp_path / "ckpt", 29500, node_rank=1)  # global rank 0 may run on this node
@@ -213,7 +214,7 @@ def test_checkpoint_dir_without_interval_saves_at_the_end_and_says_so(finished_r
     assert len(said) == 1 and "step-00000002" in said[0] and "MiB" in said[0], result.stdout
     [record] = summary["checkpoints"]
     assert record["step"] == 2 and record["path"].endswith("step-00000002") and record["bytes"] > 0
-    from zeropp.summary import RunSummary
+    from zeropp.app.summary import RunSummary
 
     assert RunSummary.from_dict(summary).checkpoints[0].bytes == record["bytes"]  # reads back typed
     assert "checkpoints" in result.stdout and "1 published" in result.stdout
@@ -243,8 +244,8 @@ def test_a_damaged_checkpoint_file_is_named_on_resume_and_export(finished_run, t
 
 
 def resume_hyperparameters_worker(root: str) -> dict:
-    from zeropp.config import load_config
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
+    from zeropp.config.sections import load_config
 
     def config(**optim):
         data = {"model": {"preset": "tiny"}, "train": {"micro_batch_size": 1}, "optim": optim}
@@ -279,8 +280,8 @@ def different_models_worker() -> list[str]:
     import dataclasses
 
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import ConfigError
-    from zeropp.models.gpt import GPT, PRESETS
+    from zeropp.app.models.gpt import GPT, PRESETS
+    from zeropp.errors import ConfigError
     from zeropp.topology import init_topology
 
     topology = init_topology()
@@ -314,8 +315,8 @@ def test_ranks_building_different_models_are_refused_naming_the_difference():
 
 
 def baseline_worker() -> dict:
-    from zeropp.config import load_config
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
+    from zeropp.config.sections import load_config
 
     out = {}
     for stage in (1, 2, 3):

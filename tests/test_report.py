@@ -7,11 +7,11 @@ import io
 
 from rich.console import Console
 
-from zeropp import report
+from zeropp.app import report
 
 
 def _metrics(step: int, val: float | None, mfu: float | None = None):
-    from zeropp.metrics import StepMetrics
+    from zeropp.app.metrics import StepMetrics
 
     return StepMetrics(step, 5.0 - step / 10, val, 1.0, 1e-3, 0.5, 1234.0, 308.5, mfu, 1 << 20)
 
@@ -38,7 +38,7 @@ def test_progress_shows_mfu_where_known_and_skipped_steps(monkeypatch):
 
 
 def test_train_and_estimate_print_bytes_alike():
-    from zeropp.estimate import show
+    from zeropp.tools.estimate import show
 
     assert report.si is show.si  # one formatter: decimal prefixes (GB = 1e9 bytes)
     assert report.si(61_234) == "61.2 kB" and report.si(1.88e9) == "1.88 GB"

@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from zeropp.comm import Communicator, Pending
+from zeropp.comm.communicator import Communicator, Pending
+from zeropp.index.ranks import Layout
 from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
-from zeropp.stages import StagePolicy
-from zeropp.topology import Group, Layout, ShardGroups, Topology
-from zeropp.unit_options import UnitOptions
-from zeropp.units import FlatUnit, TrainingState
+from zeropp.topology import Group, ShardGroups, Topology
+from zeropp.zero.options import UnitOptions
+from zeropp.zero.stages import StagePolicy
+from zeropp.zero.unit import FlatUnit, TrainingState
 
 
 def test_order_is_recorded_once_and_prefetch_follows_it():

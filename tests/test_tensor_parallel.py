@@ -18,10 +18,11 @@ SCENARIOS = [
 
 def train_tensor_parallel(tp: int, kind: str = "gpt", sequence_parallel: bool = False) -> dict[str, float]:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.dtensor_params import is_split, local_tensor
-    from zeropp.tensor_parallel import local_numels, parallelize, plan_for
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.costs.tensor_parallel import local_numels
+    from zeropp.tensor_parallel.apply import parallelize, plan_for
     from zeropp.topology import init_topology
+    from zeropp.zero.dtensor_params import is_split, local_tensor
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel  # nodes: the launcher's
@@ -88,10 +89,10 @@ def mixed_precision_worker(sequence_parallel: bool) -> dict:
     from test_precision import BF16_STEPS, OPTIM
 
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.dtensor_params import local_tensor
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
+    from zeropp.zero.dtensor_params import local_tensor
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel
@@ -132,9 +133,9 @@ def ledger_of_one_step(stage: int, kind: str = "gpt", sequence_parallel: bool = 
     from torch.distributed.tensor.debug import CommDebugMode
 
     from zeropp import ConfigError, ZeroConfig, ZeroEngine
-    from zeropp.comm.volume import zero3_step_bytes, zero3_units
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.costs.volume import zero3_step_bytes, zero3_units
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
@@ -175,7 +176,7 @@ def ledger_of_one_step(stage: int, kind: str = "gpt", sequence_parallel: bool = 
 
 @pytest.mark.parametrize("kind", ["gpt", "hf-gpt2"])
 def test_ledger_counts_every_tensor_parallel_collective_by_the_megatron_formula(kind):
-    from zeropp.tensor_parallel import megatron_bytes_per_block
+    from zeropp.costs.tensor_parallel import megatron_bytes_per_block
 
     if kind == "hf-gpt2":  # c_attn and c_fc column-wise, the two c_proj row-wise: Megatron's layout too
         pytest.importorskip("transformers")
@@ -208,8 +209,8 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
     all-reduced, one message per unit (without that all-reduce the norms would train on half their
     gradient: the exactness test fails). GPT-2's final norm is outside the region (its gradient is whole)."""
     from zeropp.comm.ledger import ring_bytes
-    from zeropp.estimate.model import gpt_norm_parameters
-    from zeropp.tensor_parallel import megatron_bytes_per_block
+    from zeropp.costs.tensor_parallel import megatron_bytes_per_block
+    from zeropp.tools.estimate.model import gpt_norm_parameters
 
     if kind == "hf-gpt2":
         pytest.importorskip("transformers")
@@ -242,8 +243,8 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
 def norm_gradient_ledger(stage: int, accumulation: int) -> dict:
     """tp 2 with sequence parallelism (dp 1): the ledger's norm-gradient all-reduces in one step."""
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=True))
@@ -261,11 +262,11 @@ def norm_gradient_ledger(stage: int, accumulation: int) -> dict:
 def test_norm_gradients_are_summed_once_per_unit_and_gradient_reduction(stage):
     """Each unit all-reduces its norms' partial gradients as one message when it reduces its gradients:
     every micro-batch at stages 2-3, once a step at 0-1 (the partial sums of the micro-batches
-    accumulate first); the estimator's :func:`~zeropp.comm.volume.norm_gradient_transfers` agrees."""
+    accumulate first); the estimator's :func:`~zeropp.costs.volume.norm_gradient_transfers` agrees."""
     from zeropp.comm.ledger import ring_bytes
-    from zeropp.comm.volume import norm_gradient_transfers
-    from zeropp.estimate.model import gpt_norm_parameters
-    from zeropp.memory import Activations
+    from zeropp.costs.memory import Activations
+    from zeropp.costs.volume import norm_gradient_transfers
+    from zeropp.tools.estimate.model import gpt_norm_parameters
 
     layers, hidden, accumulation = GPT_TEST.n_layer, GPT_TEST.d_model, 2
     reductions = accumulation if stage >= 2 else 1
@@ -313,11 +314,11 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
     from safetensors.torch import load_file
 
+    from zeropp.app.models.gpt import GPT, PRESETS
     from zeropp.comm.ledger import ring_bytes
-    from zeropp.config import load_config
-    from zeropp.estimate.model import gpt_norm_parameters
-    from zeropp.models.gpt import GPT, PRESETS
-    from zeropp.tensor_parallel import megatron_bytes_per_block
+    from zeropp.config.sections import load_config
+    from zeropp.costs.tensor_parallel import megatron_bytes_per_block
+    from zeropp.tools.estimate.model import gpt_norm_parameters
 
     gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
     per_block = megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp=2, element_bytes=4)

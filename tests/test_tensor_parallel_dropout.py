@@ -48,8 +48,8 @@ def masks_worker(sequence_parallel: bool) -> dict:
     """Two training-mode forwards, after two calls of attention that raised inside its region: one
     through its module hooks, one of its ``forward`` alone, as a recomputation that torch's
     checkpoint stopped (and restored the generators after)."""
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
@@ -117,8 +117,8 @@ def replicated_output_worker() -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2))
@@ -136,8 +136,8 @@ def test_a_column_wise_output_gathered_whole_draws_one_mask():
 
 def sequence_region_worker() -> dict:
     """A sequence-parallel plan of the user's: dropout on each rank's slice, then on the gathered whole."""
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.tensor_parallel.plans import SequenceGathered, SequenceSliced
     from zeropp.topology import init_topology
 
@@ -160,8 +160,8 @@ def test_the_sequence_region_ends_where_the_sequence_is_gathered():
 def training_worker(sequence_parallel: bool) -> dict:
     """ZeRO-3 on dp 1 x tp 2 with every dropout at P, with and without activation checkpointing."""
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))

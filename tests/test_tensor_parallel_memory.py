@@ -13,8 +13,8 @@ def one_step_per_config(configs: dict[str, dict], sequence_parallel: bool = Fals
     bytes the engine measures, its units' numels on this rank, the last step's ledger and its groups, and
     with activation checkpointing the last step's peak checkpoint bytes (device, host)."""
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
@@ -43,9 +43,9 @@ def estimate_for(world: int, nodes: int, zero: dict, sequence_parallel: bool = F
     """The estimate of one_step_per_config's step: the test GPT's units on one tp rank, its activations
     under `zero`'s ZeRO-R switches (and sequence parallelism)."""
     from zeropp import ZeroConfig
-    from zeropp.config import ModelConfig
-    from zeropp.estimate import estimate, gpt_activations, gpt_unit_numels
-    from zeropp.estimate.cli import ZERO_R_FLAGS
+    from zeropp.config.sections import ModelConfig
+    from zeropp.tools.estimate import estimate, gpt_activations, gpt_unit_numels
+    from zeropp.tools.estimate.cli import ZERO_R_FLAGS
 
     gpt = ModelConfig(
         n_layer=GPT_TEST.n_layer, n_head=GPT_TEST.n_head, d_model=GPT_TEST.d_model, block_size=GPT_TEST.block_size
@@ -60,7 +60,7 @@ def test_model_states_per_rank_are_table_1_on_the_tensor_parallel_share():
     """dp 2 x tp 2 on 2 nodes x 2, stages 0-3: the measured model-state bytes of every rank are ZeRO
     Table 1's formula over the 2 data-parallel ranks with Ψ = this rank's share (split weights / tp +
     the whole ones), and every byte of its ledger is the estimate's (ZeRO's on that share, Megatron's)."""
-    from zeropp.memory import analytic_model_state_bytes
+    from zeropp.costs.memory import analytic_model_state_bytes
 
     stages = {f"stage{s}": dict(stage=s) for s in (0, 1, 2, 3)}
     per_rank = run_ranks(one_step_per_config, world=4, nodes=2, configs=stages)
@@ -139,7 +139,7 @@ def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nod
     node, hpZ's secondary group and qgZ's intra-node hop are those 2, its inter-node hop one rank per
     node; cross-node bytes are at most 1/4 of ZeRO-3's with the same tp, and every rank's ledger is the
     estimate's."""
-    from zeropp.config import ZEROPP_SWITCHES
+    from zeropp.config.sections import ZEROPP_SWITCHES
 
     configs = {"zero3": dict(stage=3), "zeropp": dict(stage=3, **ZEROPP_SWITCHES)}
     per_rank = run_ranks(one_step_per_config, world=8, nodes=2, configs=configs)

@@ -13,10 +13,10 @@ from models import global_batch, make_model
 
 def gpt2_attention_pieces() -> dict:
     """GPT-2's first attention split over tp 2 (dp 1): what this rank holds and computes, and the whole."""
-    from zeropp.config import TopologyConfig
-    from zeropp.dtensor_params import block_of, blocks
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
+    from zeropp.zero.dtensor_params import block_of, blocks
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2))
     whole, model = make_model("hf-gpt2"), parallelize(make_model("hf-gpt2"), topology)
@@ -73,7 +73,7 @@ def test_plans_need_equal_shares_per_rank(kind, change, tp, named):
     as local width x tp, different on each rank, and the ranks fail inside torch."""
     pytest.importorskip("transformers")
     from zeropp import ConfigError
-    from zeropp.tensor_parallel import plan_for
+    from zeropp.tensor_parallel.apply import plan_for
 
     model = make_model(kind)
     assert plan_for(model, 2)  # the unchanged tiny model splits over 2
@@ -88,7 +88,7 @@ def test_plans_need_equal_shares_per_rank(kind, change, tp, named):
 def test_sequence_parallel_plans():
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from zeropp.tensor_parallel import plan_for
+    from zeropp.tensor_parallel.apply import plan_for
     from zeropp.tensor_parallel.plans import SEQUENCE
 
     plan = plan_for(make_model("gpt"), 2, sequence_parallel=True)
@@ -119,7 +119,7 @@ def test_sequence_parallel_plans():
 
 def test_the_sequence_length_check_reads_the_tokens_not_the_masks():
     from zeropp import ConfigError
-    from zeropp.tensor_parallel import _check_inputs
+    from zeropp.tensor_parallel.apply import _check_inputs
 
     tokens, mask = torch.zeros(2, 16, dtype=torch.long), torch.ones(2, 1, 16, 16)  # a 4-D mask: (b, 1, s, s)
     _check_inputs(2, None, (), {"input_ids": tokens, "attention_mask": mask})

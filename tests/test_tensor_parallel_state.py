@@ -16,7 +16,7 @@ STEPS, SAVED_AT = 8, 4
 
 def save_tp_worker(root: str) -> dict:
     """dp 2 x tp 2 on 2 nodes: the uninterrupted run, and a run saved at step 4 then resumed."""
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     def config(name: str, **checkpoint):
         tp = {"tensor_parallel_size": 2}
@@ -46,7 +46,7 @@ def save_tp_worker(root: str) -> dict:
 
 def load_worker(root: str, tp: int, micro_batch: int, stage: int) -> dict:
     """Resume the dp 2 x tp 2 checkpoint on another mesh and train to the end."""
-    from zeropp.train import Trainer
+    from zeropp.app.trainer import Trainer
 
     checkpoint = {"resume": str(Path(root) / "saved" / f"step-{SAVED_AT:08d}")}
     topology = {"tensor_parallel_size": tp}
@@ -63,8 +63,8 @@ def load_worker(root: str, tp: int, micro_batch: int, stage: int) -> dict:
 def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_exports(tmp_path):
     from safetensors.torch import load_file
 
-    from zeropp.checkpoint import export_checkpoint
-    from zeropp.models.gpt import GPT, gpt_config
+    from zeropp.app.models.gpt import GPT, gpt_config
+    from zeropp.checkpoint.dcp import export_checkpoint
 
     saved_run = run_ranks(save_tp_worker, 4, nodes=2, root=str(tmp_path))
     for rank, result in enumerate(saved_run):
@@ -98,7 +98,7 @@ def _older_format_is_refused_but_exports(path: Path, copy: Path, whole: dict[str
     import json
     import shutil
 
-    from zeropp.checkpoint import FLAT_FORMAT, CheckpointError, consolidated_state, load_checkpoint
+    from zeropp.checkpoint.dcp import FLAT_FORMAT, CheckpointError, consolidated_state, load_checkpoint
 
     shutil.copytree(path, copy)
     meta = json.loads((copy / "zeropp.json").read_text())
@@ -118,8 +118,8 @@ def gpt2_engine(tp: int, stage: int, nodes: int = 1):
     from models import make_model
 
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
-    from zeropp.tensor_parallel import parallelize
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(nodes=nodes, tensor_parallel_size=tp))
@@ -144,7 +144,7 @@ def gpt2_steps(engine, steps: range) -> list[float]:
 
 def save_gpt2_worker(root: str) -> dict:
     """dp 2 x tp 2 on 2 nodes: train, save at step 4, go on; a second engine (other weights) resumes it."""
-    from zeropp.checkpoint import load_checkpoint, save_checkpoint
+    from zeropp.checkpoint.dcp import load_checkpoint, save_checkpoint
 
     straight = gpt2_engine(2, 3, nodes=2)
     gpt2_steps(straight, range(SAVED_AT))
@@ -167,7 +167,7 @@ def save_gpt2_worker(root: str) -> dict:
 
 def load_gpt2_worker(root: str, tp: int, stage: int) -> dict:
     """The dp 2 x tp 2 checkpoint loaded on another mesh, trained to the end."""
-    from zeropp.checkpoint import load_checkpoint
+    from zeropp.checkpoint.dcp import load_checkpoint
 
     engine = gpt2_engine(tp, stage)
     load_checkpoint(engine, Path(root) / f"step-{SAVED_AT:08d}")
@@ -181,7 +181,7 @@ def test_a_dp2_tp2_gpt2_checkpoint_resumes_exactly_loads_on_other_meshes_and_exp
     from models import make_model, reference_state
     from safetensors.torch import load_file
 
-    from zeropp.checkpoint import export_checkpoint
+    from zeropp.checkpoint.dcp import export_checkpoint
 
     saved_run = run_ranks(save_gpt2_worker, 4, nodes=2, root=str(tmp_path))
     for rank, result in enumerate(saved_run):

@@ -29,10 +29,11 @@ def _rank_input(rank: int, world: int, width: int, dtype: torch.dtype) -> torch.
 
 
 def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
-    from zeropp.comm import Communicator
+    from zeropp.comm.communicator import Communicator
     from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
-    from zeropp.config import TopologyConfig
-    from zeropp.quant import QuantSpec, kernels_for
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.quant.backends import kernels_for
+    from zeropp.quant.spec import QuantSpec
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=simulated_nodes))
@@ -89,7 +90,7 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
 def _check_qgz_ledger(comm, topo, spec, width, stages, bucket, failures, key, intra_spec=None) -> int:
     """Bytes this rank sent, by the all-to-all model: (X-1)/X of hop 1 inside the node (`intra_spec`,
     default `spec`), (Y-1)/Y of hop 2 across (`spec`)."""
-    from zeropp.partition import column_chunks
+    from zeropp.index.flat import column_chunks
 
     x, y, world = topo.ranks_per_node, topo.nodes, topo.world_size
     intra_spec = intra_spec or spec
@@ -127,11 +128,12 @@ def two_level_qgz_worker(simulated_nodes: int) -> dict:
     Bound (qmax_1 = 127 on hop 1, qmax_2 = 7 on hop 2; A_i = max |g_i[z, :]|):
         |qgZ - mean| <= sum_i A_i * (1 / qmax_1 + (1 + 1 / (2 qmax_1)) / qmax_2) / (2 W)
     """
-    from zeropp.comm import Communicator
+    from zeropp.comm.communicator import Communicator
     from zeropp.comm.feedback import ErrorFeedback
     from zeropp.comm.quantized import reduce_scatter_quantized
-    from zeropp.config import TopologyConfig
-    from zeropp.quant import QuantSpec, kernels_for
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.quant.backends import kernels_for
+    from zeropp.quant.spec import QuantSpec
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=simulated_nodes))
@@ -207,7 +209,7 @@ HPZ_SCENARIOS = [
 
 def hpz_worker() -> dict:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=2))
@@ -256,9 +258,9 @@ SCALE_OVERHEAD = 4 / (2 * BLOCK)  # one fp32 scale per block of bf16 values
 
 def table1_worker() -> dict:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.comm.volume import zero3_step_bytes
-    from zeropp.config import TopologyConfig
-    from zeropp.models.gpt import GPT, GPTConfig
+    from zeropp.app.models.gpt import GPT, GPTConfig
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.costs.volume import zero3_step_bytes
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=2))
@@ -290,7 +292,7 @@ def table1_worker() -> dict:
 
 
 def test_ledger_shows_zeropp_table_1_and_hpz_memory():
-    from zeropp.memory import analytic_model_state_bytes
+    from zeropp.costs.memory import analytic_model_state_bytes
 
     per_rank = run_ranks(table1_worker, 4, nodes=2)
     mean = {
@@ -329,7 +331,7 @@ QUANTIZED_SCENARIOS = {
 
 def quantized_training_worker(simulated_nodes: int) -> dict:
     from zeropp import ZeroConfig, ZeroEngine
-    from zeropp.config import TopologyConfig
+    from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topo = init_topology(TopologyConfig(nodes=simulated_nodes))

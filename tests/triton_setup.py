@@ -29,6 +29,6 @@ def import_kernels(name: str) -> ModuleType:
         return importlib.import_module(name)
 
 
-tk = import_kernels("zeropp.quant.triton_kernels")
+tk = import_kernels("zeropp.quant.triton.kernels")
 DEVICE = "cpu" if tk.INTERPRETED else "cuda"
 NEEDS_GPU_OR_INTERPRETER = pytest.mark.skipif(not CUDA and DEVICE == "cuda", reason="no GPU and TRITON_INTERPRET=0")

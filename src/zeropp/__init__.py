@@ -1,10 +1,20 @@
-"""zeropp: ZeRO stages 1-3 for unmodified PyTorch models, on CPU (gloo) and CUDA (NCCL)."""
+"""zeropp: ZeRO stages 1-3 and ZeRO++ for unmodified PyTorch models, on CPU (gloo) and CUDA (NCCL).
 
-from zeropp.comm import Communicator, Ledger
-from zeropp.config import Config, ConfigError, ZeroConfig, load_config
+The packages, each importing only the ones before it (``tests/test_layers.py`` keeps it so):
+``errors`` · ``config`` · ``index`` (pure rank and flat-buffer math) · ``topology`` · ``quant`` ·
+``comm`` · ``zero`` (the ZeRO core) · ``runtime`` · ``tensor_parallel`` · ``costs`` (the analytic
+models) · ``checkpoint`` · ``engine`` · ``app`` (``zeropp train``) · ``tools`` (estimate, cluster,
+bench) · ``cli``.
+"""
+
+from zeropp.checkpoint.pretrained import load_pretrained
+from zeropp.comm.communicator import Communicator
+from zeropp.comm.ledger import Ledger
+from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
+from zeropp.config.sections import Config, TopologyConfig, ZeroConfig, load_config
 from zeropp.engine import ZeroEngine
-from zeropp.pretrained import load_pretrained
-from zeropp.tensor_parallel import parallelize
+from zeropp.errors import ConfigError, ZeroppError
+from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import Topology, init_topology, shutdown
 
 __all__ = [
@@ -13,11 +23,14 @@ __all__ = [
     "ConfigError",
     "Ledger",
     "Topology",
+    "TopologyConfig",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroppError",
     "init_topology",
     "load_config",
     "load_pretrained",
     "parallelize",
     "shutdown",
+    "zero_config_from_deepspeed",
 ]

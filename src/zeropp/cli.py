@@ -27,15 +27,9 @@ from typing import Any
 
 import torch
 
-from zeropp import runlock
-from zeropp.benchmarks import available
-from zeropp.checkpoint import CheckpointError
-from zeropp.comm import CollectiveTimeout, PeerLost
-from zeropp.config import ZEROPP_SWITCHES, ConfigError, load_config
-from zeropp.deepspeed_config import Translation, translate
-from zeropp.fingerprint import ModelMismatch
-from zeropp.flags import add_config_flags
-from zeropp.launch import (
+from zeropp.app import runlock
+from zeropp.app.flags import add_config_flags
+from zeropp.app.launch import (
     LAUNCH_FLAGS,
     LAUNCHER_PID,
     PEER_LOST_STATUS,
@@ -48,13 +42,21 @@ from zeropp.launch import (
     resolve,
     waiting_note,
 )
-from zeropp.materialize import MaterializeError
-from zeropp.metrics import require_matplotlib
-from zeropp.models.source import model_source, training_text
-from zeropp.pretrained import PretrainedError
-from zeropp.tensor_parallel import check_sequence_length, plan_for
-from zeropp.topology import Layout, resolve_backend
-from zeropp.train import TrainingStopped, preflight
+from zeropp.app.metrics import require_matplotlib
+from zeropp.app.models.source import model_source, training_text
+from zeropp.app.trainer import TrainingStopped, preflight
+from zeropp.checkpoint.dcp import CheckpointError
+from zeropp.checkpoint.pretrained import PretrainedError
+from zeropp.comm.communicator import CollectiveTimeout, PeerLost
+from zeropp.config.deepspeed import Translation, translate
+from zeropp.config.sections import ZEROPP_SWITCHES, load_config
+from zeropp.errors import ConfigError
+from zeropp.index.ranks import Layout
+from zeropp.tensor_parallel.apply import check_sequence_length, plan_for
+from zeropp.tools.bench import available
+from zeropp.topology import resolve_backend
+from zeropp.zero.fingerprint import ModelMismatch
+from zeropp.zero.materialize import MaterializeError
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.items()}
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="run a benchmark (zeropp bench --help lists them)",
-        description=f"Runs zeropp.benchmarks.NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
+        description=f"Runs zeropp.tools.bench.NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
         f"benchmarks:\n{listing}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -132,12 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in SUBPROGRAMS:
-        return importlib.import_module(f"zeropp.{argv[0]}").main(argv[1:])
+        return importlib.import_module(f"zeropp.tools.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
     if args.command == "bench":
-        return importlib.import_module(f"zeropp.benchmarks.{args.what}").main(args.options)
+        return importlib.import_module(f"zeropp.tools.bench.{args.what}").main(args.options)
     if is_rank():
         follow_launcher()
     try:
@@ -249,10 +251,10 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
 
 
 def _run_rank(config: Any, args: argparse.Namespace) -> int:
-    from zeropp.metrics import MetricsLog, plot_losses
-    from zeropp.report import print_summary, progress_bar
+    from zeropp.app.metrics import MetricsLog, plot_losses
+    from zeropp.app.report import print_summary, progress_bar
+    from zeropp.app.trainer import Trainer, write_summary
     from zeropp.topology import shutdown
-    from zeropp.train import Trainer, write_summary
 
     status = 0
     try:
@@ -293,8 +295,8 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
 def _export(checkpoint: Path, out: Path) -> int:
     """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a file."""
-    from zeropp.checkpoint import export_checkpoint, read_meta
-    from zeropp.hf import export_folder
+    from zeropp.app.hf import export_folder
+    from zeropp.checkpoint.dcp import export_checkpoint, read_meta
 
     try:
         folder = out.suffix != ".safetensors" and "hf_config" in read_meta(checkpoint)["extra"]

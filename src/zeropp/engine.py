@@ -10,7 +10,7 @@ Usage (one process per rank, under torchrun)::
 
 The engine is the user API: construction, ``__call__``, ``backward``, ``step`` and the state dicts.
 What happens to the units during forward and backward (hooks, prefetch, reductions) is the
-runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zeropp.state`'s.
+runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zeropp.checkpoint.layout`'s.
 """
 
 from __future__ import annotations
@@ -23,28 +23,34 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from zeropp import materialize, state
-from zeropp.arena import Arena
-from zeropp.comm import Communicator, Ledger, quantized
-from zeropp.config import ConfigError, ZeroConfig
-from zeropp.dtensor_params import is_split
-from zeropp.fingerprint import check_same_model
-from zeropp.grouping import group_parameters, repeated_blocks
-from zeropp.materialize import InitFn
-from zeropp.precision import DTYPES, LossScaler
-from zeropp.quant import QuantSpec, kernels_for, scratch
+from zeropp.checkpoint import layout as state
+from zeropp.comm import quantized
+from zeropp.comm.communicator import Communicator
+from zeropp.comm.ledger import Ledger
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
+from zeropp.quant import scratch
+from zeropp.quant.backends import kernels_for
+from zeropp.quant.spec import QuantSpec
 from zeropp.runtime import Runtime
-from zeropp.runtime.checkpointing import (
+from zeropp.runtime.activation_checkpointing import (
     ActivationCheckpointing,
     CheckpointOptions,
     CheckpointStep,
     kv_cache_configs,
     kv_cache_off,
 )
-from zeropp.stages import StagePolicy
 from zeropp.topology import Group, Topology
-from zeropp.unit_options import UnitOptions
-from zeropp.units import FlatUnit, innermost_units
+from zeropp.zero import materialize
+from zeropp.zero.arena import Arena
+from zeropp.zero.dtensor_params import is_split
+from zeropp.zero.fingerprint import check_same_model
+from zeropp.zero.grouping import group_parameters, repeated_blocks
+from zeropp.zero.materialize import InitFn
+from zeropp.zero.options import UnitOptions
+from zeropp.zero.precision import DTYPES, LossScaler
+from zeropp.zero.stages import StagePolicy
+from zeropp.zero.unit import FlatUnit, innermost_units
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -65,7 +71,7 @@ class ZeroEngine:
     ) -> None:
         """Wrap `model` (built for real, or on the meta device) and build the optimizer on its shards.
 
-        The model is brought onto the ranks one unit at a time (:mod:`zeropp.materialize`): a
+        The model is brought onto the ranks one unit at a time (:mod:`zeropp.zero.materialize`): a
         meta-device model is initialized unit by unit under per-unit seeds derived from `seed`
         (with `init_fn(module)` when given), a materialized one is synchronized from rank 0.
         `units`: the modules to flatten and shard together (default: the repeated blocks)."""
@@ -348,21 +354,21 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
-    # -- state (per-parameter, sharding-independent: zeropp.state) --------------------------------
+    # -- state (per-parameter, sharding-independent: zeropp.checkpoint.layout) --------------------------------
 
     @functools.cached_property
-    def state_mesh(self) -> state.StateMesh:
+    def layout_mesh(self) -> state.LayoutMesh:
         """The ranks as the (tensor-parallel x data-parallel) mesh of the state layout (built once, on first use)."""
-        return state.StateMesh(self.topology)
+        return state.LayoutMesh(self.topology)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
-        return state.sharded_state_dict(self.units, self.optimizer, self.module, self.state_mesh)
+        return state.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
         maps each optimizer state key to (per-element, dtype)."""
-        return state.sharded_state_template(self.units, self.module, self.state_mesh, optimizer_keys)
+        return state.sharded_state_template(self.units, self.module, self.layout_mesh, optimizer_keys)
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""

@@ -32,95 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from zeropp.config import ConfigError, TopologyConfig
-
-Partition = list[tuple[int, ...]]  # disjoint groups of global ranks covering the world, in a fixed order
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Pure rank arithmetic: no process groups, so it can be unit-tested and used by the estimator."""
-
-    world_size: int
-    nodes: int
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or self.nodes < 1 or self.world_size % self.nodes:
-            raise ConfigError(
-                f"topology.nodes = {self.nodes} does not divide world size {self.world_size}; "
-                f"allowed: a divisor of {self.world_size}"
-            )
-        tp, per_node = self.tensor_parallel_size, self.ranks_per_node
-        if tp < 1 or per_node % tp:
-            raise ConfigError(
-                f"topology.tensor_parallel_size = {tp} does not divide the {per_node} ranks per node "
-                f"({self.world_size} ranks on {self.nodes} node(s)); allowed: a divisor of {per_node}"
-            )
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nodes
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
-
-    def tensor_parallel_groups(self) -> Partition:
-        """Runs of tensor_parallel_size consecutive ranks (inside one node, since it divides a node's ranks)."""
-        tp = self.tensor_parallel_size
-        return [tuple(range(start, start + tp)) for start in range(0, self.world_size, tp)]
-
-    def data_parallel_groups(self) -> Partition:
-        """The ranks with the same tensor-parallel index, one group per index (see the module docstring)."""
-        tp = self.tensor_parallel_size
-        return [tuple(range(index, self.world_size, tp)) for index in range(tp)]
-
-    def data_parallel_layout(self) -> Layout:
-        """One data-parallel group seen as a world of its own on the same nodes (its ranks are
-        node-major too): what the traffic model prices ZeRO's collectives on."""
-        return Layout(self.data_parallel_size, self.nodes)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return len(self.data_parallel_groups()[0])
-
-    @property
-    def data_parallel_per_node(self) -> int:
-        """Ranks of one data-parallel group on each node."""
-        return self.data_parallel_size // self.nodes
-
-    def intra_node_groups(self) -> Partition:
-        """Every data-parallel group cut by node."""
-        return [
-            tuple(r for r in ranks if self.node_of(r) == node)
-            for ranks in self.data_parallel_groups()
-            for node in range(self.nodes)
-        ]
-
-    def inter_node_groups(self) -> Partition:
-        """Every data-parallel group cut by position inside the node: one rank per node."""
-        per_node = self.data_parallel_per_node
-        return [ranks[i::per_node] for ranks in self.data_parallel_groups() for i in range(per_node)]
-
-    def hpz_group_size(self, partition_size: int) -> int:
-        """hpZ's secondary group size for ``zero.hpz_partition_size`` (0: one node's data-parallel
-        ranks), 1 when hpZ is off. A group as large as the data-parallel group would be the primary
-        partition again (more memory, no fewer bytes), so that is off too. A group never straddles
-        part of a node: it is whole nodes or divides one node's ranks."""
-        world, per_node = self.data_parallel_size, self.data_parallel_per_node
-        size = partition_size or per_node
-        if partition_size < 0 or world % size or not (per_node % size == 0 or size % per_node == 0):
-            raise ConfigError(
-                f"zero.hpz_partition_size = {partition_size!r} is not allowed; expected 1 (off), 0 (the "
-                f"{per_node} ranks of one node) or a divisor or multiple of the {per_node} ranks per node "
-                f"that divides the world size {world}"
-            )
-        return 1 if size == world else size
-
-    def hpz_groups(self, size: int) -> Partition:
-        """Every data-parallel group cut into consecutive runs of `size` ranks (hpZ's secondary groups)."""
-        return [ranks[i : i + size] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), size)]
-
+from zeropp.config.sections import TopologyConfig
+from zeropp.errors import ConfigError
+from zeropp.index.ranks import Layout, RankGroups
 
 GLOO_DRAIN_S = 0.1  # see shutdown()
 
@@ -204,7 +118,7 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return self.layout.node_of(rank)
 
-    def subgroups(self, name: str, partition: Partition) -> Group:
+    def subgroups(self, name: str, partition: RankGroups) -> Group:
         """Build (once) a partition of the world into process groups; return the one holding this rank.
 
         Every rank must call this with the same partition, in the same order: new_group is collective.

@@ -12,7 +12,7 @@ and compensates the next quantization of the same values (same unit, hop, rows a
 as DeepSpeed's LoCo kernels update ``err_beta`` (``quant_reduce.cu``: ``err = err_beta * err +
 (1 - err_beta) * (compensated - dequantized)``). beta = 0 is plain error feedback (EF-SGD).
 Each product and the sum round once to fp32. With the Triton kernels the update after quantizing is
-one pass over memory (:mod:`zeropp.comm.feedback_triton`), bit for bit the torch ops' result.
+one pass over memory (:mod:`zeropp.quant.triton.feedback`), bit for bit the torch ops' result.
 
 Invariant (e_0 = 0, no reset in between): with t_k the values transmitted (dequantized) at the k-th
 quantization and x_k its inputs, ``sum_k t_k + e_T / (1 - beta) = sum_k x_k``, exact in real
@@ -32,19 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.quant import Quantized, QuantKernels, QuantSpec, uses_triton
+from zeropp.quant.backends import backend_of
+from zeropp.quant.spec import Quantized, QuantKernels, QuantSpec
 
 HOPS = ("intra", "inter")
-
-
-def _fused_update(kernels: QuantKernels):
-    """The one-pass residual update (:mod:`zeropp.comm.feedback_triton`) where qgZ runs the Triton
-    kernels; None for the torch reference (the four torch ops below, bit for bit the same)."""
-    if not uses_triton(kernels):
-        return None
-    from zeropp.comm.feedback_triton import update_residual
-
-    return update_residual
 
 
 class ErrorFeedback:
@@ -66,7 +57,7 @@ class ErrorFeedback:
         residual = residual[:, start : start + columns]
         compensated = torch.add(residual, values)  # one pass: bf16/fp16 values widen exactly to fp32
         quantized = kernels.quantize(compensated, spec)
-        fused = _fused_update(kernels)
+        fused = backend_of(kernels).update_residual
         if fused is not None:
             fused(residual, compensated, quantized, self.beta)
             return quantized

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 PHASES = ("forward", "backward", "step", "eval", "other")
+PA_GATHER = "pa.all_gather"  # the ledger's name of Pa's all-gather (on the tensor-parallel group)
 
 
 @dataclass

@@ -19,8 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zeropp.errors import ZeroppError
+
 if TYPE_CHECKING:
-    from zeropp.comm import Communicator
+    from zeropp.comm.communicator import Communicator
 
 NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
 NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # completion and autograd wrappers
@@ -44,7 +46,7 @@ BYTE_MODEL: dict[str, tuple[str, int | None, str]] = {
 }
 
 
-class UncountedCollective(RuntimeError):
+class UncountedCollective(ZeroppError, RuntimeError):
     """A functional collective whose bytes the ledger has no model for. One line."""
 
 

@@ -5,7 +5,7 @@
   computes with the same weights.
 - qgZ (:func:`reduce_scatter_quantized`): a reduce-scatter-mean made of two all-to-alls. The
   flat gradient (W = X ranks per node * Y nodes slices, slice z owned by rank z) is quantized
-  in the send order of :func:`~zeropp.partition.qgz_send_order`, exchanged inside the node,
+  in the send order of :func:`~zeropp.index.flat.qgz_send_order`, exchanged inside the node,
   dequantized and summed in fp32, quantized again, exchanged across nodes (one rank per node),
   dequantized, summed in fp32 and divided by W. Each rank sends (X-1)/X of its bits inside the
   node and (Y-1)/(X*Y) across nodes: with int4 against 16-bit gradients a quarter of what the
@@ -20,7 +20,7 @@ Pipelining: the columns of the slices are cut into chunks (``chunks`` per reduce
 chunks start their intra-node exchange at once; as each finishes it is reduced, re-quantized
 and its inter-node exchange starts, so the inter-node hop of chunk k runs while the intra-node
 hop of chunk k+1 is still in flight (ZeRO++ section 4.1.2). Chunk k's columns of every slice form
-pipeline stage k of Algorithm 2 (:func:`~zeropp.partition.qgz_slice_order`).
+pipeline stage k of Algorithm 2 (:func:`~zeropp.index.flat.qgz_slice_order`).
 
 Error bound of qgZ per element, with a = the block absmax of each input and of each node's
 partial sum: |result - exact mean| <= (sum over ranks of a_rank / qmax_1 + sum over nodes of
@@ -42,10 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropp.comm import Communicator, Pending
+from zeropp.comm.communicator import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
-from zeropp.partition import column_chunks, qgz_send_order
-from zeropp.quant import Quantized, QuantKernels, QuantSpec, hadamard
+from zeropp.index.flat import column_chunks, qgz_send_order
+from zeropp.quant.backends import backend_of
+from zeropp.quant.spec import Quantized, QuantKernels, QuantSpec
 from zeropp.topology import Group, ShardGroups
 
 
@@ -244,7 +245,7 @@ class _QgzReduction:
         self.comm, self.shard, self.kernels, self.groups = comm, shard, kernels, groups
         self.intra_spec, self.inter_spec = specs
         self.rotation_block, self.feedback = rotation_block, feedback
-        self.rotate = hadamard.rotation_for(kernels)
+        self.rotate = backend_of(kernels).rotate
         self.columns = column_chunks(shard.numel(), pieces)
         self.intra: list[_Arriving | None] = []
         self.inter: list[_Arriving] = []

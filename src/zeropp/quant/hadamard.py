@@ -18,21 +18,17 @@ Order of operations (the fast Walsh-Hadamard transform; every backend follows it
 
 O(b log b) a block instead of the b x b matrix product; in real arithmetic the same transform,
 in fp32 the roundings differ from a matmul's (both stay within a few ulps of the exact values).
-:mod:`zeropp.quant.hadamard_triton` is the Triton kernel, picked by ``rotation_for``.
+:mod:`zeropp.quant.triton.hadamard` is the Triton kernel (:mod:`zeropp.quant.backends` picks one).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 
-from zeropp.quant import QuantKernels, uses_triton
-
 SEED = 0x5EED
 
-Rotation = Callable[..., torch.Tensor]
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,12 +72,3 @@ def rotate(x: torch.Tensor, block: int, *, inverse: bool = False) -> torch.Tenso
             blocks = _butterflies(blocks * s).mul_(scale(block))
         out[..., :full] = blocks.view(*out.shape[:-1], full)
     return out
-
-
-def rotation_for(kernels: QuantKernels) -> Rotation:
-    """``rotate`` with the Triton kernel where qgZ runs the Triton kernels, the torch one otherwise."""
-    if not uses_triton(kernels):
-        return rotate
-    from zeropp.quant.hadamard_triton import rotate as rotate_triton
-
-    return rotate_triton

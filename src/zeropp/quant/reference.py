@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.quant import Quantized, QuantSpec, scratch
+from zeropp.quant import scratch
+from zeropp.quant.spec import Quantized, QuantSpec
 
 _HIGH_NIBBLES = 0xF0F0 - 0x10000  # the mask 0xF0F0 as an int16 value
 

@@ -16,7 +16,7 @@ Resident units (stages 0-2, or small units under the persistence threshold) skip
 backward, a model's own activation checkpointing runs forward hooks again in recomputation: the unit
 is gathered (it already is, for backward) and nothing is recorded, prefetched or resharded. The
 engine's ``activation_checkpointing`` replaces ``forward`` only, so its recomputation runs no hook
-(:mod:`zeropp.runtime.checkpointing`).
+(:mod:`zeropp.runtime.activation_checkpointing`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 
 from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
-from zeropp.stages import StagePolicy
-from zeropp.units import FlatUnit
+from zeropp.zero.stages import StagePolicy
+from zeropp.zero.unit import FlatUnit
 
 
 class Runtime:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zeropp.units import FlatUnit
+from zeropp.zero.unit import FlatUnit
 
 
 class ExecutionOrder:

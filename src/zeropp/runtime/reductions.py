@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zeropp.comm import Pending
+from zeropp.comm.communicator import Pending
 
 
 class ReductionQueue:

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from zeropp.config import ConfigError
+from zeropp.errors import ConfigError
 from zeropp.tensor_parallel.conv1d import Conv1DColwise, Conv1DRowwise, LocalHeads
 
 Plan = dict[str, ParallelStyle]  # module name (fnmatch patterns allowed) -> how to split it
@@ -23,7 +23,7 @@ SEQUENCE = Shard(1)  # activations are batch-first: (batch, sequence, hidden)
 
 
 def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan:
-    """Megatron's layout for the embedded GPT (:mod:`zeropp.models.gpt`): attention's qkv and the
+    """Megatron's layout for the embedded GPT (:mod:`zeropp.app.models.gpt`): attention's qkv and the
     MLP's first linear split column-wise (each rank whole heads, a slice of the hidden units), their
     output projections row-wise.
 

@@ -1,0 +1,111 @@
+"""A small byte-level GPT in the nanoGPT mould: pre-norm blocks, causal attention, tied embedding/head."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeropp.config.sections import ModelConfig
+from zeropp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 192
+
+    @property
+    def param_count(self) -> int:
+        d, L = self.d_model, self.n_layer
+        per_block = 12 * d * d + 13 * d  # attention 4d^2+4d, mlp 8d^2+5d, two layer norms 4d
+        return self.vocab_size * d + self.block_size * d + L * per_block + 2 * d
+
+
+PRESETS = {
+    "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, d_model=64),
+    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, d_model=192),
+    "medium": GPTConfig(block_size=256, n_layer=8, n_head=8, d_model=384),
+}
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    """The GPT a config's model keys describe: the preset, with every key that is set overriding it."""
+    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
+    config = dataclasses.replace(PRESETS[model.preset], **overrides)
+    if config.d_model % config.n_head:
+        raise ConfigError(
+            f"model.n_head = {config.n_head} is not allowed with model.d_model = {config.d_model}; "
+            f"expected a divisor of d_model (preset {model.preset!r})"
+        )
+    return config
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """qkv's output features are laid out head by head (q, k, v of head 0, then of head 1, ...), so
+        a column-wise split over tensor-parallel ranks gives each rank whole heads: the head count is
+        read from the output (-1), the head size from the input, which every rank holds whole."""
+        B, T, C = x.shape
+        head_size = C // self.n_head
+        q, k, v = self.qkv(x).view(B, T, -1, 3 * head_size).transpose(1, 2).split(head_size, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.block_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied, GPT-2 style
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy (computed in fp32) when targets are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,420 @@
+"""The main job: train a model (the embedded GPT, or a Hugging Face causal LM: zeropp.app.models.source) on
+text (the embedded corpus, or your own: zeropp.app.data.text) under any stage, report metrics and a summary.
+
+Runs inside each rank (``zeropp train`` starts the ranks through torch.distributed.run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropp.app import schedule
+from zeropp.app.data.batches import Batches
+from zeropp.app.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
+from zeropp.app.models.source import model_source, training_text
+from zeropp.app.summary import CheckpointRecord, RunSummary, ZeroppSwitches
+from zeropp.checkpoint.dcp import (
+    CheckpointError,
+    check_writable,
+    find_latest,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    verify_files,
+)
+from zeropp.checkpoint.pretrained import load_pretrained
+from zeropp.comm.ledger import PA_GATHER
+from zeropp.config.sections import Config
+from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
+from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
+from zeropp.engine import ZeroEngine
+from zeropp.errors import ZeroppError
+from zeropp.tensor_parallel.apply import parallelize
+from zeropp.topology import init_topology
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
+# tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER)
+
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def learning_rate(config: Config, step: int) -> float:
+    """optim.schedule's learning rate for optimizer step `step` (zeropp.app.schedule)."""
+    return schedule.learning_rate(config.optim, config.train.steps, step)
+
+
+def checkpoint_to_resume(config: Config) -> Path | None:
+    """The checkpoint to start from: checkpoint.resume's path, the latest one for 'auto', or none.
+
+    Refuses a missing or damaged checkpoint, or one saved with another model config (a different
+    n_head, say, can hold tensors of the same shapes).
+    """
+    resume = config.checkpoint.resume
+    if resume is None:
+        return None
+    path = Path(resume) if resume != "auto" else find_latest(config.checkpoint.checkpoint_dir)
+    if path is None:
+        return None
+    saved = read_meta(path)["extra"].get("config", {}).get("model", {})
+    ours = dataclasses.asdict(config.model)
+    for key in sorted(ours):
+        if saved.get(key) != ours[key]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved with model.{key} = {saved.get(key)!r}, "
+                f"this run has model.{key} = {ours[key]!r}"
+            )
+    return path
+
+
+def preflight(config: Config) -> None:
+    """Checks that need no process group: the checkpoint folder is writable, the resume point readable
+    and undamaged."""
+    if config.checkpoint.checkpoint_dir is not None:
+        check_writable(config.checkpoint.checkpoint_dir)
+    path = checkpoint_to_resume(config)
+    if path is not None:
+        verify_files(path, read_meta(path))
+
+
+class TrainingStopped(ZeroppError, RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient norm, too many skipped fp16 steps). One line."""
+
+
+class Trainer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.topology = init_topology(config.topology)
+        self.memory = PeakMeter(self.topology.device)  # from before the model exists
+        torch.manual_seed(config.train.seed)
+        self.source = model_source(config)
+        text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
+        with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
+            model = parallelize(self.source.build(), self.topology)
+        self.engine = ZeroEngine(
+            model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
+            seed=config.train.seed,
+        )
+        weights = config.train.init_from or self.source.weights
+        if weights is not None:
+            load_pretrained(self.engine, weights)
+        self.start_step = 0
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.checkpoints: list[CheckpointRecord] = []
+        self.resumed_from = checkpoint_to_resume(config)
+        if self.resumed_from is not None:
+            meta = load_checkpoint(self.engine, self.resumed_from)
+            self.start_step = meta["step"]
+            self.keep_run_hyperparameters()
+        self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
+        self.init_peak_memory = self.memory.peak()
+        self.step_peak_memory = self.last_step_peak_memory = 0
+        self.qgz_residual_bytes = 0  # the most qgZ's error-feedback residuals held on this rank
+        dp = self.topology.data_parallel  # the tensor-parallel ranks of one data-parallel rank read the same rows
+        args = (self.source.block_size, config.train.micro_batch_size, dp.size, dp.rank, config.train.seed)
+        self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
+        self.val_batches = Batches("val", *args, tokens=None if text is None else text[1])
+        self.flops_per_token = flops_per_token(
+            self.engine.param_count, self.source.n_layer, self.source.d_model, self.source.block_size
+        )
+        self.peak_flops = peak_flops(self.topology.device)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The optimizer's settings; where it steps on the host, its fused kernel, several times faster
+        than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
+        optim, zero = self.config.optim, self.config.zero
+        on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
+        own = dict(momentum=optim.momentum) if optim.optimizer == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
+
+    def keep_run_hyperparameters(self) -> None:
+        """After a resume the run's own optim config wins over the checkpoint's (lr follows the
+        schedule every step anyway); say which saved values it replaces."""
+        ours = {k: v for k, v in self.hyperparameters().items() if k != "lr"}
+        group = self.engine.optimizer.param_groups[0]
+        changed = [f"{k} = {v!r} (the checkpoint has {group[k]!r})" for k, v in ours.items() if group[k] != v]
+        for group in self.engine.optimizer.param_groups:
+            group.update(ours)
+        if changed:
+            self.say(f"resuming with this run's {', '.join(changed)}")
+
+    def say(self, text: str) -> None:
+        """One line on rank 0."""
+        if self.topology.rank == 0:
+            print(text, flush=True)
+
+    def save(self, steps_done: int) -> None:
+        c = self.config.checkpoint
+        extra = {"config": self.config.to_dict(), **self.source.checkpoint_extra}
+        tick = time.perf_counter()
+        with self.engine.comm.ledger.in_phase("other"):
+            path = save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
+        seconds = time.perf_counter() - tick
+        size = sum(f.stat().st_size for f in path.iterdir())
+        self.checkpoints.append(CheckpointRecord(steps_done, str(path), size, seconds))
+        self.say(f"checkpoint of step {steps_done} published: {path} ({size / 2**20:,.1f} MiB, {seconds:.1f} s)")
+
+    def saves_after(self, steps_done: int) -> bool:
+        """With a checkpoint folder: save every save_interval steps and after the last step."""
+        c = self.config.checkpoint
+        if c.checkpoint_dir is None:
+            return False
+        return steps_done == self.config.train.steps or bool(c.save_interval and steps_done % c.save_interval == 0)
+
+    def check_step(self, steps_done: int, loss: float) -> None:
+        """Stop on a non-finite loss or gradient norm (before the step can be saved); count fp16's
+        skipped steps and stop after train.max_consecutive_skipped_steps in a row."""
+        engine = self.engine
+        if engine.last_step_skipped:
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            limit = self.config.train.max_consecutive_skipped_steps
+            if self.skipped_in_a_row >= limit:
+                raise TrainingStopped(
+                    f"step {steps_done}: {limit} optimizer steps in a row skipped for overflowing fp16 gradients "
+                    f"(loss scale now {engine.scaler.scale:g}; train.max_consecutive_skipped_steps = {limit})"
+                )
+            return
+        self.skipped_in_a_row = 0
+        hint = "lower --lr" + (" or set --max-grad-norm" if self.config.zero.max_grad_norm is None else "")
+        saved = "; no checkpoint of this step was written" if self.config.checkpoint.checkpoint_dir else ""
+        for what, value in (("loss", loss), ("gradient norm", engine.last_grad_norm)):
+            if value is not None and not math.isfinite(value):
+                raise TrainingStopped(f"step {steps_done}: the {what} is {value}, training diverged ({hint}){saved}")
+
+    @property
+    def quantized_gradient_steps(self) -> int:
+        """Steps that reduce gradients with qgZ (zero.quantized_gradients_until of the run), from step 0."""
+        return math.ceil(self.config.zero.quantized_gradients_until * self.config.train.steps)
+
+    @property
+    def error_feedback(self) -> bool:
+        zero = self.config.zero
+        return zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+
+    @property
+    def residuals_freed_at_step(self) -> int | None:
+        """The step (1-based) from which qgZ is off and its error-feedback residuals are freed; None
+        when error feedback is off or qgZ stays on to the end."""
+        until = self.quantized_gradient_steps
+        return until + 1 if self.error_feedback and until < self.config.train.steps else None
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.train
+        return (
+            t.micro_batch_size
+            * self.source.block_size
+            * self.config.zero.gradient_accumulation_steps
+            * self.topology.data_parallel.size
+        )
+
+    def train_step(self, step: int) -> float:
+        self.memory.reset_peak()
+        loss = self._train_step(step)
+        self.last_step_peak_memory = self.memory.peak()
+        self.step_peak_memory = max(self.step_peak_memory, self.last_step_peak_memory)
+        self.qgz_residual_bytes = max(self.qgz_residual_bytes, self.engine.qgz_residual_bytes())
+        return loss
+
+    def _train_step(self, step: int) -> float:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = learning_rate(self.config, step)
+        self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
+        losses = []
+        for micro in range(self.config.zero.gradient_accumulation_steps):
+            x, y = (t.to(self.topology.device) for t in self.train_batches.local_batch(step, micro))
+            loss = self.source.loss(self.engine, x, y)
+            self.engine.backward(loss)
+            losses.append(loss.detach().float())
+        self.engine.step()
+        return self.mean_over_ranks(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        losses = []
+        for i in range(self.config.train.eval_batches):
+            x, y = (t.to(self.topology.device) for t in self.val_batches.local_batch(i))
+            losses.append(self.source.loss(self.engine, x, y).float())
+        self.engine.train()
+        return self.mean_over_ranks(torch.stack(losses).mean())
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        with self.engine.comm.ledger.in_phase("other"):
+            self.engine.comm.all_reduce(value, self.topology.world)
+        return float(value.item())
+
+    def per_rank(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, gathered to every rank (rows by rank)."""
+        local = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        out = torch.empty(self.topology.world_size * len(values), dtype=torch.float64, device=self.topology.device)
+        with self.engine.comm.ledger.in_phase("other"):
+            self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
+        return out.view(self.topology.world_size, len(values)).tolist()
+
+    def run(self, progress: Callable[[StepMetrics, int], None] | None = None, log: MetricsLog | None = None) -> RunSummary | None:
+        """Train from start_step to train.steps, handing every step's metrics to `log` and to
+        progress(metrics, skipped steps so far); None (and a line on rank 0) when nothing is left."""
+        steps = self.config.train.steps
+        if self.start_step >= steps:
+            self.say(f"checkpoint already at step {self.start_step} (>= --steps {steps}): nothing to train")
+            return None
+        log = log or MetricsLog()
+        train_loss = val_loss = float("nan")
+        self.step_times, self.losses = [], []
+        for step in range(self.start_step, steps):
+            tick = time.perf_counter()
+            train_loss = self.train_step(step)
+            self.step_times.append(time.perf_counter() - tick)
+            self.losses.append(train_loss)
+            self.check_step(step + 1, train_loss)
+            measured = None
+            if (step + 1) % self.config.train.eval_interval == 0 or step + 1 == steps:
+                measured = val_loss = self.evaluate()
+            if self.saves_after(step + 1):
+                self.save(step + 1)
+            metrics = self.step_metrics(step, train_loss, measured)
+            log.add(metrics)
+            if progress is not None:
+                progress(metrics, self.skipped_steps)
+        return self.summary(train_loss, val_loss, log)
+
+    def step_metrics(self, step: int, loss: float, val_loss: float | None) -> StepMetrics:
+        """What step `step` (0-based) measured; tokens/s from its own wall time."""
+        seconds = max(self.step_times[-1], 1e-9)
+        tokens_per_s = self.tokens_per_step / seconds
+        per_rank = tokens_per_s / self.topology.world_size
+        return StepMetrics(
+            step=step + 1,
+            loss=loss,
+            val_loss=val_loss,
+            grad_norm=None if self.engine.last_step_skipped else self.engine.last_grad_norm,
+            lr=learning_rate(self.config, step),
+            step_time_s=seconds,
+            tokens_per_s=tokens_per_s,
+            tokens_per_s_per_rank=per_rank,
+            mfu=self.mfu(per_rank),
+            peak_memory_bytes=self.last_step_peak_memory,
+        )
+
+    def mfu(self, tokens_per_s_per_rank: float) -> float | None:
+        """Model FLOPs utilization (zeropp.app.metrics); None where the device's peak is unknown."""
+        if self.peak_flops is None:
+            return None
+        return self.flops_per_token * tokens_per_s_per_rank / self.peak_flops
+
+    def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:
+        """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step, init peak, step
+        peak], and the ledger's bytes per step as the mean over ranks ({op: {phase: {link}}}, nonzero entries)."""
+        engine, topo = self.engine, self.topology
+        ledger = engine.comm.ledger
+        steps = max(1, ledger.steps)
+        step_bytes = {
+            link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / steps for link in ("intra", "inter")
+        }
+        ops = LEDGER_OPS  # the same list on every rank: the all-gather below must match in size
+        flat_ledger = [
+            ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")
+        ]
+        rows = self.per_rank(
+            [
+                engine.measured_model_state_bytes,
+                peak_memory_bytes(topo.device),
+                step_bytes["intra"],
+                step_bytes["inter"],
+                self.init_peak_memory,
+                self.step_peak_memory,
+                *flat_ledger,
+            ]
+        )
+        n = len(rows)
+        mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
+        for i, (o, p, k) in enumerate((o, p, k) for o in ops for p in STEP_PHASES for k in ("intra", "inter")):
+            value = sum(r[6 + i] for r in rows) / n
+            if value:
+                mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
+        return [r[:6] for r in rows], mean_ledger
+
+    def summary(self, train_loss: float, val_loss: float, log: MetricsLog) -> RunSummary:
+        engine, topo = self.engine, self.topology
+        tokens_per_s = self.tokens_per_step * len(self.step_times) / max(sum(self.step_times), 1e-9)
+        rows, mean_ledger = self.gathered_ledger()
+        n = len(rows)
+        zero = self.config.zero
+        dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
+        stored = engine.last_checkpoint_step
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
+        return RunSummary(
+            final_train_loss=train_loss,
+            final_val_loss=val_loss,
+            tokens_per_s=tokens_per_s,
+            median_step_time_s=statistics.median(self.step_times[1:] or self.step_times or [0.0]),
+            world_size=topo.world_size,
+            nodes=topo.nodes,
+            stage=zero.stage,
+            precision=zero.precision,
+            steps=self.config.train.steps,
+            start_step=self.start_step,
+            resumed_from=None if self.resumed_from is None else str(self.resumed_from),
+            train_losses=self.losses,
+            param_count=engine.param_count,
+            model_state_bytes_per_rank=[int(r[0]) for r in rows],
+            analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
+                engine.param_count,  # this rank's tensor-parallel share, sharded over its data-parallel group
+                topo.data_parallel.size,
+                zero.stage,
+                zero.precision,
+                zero.grad_dtype,
+                hpz_group_size=engine.hpz_group_size,
+                offload_optimizer=zero.offload_optimizer != "none",
+                offload_params=zero.offload_params != "none",
+                # at the last step, whose model-state bytes were measured: none once the schedule freed them
+                qgz_residuals=(topo.ranks_per_node, topo.nodes)
+                if self.error_feedback and self.residuals_freed_at_step is None
+                else None,
+            ),
+            qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
+            qgz_residuals_freed_at_step=self.residuals_freed_at_step,
+            peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
+            intra_node_bytes_per_step=sum(r[2] for r in rows) / n,
+            inter_node_bytes_per_step=sum(r[3] for r in rows) / n,
+            intra_node_bytes_per_step_by_rank=[r[2] for r in rows],
+            inter_node_bytes_per_step_by_rank=[r[3] for r in rows],
+            zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
+            zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
+            tensor_parallel_size=topo.tensor_parallel.size,
+            sequence_parallel=topo.sequence_parallel,
+            tensor_parallel_bytes_per_step=sum(
+                sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
+            ),
+            activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
+            activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,
+            zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
+            ledger=mean_ledger,
+            config=self.config.to_dict(),
+            skipped_steps=self.skipped_steps,
+            checkpoints=self.checkpoints,
+            init_peak_memory_bytes_per_rank=[int(r[4]) for r in rows],
+            step_peak_memory_bytes_per_rank=[int(r[5]) for r in rows],
+            tokens_per_s_per_rank=tokens_per_s / topo.world_size,
+            flops_per_token=self.flops_per_token,
+            mfu=self.mfu(tokens_per_s / topo.world_size),
+            val_losses=log.val,
+            model=self.source.name,
+        )
+
+
+def write_summary(summary: RunSummary, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(summary.to_json())

@@ -1,0 +1,430 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): save, resume on any world size,
+node count, stage or tensor-parallel size, and export one consolidated file.
+
+A checkpoint is a directory ``step-00000120`` holding
+
+- DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) holding the engine's
+  :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
+  ``fixed.<name>``: whole-shaped tensors, a layout that does not depend on how the run was
+  sharded, see :mod:`zeropp.checkpoint.layout`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
+  CPU RNG state (and on CUDA ``rng.cuda.rank<r>``, its device's: dropout draws from it there),
+  restored where the world size matches (a rank's stream is its own); a state the checkpoint lacks
+  (saved on CPU, loaded on CUDA) leaves that generator as it is.
+- ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
+  loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
+  sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.
+- ``qgz_residual.rank<r>.<unit>.<hop>``: qgZ's error-feedback residuals of rank r (rank-specific, like
+  the RNG state): loaded where the world size and node count match, zeroed otherwise (with a note).
+
+A save refuses weights that hold nan or inf (before writing anything), so a diverged run never
+publishes a checkpoint, nor prunes a good one.
+
+Atomic publish: ranks write into ``.step-00000120.partial``; once every rank has written, rank 0
+adds zeropp.json and renames the folder to ``step-00000120``, an atomic rename on one file system
+(all ranks must see the same directory). A crash before that leaves only a ``.partial`` folder,
+which :func:`find_latest` never picks and the next save removes. Old checkpoints beyond
+``keep_last`` are pruned after a publish, never before.
+
+Ranks synchronise through the engine's communicator (barriers, and the state API's all-gathers,
+one per unit and state). DCP also exchanges its save and load plans with small collectives of its
+own; those carry metadata, not tensor data (which goes to storage), and are not in the ledger.
+
+Loading reads into :meth:`~zeropp.engine.ZeroEngine.sharded_state_template`: each rank reads the
+pieces of this run's data-parallel world (DCP reassembles them from whatever pieces were
+written), so any run loads any checkpoint of the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+
+from zeropp.checkpoint import layout as state
+from zeropp.checkpoint.layout import LayoutError
+from zeropp.comm.feedback import HOPS
+from zeropp.errors import ZeroppError
+
+if TYPE_CHECKING:
+    from zeropp.engine import ZeroEngine
+
+FORMAT = "zeropp-checkpoint/2"
+FLAT_FORMAT = "zeropp-checkpoint/1"  # parameters stored flattened: export reads it, a run cannot load it
+META = "zeropp.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ZeroppError, RuntimeError):
+    """A checkpoint cannot be written or read. The message is one line and says what to do."""
+
+
+# -- finding checkpoints --------------------------------------------------------------------------
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def find_latest(directory: str | Path) -> Path | None:
+    """The published checkpoint with the highest step in `directory` (partial saves are never picked)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and (p / META).is_file()]
+    return max(found, key=lambda p: int(_NAME.match(p.name).group(1)), default=None)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's zeropp.json, checked; one-line CheckpointError if missing or damaged."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        meta = json.loads((path / META).read_text())
+        if meta.get("format") not in (FORMAT, FLAT_FORMAT):
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r} (or {FLAT_FORMAT!r}, for export only)")
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # unreadable json, truncated or foreign DCP metadata, ...
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or corrupt ({reason})") from None
+    return meta
+
+
+def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
+    """Check every file of a checkpoint against the sha256 recorded when it was published; a
+    one-line CheckpointError names the first missing or damaged file."""
+    path = Path(path)
+    for name, digest in meta.get("files", {}).items():  # checkpoints from before checksums have none
+        problem = "is missing" if not (path / name).is_file() else None
+        if problem is None and _sha256(path / name) != digest:
+            problem = "is damaged (its sha256 differs from the one recorded at save)"
+        if problem:
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name!r} {problem}")
+
+
+def check_writable(directory: str | Path) -> None:
+    """Refuse a checkpoint directory that cannot be created or written (call before any collective)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} is not writable ({error.strerror})") from None
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    engine: ZeroEngine, directory: str | Path, step: int, *, extra: dict[str, Any] | None = None, keep_last: int = 0
+) -> Path:
+    """Write a checkpoint of `engine` at `step` into `directory`, publish it atomically, prune old ones.
+
+    Collective: every rank calls it. keep_last = 0 keeps every checkpoint.
+    """
+    directory = Path(directory)
+    final = directory / checkpoint_name(step)
+    partial = directory / f".{final.name}.partial"
+    rank = engine.topology.rank
+    _refuse_non_finite(engine, final)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
+            shutil.rmtree(stale, ignore_errors=True)
+    engine.comm.barrier(engine.topology.world)
+    try:
+        dcp.save(_state_to_save(engine), storage_writer=FileSystemWriter(str(partial)))
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        engine.comm.barrier(engine.topology.world)  # every rank is done with the folder
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
+        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
+    if rank == 0:
+        meta = {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}}
+        meta["files"] = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        (partial / META).write_text(json.dumps(meta, indent=1))
+        if final.exists():  # the same step saved again (e.g. after a restart): replace it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(directory)
+        if keep_last:
+            published = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+            for old in published[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    engine.comm.barrier(engine.topology.world)
+    return final
+
+
+def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
+    """Refuse to save weights holding nan or inf (collective: one flag all-reduced over the world)."""
+    bad = torch.zeros(1, device=engine.topology.device)
+    if not all(bool(torch.isfinite(unit.master).all()) for unit in engine.units):
+        bad.fill_(1.0)
+    with engine.comm.ledger.in_phase("other"):
+        engine.comm.all_reduce(bad, engine.topology.world, reduce="max")
+    if bad.item():
+        raise CheckpointError(
+            f"not writing checkpoint {str(final)!r}: the weights hold nan or inf; the ones already there are kept"
+        )
+
+
+def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
+    try:
+        saved = engine.sharded_state_dict()
+    except LayoutError as error:
+        raise CheckpointError(str(error)) from None
+    saved.update(_rng_states(engine))
+    saved.update(_residuals(engine))
+    return saved
+
+
+def _rng_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """This rank's generator states by checkpoint key: the CPU one, and its CUDA device's."""
+    rank, device = engine.topology.rank, engine.topology.device
+    states = {f"rng.rank{rank}": torch.get_rng_state()}
+    if device.type == "cuda":
+        states[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _residual_key(rank: int, unit: int, hop: str) -> str:
+    return f"qgz_residual.rank{rank}.{unit}.{hop}"
+
+
+def _residuals(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """This rank's qgZ error-feedback residuals under their checkpoint keys."""
+    rank = engine.topology.rank
+    return {
+        _residual_key(rank, index, hop): residual
+        for index, unit in enumerate(engine.units)
+        if unit.error_feedback is not None
+        for hop, residual in unit.error_feedback.residuals.items()
+    }
+
+
+def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str, Any], path: str | Path) -> dict:
+    """This rank's residual tensors to read where the checkpoint's world matches this run's (every
+    residual is zeroed first, so a run on another world starts them at zero, with a note)."""
+    rank, topo = engine.topology.rank, engine.topology
+    engine.reset_error_feedback()
+    feedback = [(i, u.error_feedback) for i, u in enumerate(engine.units) if u.error_feedback is not None]
+    stored = any(k.startswith("qgz_residual.") for k in saved)
+    if not feedback or not stored:
+        return {}
+    saved_mesh = (meta["world_size"], meta["nodes"], meta.get("tensor_parallel_size", 1))
+    if saved_mesh != (topo.world_size, topo.nodes, topo.tensor_parallel.size):
+        if rank == 0:
+            print(
+                f"zeropp: qgZ error-feedback residuals start from zero: checkpoint {str(path)!r} was saved on "
+                "{} ranks x {} nodes (tensor parallel {}), this run has ".format(*saved_mesh)
+                + f"{topo.world_size} x {topo.nodes} (tensor parallel {topo.tensor_parallel.size})"
+            )
+        return {}
+    wanted = {}
+    for index, ef in feedback:
+        shard = engine.units[index].layout.shard_numel
+        for hop, rows in zip(HOPS, (topo.world_size, topo.nodes), strict=True):
+            key = _residual_key(rank, index, hop)
+            if key in saved and tuple(saved[key].size) == (rows, shard):  # else (another layout) from zero
+                ef.residuals[hop] = torch.zeros(rows, shard, device=topo.device)
+                wanted[key] = ef.residuals[hop]
+    return wanted
+
+
+def _describe(engine: ZeroEngine) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    return {
+        "world_size": engine.topology.world_size,
+        "nodes": engine.topology.nodes,
+        "tensor_parallel_size": engine.topology.tensor_parallel.size,
+        "stage": engine.config.stage,
+        "params": state.parameter_shapes(engine.units),
+        "fixed": {name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()},
+        "aliases": state.tied_aliases(engine.units, engine.module),
+        "precision": engine.config.precision,
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
+        "scaler": engine.scaler.state_dict(),
+        "global_step": engine.global_step,
+    }
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint into `engine` (any world size, node count or stage); return its zeropp.json.
+
+    Collective. The checkpoint is checked against the engine before anything is read.
+    """
+    meta = read_meta(path)
+    if meta["format"] == FLAT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written by an older zeropp ({FLAT_FORMAT}, parameters stored flattened) "
+            "and cannot be resumed; export it (zeropp export CKPT model.safetensors) and start from that with --init-from"
+        )
+    verify_files(path, meta)
+    _check_compatible(engine, meta, path)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    optimizer_keys = {}
+    for key, entry in saved.items():
+        name = state.optimizer_state_name(key)
+        if name is not None:
+            optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
+    wanted = engine.sharded_state_template(optimizer_keys)
+    rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
+    if meta["world_size"] == engine.topology.world_size:  # a rank's stream belongs to its rank
+        wanted.update(rng)
+    wanted.update(_residuals_to_load(engine, meta, saved, path))
+    _read(wanted, path)
+    engine.load_sharded_state_dict(wanted)
+    for key in rng.keys() & wanted.keys():
+        if key.startswith("rng.cuda."):
+            torch.cuda.set_rng_state(wanted[key], engine.topology.device)
+        else:
+            torch.set_rng_state(wanted[key])
+    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
+        for key, value in saved.items():
+            group[key] = type(group[key])(value) if isinstance(group.get(key), tuple) else value
+    if engine.scaler.enabled and meta["precision"] == "fp16":  # a bf16/fp32 run's scale (1) means nothing here
+        engine.scaler.load_state_dict(meta["scaler"])
+    engine.global_step = meta["global_step"]
+    return meta
+
+
+def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:
+    here = _describe(engine)
+    for kind in ("params", "fixed"):
+        saved, ours = meta[kind], here[kind]
+        for name in sorted(saved.keys() | ours.keys()):
+            if saved.get(name) != ours.get(name):
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} holds a different model: {name!r} has shape "
+                    f"{_shape(saved.get(name))} there and {_shape(ours.get(name))} here"
+                )
+    if meta["optimizer"] != here["optimizer"] or len(meta["param_groups"]) != len(here["param_groups"]):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was saved with optimizer {meta['optimizer']} "
+            f"({len(meta['param_groups'])} param groups), this run uses {here['optimizer']} "
+            f"({len(here['param_groups'])})"
+        )
+
+
+def _shape(shape: list[int] | None) -> str:
+    return "(absent)" if shape is None else str(tuple(shape))
+
+
+def _read(wanted: dict[str, Any], path: str | Path) -> None:
+    try:
+        dcp.load(wanted, storage_reader=FileSystemReader(str(path)))
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
+    """Consolidate a checkpoint into one safetensors file of fp32 ``model.state_dict()`` tensors.
+
+    Runs in one process, whatever world size saved it. Returns the checkpoint's zeropp.json.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    read_meta(path)  # a missing or damaged checkpoint is named before the output
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"cannot write {str(out)!r}: it is a directory; expected a file name")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise CheckpointError(f"cannot write {str(out)!r}: its folder does not exist or is not writable")
+    meta, tensors = consolidated_state(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
+    except (OSError, SafetensorError) as error:  # safetensors reports I/O errors as SafetensorError
+        raise CheckpointError(f"could not write {str(out)!r} ({_reason(error)})") from None
+    return meta
+
+
+def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A checkpoint's zeropp.json and its whole ``model.state_dict()`` (fp32 floating tensors, tied
+    weights under every name), read in one process whatever world size saved it."""
+    meta = read_meta(path)
+    verify_files(path, meta)
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    masters = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
+    fixed = {key: _empty_like_saved(keys[key]) for key in map(state.fixed_key, meta["fixed"])}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({**masters, **fixed}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
+    # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
+    tensors = {name: masters[state.model_key(name)].view(shape) for name, shape in meta["params"].items()}
+    for alias, name in meta["aliases"].items():
+        tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
+    for name in meta["fixed"]:
+        value = fixed[state.fixed_key(name)]
+        tensors[name] = value.float() if value.is_floating_point() else value
+    return meta, tensors
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _empty_like_saved(metadata: Any) -> torch.Tensor:
+    return torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _reason(error: BaseException) -> str:
+    """The root cause of a (possibly wrapped, multi-line) error, on one line."""
+    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    if causes:
+        error = next(iter(causes.values()))
+        error = getattr(error, "exc", error) if not isinstance(error, BaseException) else error
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip().splitlines()
+    rust_io = re.search(r'message: "([^"]+)"', text[0]) if text else None  # safetensors: IoError(Os {..})
+    if rust_io:
+        return rust_io.group(1)
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value

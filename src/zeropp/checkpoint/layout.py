@@ -1,0 +1,248 @@
+"""The engine's training state as per-parameter tensors, independent of how it is sharded.
+
+One layout serves checkpoints (save, load on any world size, node count or stage), the
+consolidated ``full_state_dict`` and export. Keys:
+
+- ``model.<name>``: the fp32 master of parameter <name>, a DTensor of the parameter's whole shape
+  (a 0-d parameter as one element) on :class:`LayoutMesh`: each rank holds its piece;
+- ``optim.<name>.<key>``: the optimizer's per-element state of that parameter the same way, and
+  its scalar states (Adam's ``step``) whole on every rank;
+- ``fixed.<name>``: what the engine keeps whole on every rank (frozen parameters, buffers).
+
+A rank's piece of a parameter: its tensor-parallel piece (the DTensor parameter's own placement;
+a parameter the plan left whole is replicated over the tensor-parallel ranks), whose rows are cut
+like ``torch.chunk`` over the data-parallel ranks. Every piece is a block of the whole tensor
+with its offsets, or several side by side (a strided tensor-parallel piece, GPT-2's fused
+[q | k | v]: :func:`~zeropp.zero.dtensor_params.blocks`), which DCP is told as one chunk each
+(:func:`_written_as_blocks`). So DCP reshards between meshes by itself: a checkpoint of dp 2 x tp 2
+loads at dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never depend on the mesh.
+
+A unit's fp32 master is a contiguous shard of a padded flat buffer that spans several
+parameters' tensor-parallel pieces; the pieces here are cut per parameter. Going from one to the
+other is one all-gather per unit and per state (see :meth:`~zeropp.zero.unit.FlatUnit.param_chunks`
+and :meth:`~zeropp.zero.unit.FlatUnit.flat_from_param_chunks`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from zeropp.errors import ZeroppError
+from zeropp.index.flat import chunk_range
+from zeropp.zero.dtensor_params import Slices, blocks
+from zeropp.zero.unit import FlatUnit
+
+if TYPE_CHECKING:
+    from zeropp.topology import Topology
+
+
+def model_key(name: str) -> str:
+    return f"model.{name}"
+
+
+def optim_key(name: str, key: str) -> str:
+    return f"optim.{name}.{key}"
+
+
+def fixed_key(name: str) -> str:
+    return f"fixed.{name}"
+
+
+def optimizer_state_name(key: str) -> str | None:
+    """<key> of an ``optim.<name>.<key>`` entry (None for other entries)."""
+    return key.rsplit(".", 1)[1] if key.startswith("optim.") else None
+
+
+class LayoutError(ZeroppError, RuntimeError):
+    """The optimizer keeps state this layout cannot express. One line."""
+
+
+class LayoutMesh:
+    """Every rank as the mesh a parameter's state is cut over: the tensor-parallel dimension first,
+    then the data-parallel one (so a rank's rows are rows of its tensor-parallel piece). A dimension
+    of one rank is left out (it has no process group); one rank alone is a mesh of one."""
+
+    def __init__(self, topology: Topology) -> None:
+        tp, dp = topology.tensor_parallel, topology.data_parallel
+        self.data_parallel = dp
+        self.dims = tuple(name for name, group in (("tp", tp), ("dp", dp)) if group.size > 1) or ("dp",)
+        device = topology.device.type
+        if len(self.dims) == 2:
+            grid = torch.arange(topology.world_size).view(dp.size, tp.size).T  # [tp index, dp index] -> rank
+            self.mesh = DeviceMesh.from_group([tp.pg, dp.pg], device, grid, mesh_dim_names=self.dims)
+        else:
+            self.mesh = DeviceMesh.from_group((tp if self.dims == ("tp",) else dp).pg, device)
+
+    def piece(self, local: torch.Tensor, param: nn.Parameter, local_shape: tuple[int, ...]) -> DTensor:
+        """This rank's flat row chunk `local` of `param` (whose tensor-parallel piece has `local_shape`) as
+        a DTensor of the parameter's whole shape."""
+        tp = param.placements[0] if isinstance(param, DTensor) else Replicate()
+        placements = [tp if dim == "tp" else Shard(0) for dim in self.dims]
+        shape = tuple(param.shape) or (1,)
+        rest = local_shape[1:]
+        row = math.prod(rest)
+        block = (local.numel() // row if row else 0, *rest) if local_shape else (local.numel(),)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        piece = DTensor.from_local(local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        if len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
+            start, _ = chunk_range(local_shape[0], self.data_parallel.size, self.data_parallel.rank)
+            _written_as_blocks(piece, blocks(param, (start, start + block[0])))
+        return piece
+
+
+def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> None:
+    """Have DCP write and read `piece` as the blocks `pieces` of the whole tensor (where in the local
+    tensor, where in the whole), one chunk each: DTensor hands DCP's checkpoint questions to its
+    local tensor where that answers them (as it does for a local ShardedTensor)."""
+    local = piece._local_tensor
+    chunks = [
+        ChunkStorageMetadata(torch.Size(s.start for s in where), torch.Size(s.stop - s.start for s in where))
+        for _, where in pieces
+    ]
+    views = {chunk.offsets: mine for chunk, (mine, _) in zip(chunks, pieces, strict=True)}
+    properties = TensorProperties.create_from_tensor(local)
+    local.__create_chunk_list__ = lambda: chunks
+    local.__get_tensor_shard__ = lambda index: local[views[index.offset]]
+    local.__create_write_items__ = lambda fqn, whole: [
+        WriteItem(
+            MetadataIndex(fqn, chunk.offsets),
+            WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=whole.size()),
+        )
+        for chunk in chunks
+    ]
+
+
+def sharded_state_dict(
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: LayoutMesh
+) -> dict[str, Any]:
+    """The state in the layout above (collective: gathers one unit's flat buffers at a time)."""
+    state: dict[str, Any] = {}
+    for unit in units:
+        params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
+        for (name, param, shape), piece in zip(params, unit.param_chunks(unit.master.data), strict=True):
+            state[model_key(name)] = mesh.piece(piece, param, shape)
+        for key, value in optimizer.state.get(unit.master, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == unit.master.shape:
+                for (name, param, shape), piece in zip(params, unit.param_chunks(value), strict=True):
+                    state[optim_key(name, key)] = mesh.piece(piece, param, shape)
+            elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                state.update({optim_key(name, key): value.clone() for name in unit.names})
+            else:
+                raise LayoutError(
+                    f"optimizer state {key!r} of {type(optimizer).__name__} is neither per-element "
+                    "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
+                )
+    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module).items()})
+    return state
+
+
+def sharded_state_template(
+    units: list[FlatUnit],
+    module: nn.Module,
+    mesh: LayoutMesh,
+    optimizer_keys: Mapping[str, tuple[bool, torch.dtype]],
+) -> dict[str, Any]:
+    """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own).
+
+    `optimizer_keys` maps each optimizer state key to (per-element, dtype); the optimizer may hold
+    no state yet."""
+    state: dict[str, Any] = {}
+    for unit in units:
+        device, group, layout = unit.options.device, unit.groups.shard, unit.layout
+        for index, (name, param) in enumerate(zip(unit.names, unit.params, strict=True)):
+            start, stop = layout.row_chunk(index, group.size, group.rank)
+            shape = layout.shapes[index]
+            state[model_key(name)] = mesh.piece(torch.empty(stop - start, device=device), param, shape)
+            for key, (per_element, dtype) in optimizer_keys.items():
+                empty = torch.empty(stop - start if per_element else (), dtype=dtype, device=device)
+                state[optim_key(name, key)] = mesh.piece(empty, param, shape) if per_element else empty
+    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module).items()})
+    return state
+
+
+def load_sharded_state_dict(
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, state: Mapping[str, Any]
+) -> None:
+    """Set masters, weights and optimizer state from `state` (layout above; collective)."""
+    for unit in units:
+        master = [state[model_key(name)].to_local() for name in unit.names]
+        unit.load_master(unit.flat_from_param_chunks(master))
+        prefix = optim_key(unit.names[0], "")
+        loaded = {}
+        for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
+            values = [state[optim_key(name, key)] for name in unit.names]
+            if isinstance(values[0], DTensor):
+                flat = unit.flat_from_param_chunks([v.to_local() for v in values])
+                loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
+            else:
+                loaded[key] = values[0]
+        if loaded:
+            optimizer.state[unit.master] = loaded
+        unit.clear_gradients()
+    for name, target in fixed_tensors(units, module).items():
+        source = state.get(fixed_key(name))
+        if source is not None and source is not target:
+            target.copy_(source)
+
+
+def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
+    full: dict[int, torch.Tensor] = {}
+    for unit in units:
+        flat = unit.gather_flat(unit.master.data)
+        for p, view in zip(unit.params, unit.layout.split(flat), strict=True):
+            full[id(p)] = _whole(p, view).to("cpu", copy=True)
+    state = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in full:
+            state[name] = full[id(tensor)]
+        else:  # frozen parameters and buffers: floating ones back to fp32, others unchanged
+            dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+            state[name] = tensor.detach().to("cpu", dtype, copy=True)
+    return state
+
+
+def _whole(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value from this rank's piece: a tensor-parallel DTensor parameter's pieces
+    gathered over its mesh (collective), any other as it is."""
+    if not isinstance(param, DTensor):
+        return local
+    mesh, placements = param.device_mesh, param.placements
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()).full_tensor()
+
+
+def _managed(units: list[FlatUnit]) -> Iterator[tuple[str, nn.Parameter]]:
+    for unit in units:
+        yield from zip(unit.names, unit.params, strict=True)
+
+
+def fixed_tensors(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers: what the engine keeps whole on every rank."""
+    managed = {id(p) for _, p in _managed(units)}
+    return {
+        name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) not in managed
+    }
+
+
+def parameter_shapes(units: list[FlatUnit]) -> dict[str, list[int]]:
+    return {name: list(p.shape) for name, p in _managed(units)}
+
+
+def tied_aliases(units: list[FlatUnit], module: nn.Module) -> dict[str, str]:
+    """state_dict keys that name an already listed parameter (tied weights): key -> parameter name."""
+    owner = {id(p): name for name, p in _managed(units)}
+    return {
+        key: owner[id(tensor)]
+        for key, tensor in module.state_dict(keep_vars=True).items()
+        if id(tensor) in owner and owner[id(tensor)] != key
+    }

@@ -1,0 +1,134 @@
+"""Pretrained weights straight into the shards: each rank reads only the slices its shards need.
+
+Sources: a safetensors file, or a folder holding ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (the Hugging Face layout; ``zeropp export`` writes the first
+kind). Keys are the model's ``state_dict()`` names; a tied weight may be stored under any of its
+names. Every key is checked against the model (names and shapes) before anything is read, and every
+problem gets one line, like ``load_state_dict(strict=True)``.
+
+Reading: a unit's fp32 master shard covers a contiguous range of its flat buffer, which crosses
+parameters; for each parameter it touches, the rows holding that range are read with safetensors'
+lazy slicing (``get_slice``) and cut to the elements needed, so a rank reads about its 1/N of the
+model (whole rows at the edges). With tensor parallelism the flat buffer holds each parameter's
+tensor-parallel piece, one block of the whole tensor or several side by side (GPT-2's strided
+c_attn, :func:`~zeropp.zero.dtensor_params.blocks`): the rows read are rows of those blocks. Frozen parameters and buffers, which every rank keeps whole, are
+read whole. Optimizer state is left as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from zeropp.checkpoint import layout as state
+from zeropp.errors import ZeroppError
+from zeropp.zero.dtensor_params import blocks
+
+if TYPE_CHECKING:
+    from zeropp.engine import ZeroEngine
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class PretrainedError(ZeroppError, RuntimeError):
+    """Weights that cannot be loaded: one line per problem, each naming the key or file."""
+
+
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """{key: file holding it} for a safetensors file or a Hugging Face folder."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError) as error:
+            raise PretrainedError(f"{str(path / INDEX)!r} is not a safetensors index ({error})") from None
+        return {key: path / name for key, name in weight_map.items()}
+    elif (path / SINGLE).is_file():
+        files = [path / SINGLE]
+    else:
+        raise PretrainedError(f"{str(path)!r} is neither a safetensors file nor a folder with {SINGLE} or {INDEX}")
+    keys: dict[str, Path] = {}
+    for file in files:
+        with _open(file) as f:
+            keys.update(dict.fromkeys(f.keys(), file))
+    return keys
+
+
+def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
+    """Set the engine's weights from `path` (collective only in that every rank must call it)."""
+    files = weight_files(path)
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(_open(file)) for file in set(files.values())}
+        sources = _match(engine, {key: handles[file] for key, file in files.items()})
+        for unit in engine.units:
+            start, stop = unit.layout.shard_range(unit.groups.shard.rank) if unit.shard_world > 1 else (0, None)
+            stop = unit.layout.padded_numel if stop is None else stop
+            shard = torch.zeros(stop - start, dtype=torch.float32, device=unit.master.device)
+            for index, name in enumerate(unit.names):
+                first, last = unit.layout.param_range(index)
+                lo, hi = max(first, start), min(last, stop)
+                if lo < hi:
+                    key, handle = sources[name]
+                    piece = unit.layout.shapes[index], unit.params[index]
+                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *piece)
+            unit.load_master_shard(shard)
+        for name, tensor in state.fixed_tensors(engine.units, engine.module).items():
+            key, handle = sources[name]
+            tensor.copy_(handle.get_tensor(key))
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # missing file, not safetensors, truncated header, ...
+        raise PretrainedError(f"cannot read {str(file)!r} ({str(error).splitlines()[0]})") from None
+
+
+def _match(engine: ZeroEngine, stored: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """{tensor name: (stored key, file handle)} for every managed and fixed tensor; raise one line per
+    missing, unexpected or wrongly shaped tensor."""
+    wanted = dict(state.parameter_shapes(engine.units))
+    wanted.update({name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()})
+    names_of: dict[str, list[str]] = {name: [name] for name in wanted}
+    for alias, name in state.tied_aliases(engine.units, engine.module).items():
+        names_of[name].append(alias)
+    problems, sources, used = [], {}, set()
+    for name, shape in wanted.items():
+        key = next((k for k in names_of[name] if k in stored), None)
+        if key is None:
+            problems.append(f"missing key {name!r} (expected shape {tuple(shape)})")
+            continue
+        used.update(k for k in names_of[name] if k in stored)
+        found = list(stored[key].get_slice(key).get_shape())
+        if found != shape:
+            problems.append(f"key {key!r} has shape {tuple(found)} there and {tuple(shape)} in the model")
+        sources[name] = (key, stored[key])
+    problems += [f"unexpected key {key!r}" for key in sorted(stored.keys() - used)]
+    if problems:
+        raise PretrainedError("\n".join(problems))
+    return sources
+
+
+def _read_elements(
+    handle: Any, key: str, start: int, stop: int, shape: tuple[int, ...], param: torch.Tensor
+) -> torch.Tensor:
+    """Elements [start, stop) of this rank's piece of tensor `key`, of `shape`, flattened (a
+    tensor-parallel piece of `param`, else the whole tensor), reading only the rows of the piece's
+    blocks (:func:`~zeropp.zero.dtensor_params.blocks`) that hold them."""
+    if not shape:
+        return handle.get_tensor(key).reshape(1).float()
+    row = math.prod(shape[1:])
+    first, last = start // row, math.ceil(stop / row)
+    rows = torch.empty((last - first, *shape[1:]))
+    for piece, where in blocks(param, (first, last)):
+        rows[piece] = handle.get_slice(key)[where]
+    return rows.reshape(-1)[start - first * row : stop - first * row]

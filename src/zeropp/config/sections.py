@@ -1,0 +1,467 @@
+"""Typed configuration, loaded from TOML / JSON / dict and validated before any process group exists.
+
+Every error is a one-line :class:`ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from zeropp.config.schema import check_choices, check_finite, deep_copy, from_dict, read_config_file, require, setting
+from zeropp.errors import ConfigError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+MAX_TIMEOUT_S = 1e7  # ~115 days; torch.distributed's timeouts overflow far above
+MAX_SHARD_ALIGNMENT = 2**16  # elements; padding costs up to world size x this per unit
+
+# ZeroConfig keys that turn on all three ZeRO++ switches (qwZ, hpZ over each node, qgZ): zeropp train's
+# default at stage 3, the estimator's ZeRO++ column, the benchmarks' "ZeRO++" configuration
+ZEROPP_SWITCHES: dict[str, Any] = {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (ignored for fp32 and bf16)."""
+
+    initial_scale: float = setting(2.0**16, "fp16 loss scale to start from")
+    growth_factor: float = setting(2.0, "multiply the scale by this after growth_interval steps without overflow")
+    backoff_factor: float = setting(0.5, "multiply the scale by this after an overflow (the step is skipped)")
+    growth_interval: int = setting(1000, "steps without overflow before the scale grows")
+    min_scale: float = setting(1.0, "the scale never falls below this")
+    hysteresis: int = setting(1, "overflows (each a skipped step) before the scale backs off; reset when it grows")
+    consecutive_hysteresis: bool = setting(False, "reset the hysteresis after every step without overflow instead")
+
+    def validate(self) -> None:
+        require(self.initial_scale > 0, "zero.loss_scale.initial_scale", self.initial_scale, "a number > 0")
+        require(self.growth_factor >= 1, "zero.loss_scale.growth_factor", self.growth_factor, "a number >= 1")
+        require(
+            0 < self.backoff_factor < 1, "zero.loss_scale.backoff_factor", self.backoff_factor, "a number in (0, 1)"
+        )
+        for key in ("growth_interval", "hysteresis"):
+            value = getattr(self, key)
+            require(value >= 1, f"zero.loss_scale.{key}", value, "an integer >= 1")
+        require(self.min_scale > 0, "zero.loss_scale.min_scale", self.min_scale, "a number > 0")
+        check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
+
+
+@dataclass
+class ZeroConfig:
+    """What the engine partitions and how it communicates."""
+
+    # other names accepted for a key (in files, dicts and as flags): DeepSpeed's, and former names
+    ALIASES: ClassVar[dict[str, str]] = {
+        "zero_quantized_weights": "quantized_weights",
+        "zero_hpz_partition_size": "hpz_partition_size",
+        "zero_quantized_gradients": "quantized_gradients",
+        "qgz_pipeline_stages": "qgz_pipeline_chunks",
+        # DeepSpeed's zeropp_loco_param names (LoCo error feedback for qgZ)
+        "err_beta": "gradient_error_beta",
+        "reset_T": "gradient_error_reset_steps",
+    }
+
+    stage: int = setting(3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights")
+    precision: Precision = setting("fp32", "compute dtype of weights and activations (masters stay fp32)")
+    grad_dtype: Precision | None = setting(
+        None, "dtype gradients are reduced and accumulated in; unset: the compute dtype (the ZeRO paper's 2 bytes)"
+    )
+    reduce_bucket_numel: int = setting(2**24, "most elements per rank in one reduce-scatter call (constant-size buffers)")
+    allgather_bucket_numel: int = setting(2**24, "most elements per rank in one all-gather call")
+    prefetch: int = setting(1, "stage 3: how many units ahead, in recorded execution order, to all-gather asynchronously")
+    persistence_threshold: int = setting(
+        0, "stage 3: units of at most this many elements stay gathered (not re-gathered every pass)"
+    )
+    shard_alignment: int = setting(32, "every rank's shard is a multiple of this many elements")
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
+    max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; unset: no clipping")
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    quantized_weights: bool = setting(False, "qwZ (ZeRO++, stage 3): all-gather weights block-quantized")
+    weight_bits: Literal[8, 4] = setting(8, "qwZ: bits per quantized weight")
+    weight_block_size: int = setting(256, "qwZ: weights per quantization block (one scale each)")
+    weight_quantization: Literal["block", "tensor"] = setting(
+        "block", "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline)"
+    )
+    hpz_partition_size: int = setting(
+        1, "hpZ (ZeRO++): secondary weight partition over groups of this many consecutive ranks (1: off, 0: a node)"
+    )
+    quantized_gradients: bool = setting(False, "qgZ (ZeRO++, stage 3): reduce gradients by a quantized two-hop all-to-all")
+    gradient_bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
+    gradient_block_size: int = setting(256, "qgZ: gradients per quantization block")
+    qgz_pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
+    gradient_intra_node_bits: Literal[4, 8] | None = setting(
+        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
+    )
+    gradient_hadamard: bool = setting(
+        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
+    )
+    gradient_error_feedback: Literal["off", "loco"] = setting(
+        "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
+    )
+    gradient_error_beta: float = setting(
+        0.8, "qgZ error feedback: residual <- beta * residual + (1 - beta) * new error (DeepSpeed's err_beta; 0: plain)"
+    )
+    gradient_error_reset_steps: int = setting(
+        1024, "qgZ error feedback: zero the residuals every this many optimizer steps (DeepSpeed's reset_T; 0: never)"
+    )
+    quantized_gradients_until: float = setting(
+        1.0, "qgZ for this fraction of the run's steps, a full-precision reduce-scatter after (1.0: always)"
+    )
+    quant_backend: Literal["auto", "torch", "triton"] = setting(
+        "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
+    )
+    offload_optimizer: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there"
+    )
+    offload_params: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
+    )
+    compile: bool = setting(
+        False, "torch.compile every unit's forward that calls no other unit (the blocks); hooks stay eager"
+    )
+    activation_checkpointing: bool = setting(
+        False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
+    )
+    partition_activations: bool = setting(
+        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
+        "checkpointed input; an all-gather rebuilds it before recomputation"
+    )
+    cpu_checkpointing: bool = setting(
+        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
+    )
+    contiguous_memory_optimization: bool = setting(
+        False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
+    )
+
+    def _validate_qgz_options(self) -> None:
+        require(
+            0 <= self.gradient_error_beta < 1, "zero.gradient_error_beta", self.gradient_error_beta, "a number in [0, 1)"
+        )
+        require(
+            self.gradient_error_reset_steps >= 0,
+            "zero.gradient_error_reset_steps",
+            self.gradient_error_reset_steps,
+            "an integer >= 0 (0: never reset)",
+        )
+        require(
+            0 < self.quantized_gradients_until <= 1,
+            "zero.quantized_gradients_until",
+            self.quantized_gradients_until,
+            "a fraction of the run's steps in (0, 1]",
+        )
+        if self.gradient_hadamard:
+            block = self.gradient_block_size
+            require(
+                block >= 2 and block & (block - 1) == 0,
+                "zero.gradient_block_size",
+                block,
+                "a power of 2 when zero.gradient_hadamard is on (the Hadamard transform's size)",
+            )
+
+    def validate(self) -> None:
+        check_choices(self, "zero")
+        require(self.stage in (0, 1, 2, 3), "zero.stage", self.stage, "one of 0, 1, 2, 3")
+        for key in ("reduce_bucket_numel", "allgather_bucket_numel", "shard_alignment", "gradient_accumulation_steps"):
+            value = getattr(self, key)
+            require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        require(
+            self.shard_alignment <= MAX_SHARD_ALIGNMENT,
+            "zero.shard_alignment",
+            self.shard_alignment,
+            f"an integer from 1 to {MAX_SHARD_ALIGNMENT} (every shard is padded to a multiple of it)",
+        )
+        for key in ("prefetch", "persistence_threshold"):
+            value = getattr(self, key)
+            require(value >= 0, f"zero.{key}", value, "an integer >= 0")
+        if self.max_grad_norm is not None:
+            require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
+        if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
+            require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
+        self._validate_qgz_options()
+        for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_chunks"):
+            value = getattr(self, key)
+            require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        require(
+            self.hpz_partition_size >= 0,
+            "zero.hpz_partition_size",
+            self.hpz_partition_size,
+            "an integer >= 0 (1: off, 0: the ranks of one node, N: groups of N ranks)",
+        )
+        if self.stage != 3:
+            for key, off in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
+                value = getattr(self, key)
+                require(
+                    value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
+                )
+        if self.offload_params != "none":
+            require(self.stage == 3, "zero.offload_params", self.offload_params, "'none' unless zero.stage = 3")
+            require(
+                self.offload_optimizer != "none",
+                "zero.offload_params",
+                self.offload_params,
+                "'none' unless zero.offload_optimizer is 'cpu' too",
+            )
+        validate_checkpointing(self)
+        check_finite(self, "zero")
+        self.loss_scale.validate()
+
+
+def validate_checkpointing(switches: Any) -> None:
+    """ZeRO-R's switches, each building on the one before (Pa on checkpointing, Pa+cpu on Pa), on a
+    ZeroConfig or a :class:`zeropp.costs.memory.Activations`: the one rule for both."""
+    for key, needs in (
+        ("partition_activations", "activation_checkpointing"),
+        ("cpu_checkpointing", "partition_activations"),
+    ):
+        if getattr(switches, key):
+            require(getattr(switches, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")
+
+
+@dataclass
+class TopologyConfig:
+    """How ranks map to nodes and the mesh. Real nodes come from torchrun; `nodes` simulates them on one machine."""
+
+    # Megatron's and DeepSpeed's names for the tensor-parallel size, and the short flag
+    ALIASES: ClassVar[dict[str, str]] = {
+        "tensor_parallel": "tensor_parallel_size",
+        "tensor_model_parallel_size": "tensor_parallel_size",
+        "model_parallel_size": "tensor_parallel_size",
+    }
+
+    nodes: int | None = setting(
+        None, "simulate this many nodes on one machine (consecutive ranks share a node); unset: torchrun's nodes"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = setting("auto", "collective backend; auto: NCCL with CUDA, else gloo")
+    timeout_s: float = setting(300.0, "seconds a collective may wait for the other ranks before a one-line error")
+    tensor_parallel_size: int = setting(
+        1, "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest"
+    )
+    sequence_parallel: bool = setting(
+        False,
+        "with tensor parallelism, shard the activations between the split layers (residual stream, norms) over the "
+        "sequence across the tensor-parallel ranks (Megatron's sequence parallelism)",
+    )
+
+    def validate(self) -> None:
+        check_choices(self, "topology")
+        if self.nodes is not None:
+            require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
+        require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        if self.sequence_parallel:
+            require(
+                self.tensor_parallel_size > 1,
+                "topology.sequence_parallel",
+                True,
+                "false unless topology.tensor_parallel_size > 1 (it shards over the tensor-parallel ranks)",
+            )
+        require(
+            0 < self.timeout_s <= MAX_TIMEOUT_S,
+            "topology.timeout_s",
+            self.timeout_s,
+            f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}",
+        )
+        check_finite(self, "topology")
+
+
+@dataclass
+class ModelConfig:
+    """The embedded byte-level GPT (see zeropp.app.models.gpt), or a Hugging Face causal LM (zeropp.app.hf)."""
+
+    preset: Literal["tiny", "small", "medium"] = setting("small", "model size; the keys below override its values")
+    n_layer: int | None = setting(None, "transformer blocks; unset: the preset's")
+    n_head: int | None = setting(None, "attention heads, a divisor of d_model; unset: the preset's")
+    d_model: int | None = setting(None, "width; unset: the preset's")
+    block_size: int | None = setting(
+        None, "context length in tokens; unset: the preset's (a Hugging Face model's: 128, or its positions if fewer)"
+    )
+    hf_model: str | None = setting(
+        None, "train this Hugging Face causal LM instead: a local folder with config.json (and safetensors weights)"
+    )
+    hf_config: str | None = setting(None, "train a randomly initialized Hugging Face causal LM of this local config.json")
+
+    def validate(self) -> None:
+        check_choices(self, "model")
+        if self.hf_model is not None and self.hf_config is not None:
+            require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
+        for key in ("n_layer", "n_head", "d_model", "block_size"):
+            value = getattr(self, key)
+            if value is not None:
+                require(value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the preset's value")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and learning-rate schedule of `zeropp train` (schedules: zeropp.app.schedule)."""
+
+    optimizer: Literal["adamw", "adam", "sgd"] = setting(
+        "adamw", "adamw (decoupled weight decay), adam (L2 weight decay) or sgd, from torch.optim"
+    )
+    lr: float = setting(1e-3, "peak learning rate of the schedule (with 50 warm-up steps: no plateau lottery, docs/benchmarks.md)")
+    weight_decay: float = setting(0.1, "weight decay (decoupled for adamw)")
+    beta1: float = setting(0.9, "Adam's first-moment decay")
+    beta2: float = setting(0.95, "Adam's second-moment decay")
+    eps: float = setting(1e-8, "Adam's epsilon")
+    momentum: float = setting(0.0, "SGD's momentum")
+    schedule: Literal["cosine", "constant", "warmup", "warmup_decay", "warmup_cosine"] = setting(
+        "cosine", "cosine: linear warm-up, then cosine decay to min_lr_ratio; constant; warmup, warmup_decay, "
+        "warmup_cosine: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR"
+    )
+    warmup_steps: int = setting(50, "steps of learning-rate warm-up")
+    warmup_type: Literal["log", "linear"] = setting("log", "DeepSpeed's schedules: the warm-up curve")
+    warmup_start_ratio: float = setting(0.0, "DeepSpeed's schedules: the warm-up's first learning rate / lr")
+    min_lr_ratio: float = setting(0.1, "the decay's last learning rate / lr (cosine, warmup_decay, warmup_cosine)")
+    decay_steps: int | None = setting(None, "steps at which the decay ends; unset: train.steps")
+
+    def validate(self) -> None:
+        check_choices(self, "optim")
+        require(self.lr > 0, "optim.lr", self.lr, "a number > 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "a number >= 0")
+        for key in ("beta1", "beta2", "momentum"):
+            value = getattr(self, key)
+            require(0 <= value < 1, f"optim.{key}", value, "a number in [0, 1)")
+        require(self.eps > 0, "optim.eps", self.eps, "a number > 0")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        for key in ("warmup_start_ratio", "min_lr_ratio"):
+            value = getattr(self, key)
+            require(0 <= value <= 1, f"optim.{key}", value, "a number in [0, 1]")
+        if self.decay_steps is not None:
+            require(self.decay_steps >= 1, "optim.decay_steps", self.decay_steps, "an integer >= 1, or unset")
+        check_finite(self, "optim")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = setting(200, "optimizer steps to train")
+    micro_batch_size: int = setting(4, "sequences per rank per micro-batch")
+    seed: int = setting(0, "seed of the weights and the data order")
+    eval_interval: int = setting(50, "evaluate the validation loss every this many steps, and after the last")
+    eval_batches: int = setting(8, "validation micro-batches per evaluation, per rank")
+    init: Literal["meta", "eager"] = setting(
+        "meta", "meta: build the model on the meta device, each rank initializes it unit by unit (seeded per unit); "
+        "eager: build it whole on every rank and synchronize it from rank 0"
+    )
+    init_from: str | None = setting(
+        None, "start from these weights: a safetensors file, or a folder with model.safetensors or its index"
+    )
+    max_consecutive_skipped_steps: int = setting(
+        50, "fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients"
+    )
+    data: str | None = setting(
+        None, "train on this local text: a file, a folder of files, or .jsonl with a text field; unset: the embedded corpus"
+    )
+    tokenizer: str | None = setting(None, "a local Hugging Face tokenizer folder for train.data; unset: UTF-8 bytes")
+
+    def validate(self) -> None:
+        check_choices(self, "train")
+        for key in ("steps", "micro_batch_size", "eval_interval", "eval_batches", "max_consecutive_skipped_steps"):
+            value = getattr(self, key)
+            require(value >= 1, f"train.{key}", value, "an integer >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints of `zeropp train` (see zeropp.checkpoint)."""
+
+    checkpoint_dir: str | None = setting(None, "folder of the sharded checkpoints (step-NNNNNNNN)")
+    save_interval: int = setting(
+        0, "with checkpoint_dir: save every this many steps and after the last one (0: after the last one only)"
+    )
+    resume: str | None = setting(
+        None, "auto: the latest checkpoint in checkpoint_dir, or a fresh start if none; PATH: that checkpoint"
+    )
+    keep_last: int = setting(3, "published checkpoints to keep (0: all)")
+
+    def validate(self) -> None:
+        for key in ("save_interval", "keep_last"):
+            value = getattr(self, key)
+            require(value >= 0, f"checkpoint.{key}", value, "an integer >= 0")
+        if self.save_interval or self.resume == "auto":
+            what = "checkpoint.save_interval" if self.save_interval else "checkpoint.resume = 'auto'"
+            require(self.checkpoint_dir is not None, "checkpoint.checkpoint_dir", None, f"a directory when {what}")
+
+
+@dataclass
+class Config:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> Config:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load a Config from a TOML/JSON file or a dict, apply dotted-key overrides, validate, return it.
+
+    `defaults` (dotted keys) replace the dataclass defaults where neither the source nor the
+    overrides set the key.
+    """
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        data = deep_copy(source)
+    else:
+        data = read_config_file(Path(source))
+    for dotted, value in (defaults or {}).items():
+        *sections, leaf = dotted.split(".")
+        node = data
+        for section in sections:
+            node = node.get(section) if isinstance(node.get(section), dict) else node.setdefault(section, {})
+        node.setdefault(leaf, value)
+    for dotted, value in (overrides or {}).items():
+        *sections, leaf = dotted.split(".")
+        node = data
+        for depth, section in enumerate(sections):
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                where = ".".join(sections[: depth + 1])
+                raise ConfigError(f"override {dotted!r} goes through {where} = {node!r}, which is not a table")
+        node[leaf] = value
+    return from_dict(Config, data).validate()
+
+
+class Key(typing.NamedTuple):
+    """A leaf config key as the command line shows it."""
+
+    dotted: str  # zero.stage
+    hint: Any  # its type
+    meaning: str  # one line
+    default: Any
+
+
+def key_aliases(cls: type = Config) -> dict[str, str]:
+    """Every section's other names for its keys (``ALIASES``): alias -> leaf name."""
+    out: dict[str, str] = dict(getattr(cls, "ALIASES", {}))
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(key_aliases(hint))
+    return out
+
+
+def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, Key]:
+    """Map each leaf field name to its Key: the CLI's flags mirror these names."""
+    out: dict[str, Key] = {}
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.update(leaf_keys(hint, f"{prefix}{f.name}."))
+        else:
+            out[f.name] = Key(f"{prefix}{f.name}", hint, f.metadata.get("help", ""), f.default)
+    return out

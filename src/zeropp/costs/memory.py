@@ -1,0 +1,200 @@
+"""Model-state memory per rank: the ZeRO paper's analytic formula (Table 1) and what a process uses.
+
+Analytic bytes per rank for Ψ parameters on N ranks (p = compute-dtype bytes, g = gradient bytes,
+K = fp32 master (4, unless the compute dtype is fp32 and the master is the parameter itself) +
+optimizer state (8 for Adam)):
+
+========  ==============================
+stage 0   pΨ + gΨ + KΨ
+stage 1   pΨ + gΨ + KΨ/N
+stage 2   pΨ + gΨ/N + KΨ/N
+stage 3   pΨ/N + gΨ/N + KΨ/N
+========  ==============================
+
+With bf16/fp16 and Adam this is the paper's 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N. With fp32,
+stages 1 and 2 keep a separate fp32 master shard beside the full fp32 parameters (K = 12).
+hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary groups of H ranks
+(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16). ZeRO-Offload moves KΨ/N (the master and optimizer state;
+the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
+shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
+units being gathered.
+
+qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
+rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
+partial sums, split over its X ranks): :func:`qgz_residual_bytes`, while qgZ is on; the schedule
+that turns qgZ off (``quantized_gradients_until``) frees them.
+
+Activation checkpoints (ZeRO-R, the SC20 ZeRO paper §6.1): with activation checkpointing each
+transformer block keeps its input, b x s x h elements in the compute dtype, from its forward to its
+recomputation in backward. Tensor parallelism replicates that input on every tensor-parallel rank;
+Pa keeps 1/tp of it per rank (padded to a multiple of tp), Pa+cpu keeps that partition in host
+memory: :class:`Activations`.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from zeropp.config.sections import validate_checkpointing
+from zeropp.errors import ConfigError
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RUNTIME_RECOMPUTED_ALL_REDUCES = 1  # zeropp's activation checkpointing (see Activations)
+PAPER_RECOMPUTED_ALL_REDUCES = 2  # the ZeRO paper's (SC20 §8): the whole forward again
+
+
+def analytic_model_state_bytes(
+    psi: int,
+    world: int,
+    stage: int,
+    precision: str = "bf16",
+    grad_dtype: str | None = None,
+    optimizer_bytes: int = 8,
+    hpz_group_size: int = 1,
+    *,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    where: Literal["all", "device", "host"] = "all",
+    qgz_residuals: tuple[int, int] | None = None,
+) -> float:
+    """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
+    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes.
+    `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on."""
+    p = BYTES[precision]
+    g = BYTES[grad_dtype or precision]
+    master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
+    k = optimizer_bytes + (0 if master_aliases_params else 4)
+    n = world
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = g * psi / (n if stage >= 2 else 1)
+    states = k * psi / (n if stage >= 1 else 1)
+    secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
+    host = (states if offload_optimizer else 0) + (params if offload_params else 0)
+    residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
+    total = params + grads + states + secondary + residuals
+    return {"all": total, "device": total - host, "host": host}[where]
+
+
+def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:
+    """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ, and hop 2's 4Ψ/X across nodes."""
+    return 4 * psi + (4 * psi / ranks_per_node if nodes > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A transformer's activations per micro-batch on one data-parallel rank: `layers` blocks whose input
+    is batch x seq x hidden elements (what Megatron's layout all-reduces, :mod:`zeropp.costs.volume`,
+    and what an activation checkpoint holds), and the ZeRO-R switches."""
+
+    layers: int
+    hidden: int
+    seq: int
+    batch: int
+    activation_checkpointing: bool = False
+    partition_activations: bool = False  # Pa: each checkpoint split over the tensor-parallel ranks
+    cpu_checkpointing: bool = False  # Pa+cpu: the partitions kept in host memory
+    # forward all-reduces per block that checkpointing's recomputation repeats in backward (Megatron's
+    # layout has 2: attention's and the MLP's row-wise outputs): zeropp's runtime repeats 1, as torch's
+    # non-reentrant checkpoint stops recomputing once backward has every tensor it needs, and the MLP's
+    # all-reduce feeds none; the ZeRO paper (§8) counts the whole forward, 2
+    recomputed_all_reduces: int = RUNTIME_RECOMPUTED_ALL_REDUCES
+    # Megatron's sequence parallelism: each tensor-parallel rank holds 1/tp of the sequence between the
+    # split layers (block inputs, so checkpoints, included); `norm_parameters` vectors of `hidden` elements
+    # (the norms' weights and biases) are whole on every rank and get partial gradients there
+    sequence_parallel: bool = False
+    norm_parameters: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "seq", "batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"activations: {key} = {getattr(self, key)} is not allowed; expected an integer >= 1")
+        if self.recomputed_all_reduces not in (0, 1, 2):
+            raise ConfigError(
+                f"activations: recomputed_all_reduces = {self.recomputed_all_reduces} is not allowed; expected 0, 1 or 2"
+            )
+        validate_checkpointing(self)
+
+    @property
+    def block_elements(self) -> int:
+        """One block's input: batch x seq x hidden."""
+        return self.batch * self.seq * self.hidden
+
+    def checkpoint_elements(self, tp: int) -> int:
+        """Elements of one block's checkpoint on one rank: the whole input, or with Pa its 1/tp (padded);
+        with sequence parallelism the input is this rank's 1/tp of the sequence already (Pa keeps it)."""
+        split = self.partition_activations or self.sequence_parallel
+        return math.ceil(self.block_elements / tp) if split else self.block_elements
+
+    def checkpoint_bytes(self, tp: int, element_bytes: int, where: Literal["device", "host"] = "device") -> int:
+        """Activation-checkpoint bytes one rank holds between forward and backward (every block's), on
+        the device or, with Pa+cpu, on the host; 0 without checkpointing."""
+        if not self.activation_checkpointing or (where == "host") != self.cpu_checkpointing:
+            return 0
+        return self.layers * self.checkpoint_elements(tp) * element_bytes
+
+
+class PeakMeter:
+    """Peak memory in use since a reset, above what was in use when the meter was made (the
+    baseline: e.g. the process before the model was built).
+
+    CUDA: the caching allocator's allocated bytes (``reset_peak_memory_stats``,
+    ``max_memory_allocated``). CPU: the process's resident set, whose high-water mark (``VmHWM``)
+    Linux resets when 5 is written to ``/proc/self/clear_refs``. Large host tensors are mmapped by
+    the allocator and unmapped on free, so the resident set follows tensor memory closely; it also
+    counts what else the process touches (lazily loaded libraries, the Python heap), and glibc may
+    keep freed blocks resident once its dynamic mmap threshold has grown. Where the reset is
+    unavailable the meter reports the process's whole peak (``ru_maxrss``) above the baseline.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_bytes("VmRSS")
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._resettable = _reset_host_peak()
+
+    def peak(self) -> int:
+        """Peak bytes in use since the last reset, above the baseline."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._resettable:
+            peak = _status_bytes("VmHWM")
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, peak - self.baseline)
+
+
+def _reset_host_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmHWM") > 0
+    except OSError:
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a CUDA device; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

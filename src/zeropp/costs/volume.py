@@ -1,0 +1,286 @@
+"""Bytes of one optimizer step, per collective, without running it: the one traffic model.
+
+Every collective the engine issues in a step (engine.py, units.py), priced with the ledger's byte
+model (comm/ledger.py), so what it predicts is what the ledger records, unit for unit.
+``zeropp estimate`` prices a whole step with it (:func:`step_transfers`); ``zeropp train`` prints
+plain ZeRO-3's bytes on its own units, laid out as ZeRO-3 would (:func:`zero3_units`), beside the
+ledger (:func:`zero3_step_bytes`, the baseline ZeRO++ and stages 1-2 are measured against). It
+lives here, beside the ledger, rather than in the estimate package so that train.py imports it
+without the estimator's command line.
+
+Units are given as (padded numel, resident): padded as :class:`~zeropp.index.flat.FlatLayout` pads
+them for the data-parallel ranks, resident when the unit is not gathered per use (stages 0-2, or
+small enough: :meth:`~zeropp.zero.stages.StagePolicy.keeps_resident`).
+
+With tensor parallelism (a data-parallel x tensor-parallel :class:`~zeropp.topology.Layout`) the
+units are one tensor-parallel rank's local shards, and ZeRO's collectives run inside one
+data-parallel group, priced on :meth:`~zeropp.topology.Layout.data_parallel_layout` (every group
+sends the same). The tensor-parallel traffic is Megatron's (:func:`megatron_transfers`): per block
+and micro-batch 2 all-reduces of b x s x h in forward and 2 in backward, plus, with activation
+checkpointing, the forward all-reduces that recomputation repeats in backward
+(:attr:`~zeropp.costs.memory.Activations.recomputed_all_reduces`: 1 in zeropp's runtime, 2 in the ZeRO
+paper's layout), and with Pa one all-gather of the block's checkpoint before its recomputation
+(:func:`activation_transfers`; the SC20 ZeRO paper §8). With sequence parallelism each all-reduce
+becomes a reduce-scatter and an all-gather (the same bytes), plus an all-gather at each end of the
+model, and the norms' partial gradients all-reduced with each unit's gradient reduction
+(:func:`sequence_parallel_transfers`, :func:`sequence_parallel_ends`, :func:`norm_gradient_transfers`).
+All stay inside a node (tensor-parallel groups are consecutive
+ranks of one node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from zeropp.comm.ledger import PA_GATHER, ring_bytes
+from zeropp.config.sections import ZeroConfig
+from zeropp.costs.memory import BYTES, Activations
+from zeropp.index.flat import FlatLayout, column_chunks
+from zeropp.index.ranks import Layout
+from zeropp.quant.spec import QuantSpec
+from zeropp.zero.stages import StagePolicy
+
+STEP_PHASES = ("forward", "backward", "step")
+SCALE_BYTES = 4  # one fp32 scale per quantization block
+
+UnitSize = tuple[int, bool]  # (padded numel, resident)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective call as one rank sees it: `sent` bytes under the ledger's byte model.
+
+    `crossing` is the share of ranks whose bytes leave their node. A ring over consecutive ranks
+    crosses at the last rank of each node it spans (the node's *edge* rank): (nodes spanned) / (group
+    size), or 0 inside one node. An all-to-all hop is 0 (inside a node) or 1 (between nodes).
+    `over_world`: the group is the world, else one data-parallel group (or, for ``tp.*`` and ``pa.*``
+    ops, which never cross, one tensor-parallel group).
+    """
+
+    op: str
+    phase: str
+    sent: int
+    crossing: float
+    over_world: bool = False
+
+    def crosses(self, rank: int, layout: Layout) -> bool:
+        """Whether global `rank` sends this transfer's bytes off its node (to its ring successor)."""
+        if self.crossing in (0, 1):
+            return self.crossing == 1
+        if not self.over_world:  # the rank's place in its data-parallel group, a node-major world of its own
+            rank, layout = rank // layout.tensor_parallel_size, layout.data_parallel_layout()
+        return rank % layout.ranks_per_node == layout.ranks_per_node - 1
+
+
+def ring_crossing(group_size: int, ranks_per_node: int) -> float:
+    """Share of a ring's ranks (consecutive, node-major) whose successor lives on another node."""
+    spanned = group_size // ranks_per_node if group_size > ranks_per_node else 1
+    return spanned / group_size if spanned > 1 else 0.0
+
+
+def step_transfers(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, activations: Activations | None = None
+) -> Iterator[Transfer]:
+    """The engine's collectives in one step on the (data-parallel x tensor-parallel) `layout`:
+    :func:`unit_transfers` over a data-parallel group, the tensor-parallel traffic of `activations`
+    (:func:`activation_transfers`; None: no tensor-parallel traffic is priced), then the step's
+    scalars (the gradient norm, and fp16's overflow check: one fp32 all-reduce each, over the ranks
+    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group)."""
+    tp = layout.tensor_parallel_size
+    yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz)
+    if activations is not None:
+        micro = zero.gradient_accumulation_steps
+        yield from activation_transfers(activations, tp, BYTES[zero.precision], micro)
+        grad_bytes, reductions = BYTES[zero.grad_dtype or zero.precision], micro if zero.stage >= 2 else 1
+        yield from norm_gradient_transfers(activations, tp, grad_bytes, reductions)
+    if zero.stage >= 1 or tp > 1:
+        for _ in range(2 if zero.precision == "fp16" else 1):
+            if zero.stage >= 1:
+                yield Transfer("all_reduce", "step", ring_bytes(4, layout.world_size, 2), _world_crossing(layout), True)
+            else:
+                yield Transfer("tp.all_reduce", "step", ring_bytes(4, tp, 2), 0.0)
+
+
+def megatron_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
+    """One block's tensor-parallel all-reduces in one micro-batch under Megatron's layout (a ring over
+    the tp ranks, 2 (tp-1)/tp of the buffer each): the row-wise linears' outputs in forward (2), the
+    column-wise linears' input gradients in backward (2), and `recomputed` of the forward's 2 again
+    in recomputation, which runs in backward (0 without activation checkpointing)."""
+    sent = ring_bytes(block_elements * element_bytes, tp, passes=2)
+    for phase, count in (("forward", 2), ("backward", 2 + recomputed)):
+        for _ in range(count):
+            yield Transfer("tp.all_reduce", phase, sent, 0.0)
+
+
+# Sequence parallelism's forward collectives per block, attention's then the MLP's: an all-gather of the
+# sub-layer's input, a reduce-scatter of its row-wise linear's output; in backward each one's mirror image
+SEQUENCE_PARALLEL_FORWARD = ("tp.all_gather", "tp.reduce_scatter") * 2
+MIRROR = {"tp.all_gather": "tp.reduce_scatter", "tp.reduce_scatter": "tp.all_gather"}
+# Activations.recomputed_all_reduces -> the forward collectives recomputation repeats with sequence
+# parallelism: zeropp's runtime (1) stops after the MLP's all-gather (its output is saved for backward,
+# the reduce-scatter after it feeds nothing backward needs), the ZeRO paper's layout (2) the whole forward
+SEQUENCE_PARALLEL_RECOMPUTED = {0: 0, 1: 3, 2: 4}
+
+
+def sequence_parallel_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
+    """One block's tensor-parallel collectives in one micro-batch with sequence parallelism, each of
+    b x s x h (the gathered output, the scattered input), (tp-1)/tp of it per rank: Megatron's bytes,
+    each all-reduce now a reduce-scatter and an all-gather. :data:`SEQUENCE_PARALLEL_FORWARD` in
+    forward, their mirror images in backward, and the first `recomputed` of the forward's again there."""
+    sent = ring_bytes(block_elements * element_bytes, tp)
+    for phase, ops in (
+        ("forward", SEQUENCE_PARALLEL_FORWARD),
+        ("backward", (*(MIRROR[op] for op in SEQUENCE_PARALLEL_FORWARD), *SEQUENCE_PARALLEL_FORWARD[:recomputed])),
+    ):
+        for op in ops:
+            yield Transfer(op, phase, sent, 0.0)
+
+
+def sequence_parallel_ends(activations: Activations, tp: int, element_bytes: int) -> Iterator[Transfer]:
+    """Sequence parallelism's collectives outside the blocks, per micro-batch: the (whole) head's input
+    all-gathered in forward, the first block's input gradient all-gathered in backward (the slicing of
+    the whole embeddings' output and of the head's input gradient are local)."""
+    sent = ring_bytes(activations.block_elements * element_bytes, tp)
+    yield Transfer("tp.all_gather", "forward", sent, 0.0)
+    yield Transfer("tp.all_gather", "backward", sent, 0.0)
+
+
+def norm_gradient_transfers(activations: Activations, tp: int, grad_bytes: int, reductions: int) -> Iterator[Transfer]:
+    """Sequence parallelism's norm gradients: each tensor-parallel rank's is the partial sum over its
+    slice of the sequence. A unit all-reduces its norms' partial sums as one message when it reduces
+    its gradients: every micro-batch at stages 2-3, once a step at 0-1 (`reductions`), in the gradient
+    dtype. Priced as one message of all norm parameters per reduction: the same bytes however the
+    units divide them (each a multiple of the ring's share)."""
+    if tp == 1 or not activations.sequence_parallel:
+        return
+    numel = activations.norm_parameters * activations.hidden
+    for _ in range(reductions):
+        yield Transfer("tp.all_reduce", "backward", ring_bytes(numel * grad_bytes, tp, 2), 0.0)
+
+
+def activation_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:
+    """The tensor-parallel traffic of one step: every block's :func:`megatron_transfers` per micro-batch
+    and, with Pa, the all-gather of its partitioned checkpoint (tp partitions of ceil(bsh/tp)) right
+    before its recomputation: bsh (tp-1)/tp bytes per block, 1/12 of the block's all-reduces in the ZeRO
+    paper's layout (§8), 1/10 in zeropp's runtime (:attr:`~zeropp.costs.memory.Activations.recomputed_all_reduces`).
+    With sequence parallelism: :func:`sequence_parallel_transfers` per block and
+    :func:`sequence_parallel_ends` per micro-batch; Pa moves nothing (a checkpoint is 1/tp already)."""
+    if tp == 1:
+        return
+    recomputed = activations.recomputed_all_reduces if activations.activation_checkpointing else 0
+    gathered = tp * activations.checkpoint_elements(tp) * element_bytes
+    for _ in range(micro):
+        if activations.sequence_parallel:
+            yield from sequence_parallel_ends(activations, tp, element_bytes)
+        for _ in range(activations.layers):
+            if activations.sequence_parallel:
+                yield from sequence_parallel_transfers(
+                    activations.block_elements, element_bytes, tp, SEQUENCE_PARALLEL_RECOMPUTED[recomputed]
+                )
+                continue
+            yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
+            if activations.partition_activations:
+                yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
+
+
+def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
+    """Every unit's collectives in one step, `hpz` the secondary group size (1: off).
+
+    Stage 0 all-reduces gradients once per step; stage 1 reduce-scatters them once per step and stage 2
+    and 3 every micro-batch; resident units all-gather the updated weights in the step. A sharded unit
+    gathers in forward and backward of every micro-batch: over the world (qwZ: quantized), or, with hpZ,
+    inside its secondary group in the compute dtype once the step's first forward has cut the copy.
+    """
+    world, per_node = layout.world_size, layout.ranks_per_node
+    compute, grad = BYTES[zero.precision], BYTES[zero.grad_dtype or zero.precision]
+    micro = zero.gradient_accumulation_steps
+    across_world = _world_crossing(layout)
+    for padded, resident in units:
+        if zero.stage == 0:
+            yield Transfer("all_reduce", "backward", ring_bytes(padded * grad, world, 2), across_world)
+            continue
+        for _ in range(micro if zero.stage >= 2 else 1):
+            yield from _reduce_gradients(padded, grad, layout, zero)
+        if resident:
+            yield Transfer("all_gather", "step", ring_bytes(padded * compute, world), across_world)
+            continue
+        for index in range(micro):
+            for phase in ("forward", "backward"):
+                if hpz > 1 and (index, phase) != (0, "forward"):
+                    yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, per_node))
+                else:
+                    yield from _gather_weights(padded, compute, phase, world, across_world, zero)
+
+
+def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig) -> list[UnitSize]:
+    """Units as ZeRO-3 would lay them out, whatever stage they run at: padded for the world, sharded
+    unless under the persistence threshold (at stages 0-2 every unit is resident, and stage 0 pads
+    for one rank)."""
+    stage3 = StagePolicy.for_stage(3)
+    threshold = zero.persistence_threshold
+    world = layout.world_size
+    return [
+        (dataclasses.replace(f, world=world).padded_numel, stage3.keeps_resident(f.numel, threshold, world))
+        for f in layouts
+    ]
+
+
+def zero3_step_bytes(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> dict[str, dict[str, float]]:
+    """{phase: {'intra', 'inter'}}: what plain ZeRO-3 (every ZeRO++ switch off) would send per rank,
+    mean over ranks, on these units under `zero`'s precision and accumulation.
+
+    :func:`unit_transfers` at stage 3 without qwZ, hpZ or qgZ; the step's scalar all-reduces are left
+    out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring over the world, so a phase's
+    bytes split by the world ring's crossing share.
+    """
+    plain = dataclasses.replace(zero, stage=3, quantized_weights=False, quantized_gradients=False)
+    sent = dict.fromkeys(STEP_PHASES, 0)
+    for transfer in unit_transfers(units, layout, plain, hpz=1):
+        sent[transfer.phase] += transfer.sent
+    crossing = _world_crossing(layout)
+    return {phase: {"intra": b * (1 - crossing), "inter": b * crossing} for phase, b in sent.items()}
+
+
+def _world_crossing(layout: Layout) -> float:
+    return ring_crossing(layout.world_size, layout.ranks_per_node)
+
+
+def _gather_weights(
+    padded: int, compute: int, phase: str, world: int, crossing: float, zero: ZeroConfig
+) -> Iterator[Transfer]:
+    """All-gather of a unit's weights over the world; qwZ gathers int8/int4 data and fp32 scales, each
+    rank's shard quantized as one row."""
+    if not zero.quantized_weights:
+        yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
+        return
+    block = zero.weight_block_size if zero.weight_quantization == "block" else None
+    spec, shard = QuantSpec(zero.weight_bits, block), padded // world
+    for row in (spec.row_bytes(shard), SCALE_BYTES * spec.blocks(shard)):
+        yield Transfer("all_gather", phase, ring_bytes(world * row, world), crossing)
+
+
+def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) -> Iterator[Transfer]:
+    """Reduce-scatter of a unit's gradients: a ring over the world, or qgZ's two all-to-all hops.
+
+    qgZ (comm/quantized.py) cuts the shard's columns into chunks; per chunk of c columns, hop 1 sends
+    (X-1)/X of the W quantized rows inside the node (gradient_intra_node_bits) and hop 2 sends (Y-1)/Y
+    of the Y re-quantized partial sums to the other nodes (gradient_bits; X ranks per node, Y nodes,
+    W = XY); data and scales (sent in one message, counted here one after the other).
+    """
+    world, per_node, nodes = layout.world_size, layout.ranks_per_node, layout.nodes
+    if not zero.quantized_gradients:
+        yield Transfer("reduce_scatter", "backward", ring_bytes(padded * grad, world), _world_crossing(layout))
+        return
+    spec, shard = QuantSpec(zero.gradient_bits, zero.gradient_block_size), padded // world
+    intra_spec = QuantSpec(zero.gradient_intra_node_bits or zero.gradient_bits, zero.gradient_block_size)
+    pieces = math.ceil(shard / zero.reduce_bucket_numel) * zero.qgz_pipeline_chunks
+    for start, stop in column_chunks(shard, pieces):
+        c = stop - start
+        for intra_row, inter_row in ((intra_spec.row_bytes(c), spec.row_bytes(c)), (SCALE_BYTES * spec.blocks(c),) * 2):
+            if per_node > 1:
+                yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * intra_row, 0.0)
+            if nodes > 1:
+                yield Transfer("all_to_all", "backward", (nodes - 1) * inter_row, 1.0)

@@ -1,5 +1,0 @@
-"""Models used by the main job, the benchmarks and the tests."""
-
-from zeropp.models.gpt import GPT, GPTConfig
-
-__all__ = ["GPT", "GPTConfig"]

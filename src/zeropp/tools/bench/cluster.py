@@ -1,0 +1,175 @@
+"""``zeropp bench cluster``: zeropp beside DDP, FSDP2 and DeepSpeed on an emulated 2-node cluster (root).
+
+Every configuration trains the embedded GPT (same init, data and AdamW, fp32, one sequence per rank:
+the paper's small-batch regime) on 2 emulated nodes x 2 ranks (``zeropp.tools.cluster``), at each
+inter-node bandwidth asked for. For each run: median step time, tokens/s, cross-node bytes per
+step (the ledger's, for zeropp; the wire's for all: bytes that crossed the links during the run
+divided by the steps, start-up included), peak memory per rank, and the speedup over zeropp
+ZeRO-3 at the same bandwidth. Writes results.json, results.md and one PNG per bandwidth plus a
+step-time plot to the results folder.
+
+DeepSpeed runs when it is installed (``pip install deepspeed``; ``DS_ACCELERATOR=cpu``, gloo); its
+ZeRO++ (qwZ/qgZ) is CUDA-only and fails on CPU, which is recorded as the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zeropp.app.flags import as_flags
+from zeropp.app.summary import RunSummary
+from zeropp.tools.bench.peers import PeerSummary
+from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
+from zeropp.tools.cluster import run_cluster
+from zeropp.tools.cluster.errors import ClusterError
+from zeropp.tools.cluster.links import check_privileges, parse_bandwidth
+
+ZEROPP = {
+    "zeropp ZeRO-1": ["--stage", "1"],
+    "zeropp ZeRO-2": ["--stage", "2"],
+    "zeropp ZeRO-3": ["--stage", "3", *ZEROPP_OFF_FLAGS],
+    "zeropp ZeRO-3 + qwZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_weights": True})],
+    "zeropp ZeRO-3 + hpZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"hpz_partition_size": 0})],
+    "zeropp ZeRO-3 + qgZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_gradients": True})],
+    "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
+}
+PEERS = {
+    "DDP": "ddp",
+    "FSDP2": "fsdp2",
+    "FSDP2 HSDP": "fsdp2-hsdp",
+    "FSDP2 reshard to node": "fsdp2-reshard-node",
+    "DeepSpeed ZeRO-3": "deepspeed-zero3",
+    "DeepSpeed hpZ": "deepspeed-hpz",
+    "DeepSpeed ZeRO++": "deepspeed-zeropp",
+}
+NODES, RANKS_PER_NODE = 2, 2
+
+
+def run_one(name: str, bandwidth: str, preset: str, steps: int) -> dict[str, Any]:
+    common = ["--preset", preset, "--steps", str(steps), "--micro-batch-size", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        if name in ZEROPP:
+            args = [*common, "--eval-batches", "1", "--eval-interval", str(steps + 1), *ZEROPP[name]]
+            result = run_cluster(NODES, RANKS_PER_NODE, bandwidth, args, summary_path, timeout_s=900)
+        else:
+            args = ["--peer", PEERS[name], *common]
+            result = run_cluster(
+                NODES, RANKS_PER_NODE, bandwidth, args, summary_path, module="zeropp.tools.bench.peers",
+                timeout_s=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            )  # fmt: skip
+    row: dict[str, Any] = {"name": name, "bandwidth": bandwidth, "returncode": result.returncode}
+    if result.returncode != 0 or not result.summary:
+        lines = [line for tail in result.log_tails for line in tail if re.search(r"\w+Error: ", line)]
+        lines = [line for line in lines if "ChildFailedError" not in line and "elastic" not in line]
+        reason = lines[-1] if lines else ""
+        row["error"] = reason.strip()[-200:] or f"exit status {result.returncode}"
+        return row
+    s = result.summary if isinstance(result.summary, RunSummary) else PeerSummary.from_dict(result.summary)
+    ledger = s.inter_node_bytes_per_step if isinstance(s, RunSummary) else 0  # peers have no ledger
+    row.update(
+        median_step_time_s=s.median_step_time_s,
+        tokens_per_s=s.tokens_per_s,
+        wire_bytes_per_step=sum(result.wire_bytes.values()) / steps,
+        ledger_inter_bytes_per_step=ledger * NODES * RANKS_PER_NODE or None,
+        peak_memory_bytes=max(s.peak_memory_bytes_per_rank),
+        final_train_loss=s.final_train_loss,
+    )
+    return row
+
+
+def markdown(rows: list[dict[str, Any]], bandwidth: str) -> str:
+    base = next((r for r in rows if r["name"] == "zeropp ZeRO-3" and "error" not in r), None)
+    lines = [
+        f"### inter-node bandwidth {bandwidth}",
+        "",
+        "| configuration | median step (s) | tokens/s | speedup vs zeropp ZeRO-3 | cross-node MB/step: ledger | wire | "
+        "peak memory/rank (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
+            continue
+        speedup = base["median_step_time_s"] / r["median_step_time_s"] if base else float("nan")
+        ledger = f"{r['ledger_inter_bytes_per_step'] / 1e6:.2f}" if r["ledger_inter_bytes_per_step"] else "n/a"
+        lines.append(
+            f"| {r['name']} | {r['median_step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {ledger} | "
+            f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['peak_memory_bytes'] / 2**20:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidths = list(results)
+    fig, axes = plt.subplots(1, len(bandwidths), figsize=(6 * len(bandwidths), 5), squeeze=False)
+    for ax, bandwidth in zip(axes[0], bandwidths, strict=True):
+        rows = [r for r in results[bandwidth] if "error" not in r]
+        ax.barh([r["name"] for r in rows], [r["median_step_time_s"] for r in rows], color="tab:blue")
+        ax.set_title(f"inter-node {bandwidth}")
+        ax.set_xlabel("median step time (s)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=120)
+    fig, axes = plt.subplots(1, len(bandwidths), figsize=(6 * len(bandwidths), 5), squeeze=False)
+    for ax, bandwidth in zip(axes[0], bandwidths, strict=True):
+        rows = [r for r in results[bandwidth] if "error" not in r]
+        ax.barh([r["name"] for r in rows], [r["wire_bytes_per_step"] / 1e6 for r in rows], color="tab:orange")
+        ax.set_title(f"inter-node {bandwidth}")
+        ax.set_xlabel("cross-node wire MB per step (start-up included)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "cross_node_bytes.png", dpi=120)
+    plt.close("all")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeropp bench cluster", description=__doc__)
+    parser.add_argument("--bandwidths", nargs="+", default=["200mbit", "1gbit", "none"])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--only", nargs="+", help="configuration names to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_cluster"))
+    args = parser.parse_args(argv)
+    names = [*ZEROPP, *PEERS]
+    if importlib.util.find_spec("deepspeed") is None:
+        names = [n for n in names if not n.startswith("DeepSpeed")]
+        print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
+    names = [n for n in names if not args.only or n in args.only]
+    try:  # before anything is written
+        check_privileges(shaped=any(parse_bandwidth(b) is not None for b in args.bandwidths))
+    except ClusterError as error:
+        print(str(error).replace("zeropp cluster:", "zeropp bench cluster:"), file=sys.stderr)
+        return error.code
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for bandwidth in args.bandwidths:
+        results[bandwidth] = []
+        for name in names:
+            row = run_one(name, bandwidth, args.preset, args.steps)
+            results[bandwidth].append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "results.json").write_text(
+                json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
+            )
+    report = "\n\n".join(markdown(rows, bandwidth) for bandwidth, rows in results.items())
+    publish_report(args.out, report, lambda: plot(results, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""``zeropp bench largest``: the deepest GPT of one width that constructs and trains two steps within a memory limit.
+
+For each variant (zeropp with the model built on the meta device, built whole on every rank, with
+the optimizer offloaded; FSDP2 with meta-device init; DeepSpeed ZeRO-3 with ``zero.Init``), depths
+are tried from ``--depths`` in increasing order inside a memory cgroup limited to ``--limit-gib``
+(cgroup v1, root), so that running out of memory kills the attempt and nothing else on the machine;
+the deepest depth that succeeds is the answer, and the first failure's cause is recorded (out of
+memory, timeout, or the error's last line) with the cgroup's peak usage. fp32, AdamW, ZeRO-3
+without ZeRO++, one sequence of ``--block-size`` tokens per rank.
+
+    zeropp bench largest [--world 4] [--d-model 2048] [--depths 8 12 16 20 24 28] [--limit-gib 20]
+                         [--out results/bench_largest.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zeropp.app.models.gpt import gpt_config
+from zeropp.config.sections import ModelConfig
+from zeropp.tools.bench.memory import VARIANTS
+from zeropp.tools.bench.memory_peers import PEERS, worker_command, worker_env
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS
+
+CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
+
+
+def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> list[str]:
+    size = ["--n-layer", str(depth), "--d-model", str(args.d_model), "--block-size", str(args.block_size)]
+    if variant in PEERS:
+        return worker_command(variant, os.devnull, world, size, steps=2)
+    return [sys.executable, "-m", "zeropp.cli", "train", *size, "--n-head", str(args.d_model // 64),
+            "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
+            "--stage", "3", *ZEROPP_OFF_FLAGS, "--nproc-per-node", str(world), "--nodes", "1",
+            *VARIANTS[variant]]  # fmt: skip
+
+
+def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Whether `variant` constructs and trains two steps at `depth` inside the memory limit, and if
+    not why: ``out of memory`` (the cgroup's OOM killer fired), ``timeout`` or ``error: <last line>``;
+    with the cgroup's peak usage and the wall time."""
+    kills_before = oom_kills()
+    (CGROUP / "memory.max_usage_in_bytes").write_text("0")
+    start = time.perf_counter()
+
+    def enter_cgroup() -> None:
+        (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        run = subprocess.run(
+            command(variant, world, depth, args), env={**worker_env(world), "OMP_NUM_THREADS": "1"},
+            preexec_fn=enter_cgroup, capture_output=True, text=True, timeout=args.timeout_s, start_new_session=True,
+        )  # fmt: skip
+        failure = None if run.returncode == 0 else "error: " + (run.stderr.strip().splitlines() or ["?"])[-1][:200]
+    except subprocess.TimeoutExpired:
+        kill_cgroup()
+        failure = "timeout"
+    if failure is not None and oom_kills() > kills_before:
+        failure = "out of memory"
+    return {
+        "outcome": failure or "trains",
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_gib": round(int((CGROUP / "memory.max_usage_in_bytes").read_text()) / 2**30, 2),
+    }
+
+
+def oom_kills() -> int:
+    fields = dict(line.split() for line in (CGROUP / "memory.oom_control").read_text().splitlines())
+    return int(fields.get("oom_kill", 0))
+
+
+def kill_cgroup() -> None:
+    """Kill whatever an attempt left in the cgroup (torchrun's ranks outlive a killed launcher)."""
+    for pid in (CGROUP / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeropp bench largest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 12, 16, 20, 24, 28])
+    parser.add_argument("--limit-gib", type=float, default=20.0)
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *PEERS], default=[*VARIANTS, *PEERS])
+    parser.add_argument("--out", type=Path, default=Path("results/bench_largest.json"))
+    args = parser.parse_args(argv)
+    if not Path("/sys/fs/cgroup/memory").is_dir() or os.geteuid() != 0:
+        print("zeropp bench largest: error: needs root and the cgroup v1 memory controller", file=sys.stderr)
+        return 2
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(int(args.limit_gib * 2**30)))
+    rows = []
+    for variant in args.variants:
+        largest, tried = None, []
+        for depth in sorted(args.depths):
+            params = gpt_config(ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)).param_count
+            result = {"depth": depth, "params": params, **attempt(variant, args.world, depth, args)}
+            tried.append(result)
+            print(f"{variant}: depth {depth} ({params / 1e9:.2f}B parameters): {result['outcome']} "
+                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB)", flush=True)  # fmt: skip
+            if result["outcome"] != "trains":
+                break
+            largest = {"depth": depth, "params": params}
+        rows.append({"variant": variant, "largest": largest, "attempts": tried})
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"world": args.world, "limit_gib": args.limit_gib, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

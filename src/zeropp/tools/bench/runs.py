@@ -1,0 +1,39 @@
+"""What the benchmarks share: ``zeropp train`` runs read back as a :class:`~zeropp.app.summary.RunSummary`,
+and the flags that switch ZeRO++ on or off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from zeropp.app.flags import as_flags
+from zeropp.app.summary import RunSummary
+from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig
+
+ZEROPP_OFF = {key: getattr(ZeroConfig(), key) for key in ZEROPP_SWITCHES}  # the library's defaults: all off
+ZEROPP_ON_FLAGS = as_flags(ZEROPP_SWITCHES)  # qwZ, hpZ over each node, qgZ
+ZEROPP_OFF_FLAGS = as_flags(ZEROPP_OFF)
+
+
+def train_summary(args: Sequence[str]) -> RunSummary:
+    """Run ``zeropp train <args>`` (4 ranks as 2 simulated nodes unless `args` say otherwise), its
+    output discarded, and return its summary; raises CalledProcessError if it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "summary.json"
+        command = [sys.executable, "-m", "zeropp.cli", "train", *args, "--summary-json", str(out)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return RunSummary.from_json(out.read_text())
+
+
+def publish_report(out: Path, report: str, plot: Callable[[], None]) -> None:
+    """Write the markdown `report` to ``out/results.md``, print it, and draw the plots when
+    matplotlib (the ``bench`` extra) is installed."""
+    (out / "results.md").write_text(report + "\n")
+    print(report)
+    try:
+        plot()
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")

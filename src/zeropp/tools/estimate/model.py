@@ -1,0 +1,242 @@
+"""The estimator's model of one optimizer step: units, memory of model states, bytes and time.
+
+Memory per rank is :func:`zeropp.costs.memory.analytic_model_state_bytes` per unit (ZeRO Table 1, hpZ's
+secondary copy) on the padded unit sizes the engine allocates, plus the activation checkpoints
+(:class:`~zeropp.costs.memory.Activations`, ZeRO-R); bytes are :mod:`zeropp.costs.volume`'s transfers
+(what the ledger records); time is the busiest link of each kind without overlap (docs/estimate.md).
+
+With tensor parallelism (dp x tp ranks) a unit is one tensor-parallel rank's share of it (its split
+weights' local shards plus its whole ones) and the ZeRO formulas run over the dp ranks of a
+data-parallel group: the ZeRO paper's §7, Ψ/N_m per device for model parallelism of N_m.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zeropp.comm.ledger import Ledger
+from zeropp.config.sections import ModelConfig, ZeroConfig
+from zeropp.costs.memory import BYTES, Activations, analytic_model_state_bytes
+from zeropp.costs.volume import STEP_PHASES, Transfer, step_transfers, zero3_step_bytes
+from zeropp.index.flat import FlatLayout
+from zeropp.index.ranks import Layout
+from zeropp.zero.stages import StagePolicy
+
+
+@dataclass(frozen=True)
+class Unit:
+    numel: int
+    padded: int
+    resident: bool  # not gathered per use: stages 0-2, or at most zero.persistence_threshold elements
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One optimizer step of a model on a cluster under a ZeroConfig (built by :func:`estimate`)."""
+
+    units: tuple[Unit, ...]  # one tensor-parallel rank's
+    layout: Layout  # data-parallel x tensor-parallel
+    zero: ZeroConfig
+    hpz_group_size: int
+    optimizer_bytes: int
+    transfers: tuple[Transfer, ...]
+    activations: Activations | None = None  # the transformer's shape and ZeRO-R switches; None: not priced
+
+    @property
+    def data_parallel(self) -> Layout:
+        """One data-parallel group as a world of its own: what ZeRO partitions over."""
+        return self.layout.data_parallel_layout()
+
+    @property
+    def psi(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_psi(self) -> int:
+        return sum(u.padded for u in self.units)
+
+    @property
+    def model_state_bytes(self) -> float:
+        """Per rank. A resident unit at stage 3 keeps whole weights and no secondary copy: stage 2's formula."""
+        zero, world = self.zero, self.data_parallel.world_size
+        return sum(
+            analytic_model_state_bytes(
+                u.padded,
+                world,
+                2 if zero.stage == 3 and u.resident else zero.stage,
+                zero.precision,
+                zero.grad_dtype,
+                self.optimizer_bytes,
+                1 if u.resident else self.hpz_group_size,
+                qgz_residuals=self.qgz_residual_layout,
+            )
+            for u in self.units
+        )
+
+    @property
+    def qgz_residual_layout(self) -> tuple[int, int] | None:
+        """(ranks per node, nodes) where qgZ's error feedback keeps residuals, else None."""
+        zero = self.zero
+        feedback = zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+        return (self.data_parallel.ranks_per_node, self.layout.nodes) if feedback else None
+
+    def activation_checkpoint_bytes(self, where: str = "device") -> int:
+        """Per rank, held from forward to backward (ZeRO-R: /tp with Pa, on the host with Pa+cpu)."""
+        if self.activations is None:
+            return 0
+        return self.activations.checkpoint_bytes(self.layout.tensor_parallel_size, BYTES[self.zero.precision], where)
+
+    def ledger(self, rank: int | None = None) -> Ledger:
+        """Bytes per optimizer step as the engine's ledger records them: global `rank`'s, or the mean over ranks."""
+        ledger = Ledger(steps=1)
+        for t in self.transfers:
+            with ledger.in_phase(t.phase):
+                if rank is None:
+                    ledger.record(t.op, t.sent * (1 - t.crossing), t.sent * t.crossing)
+                elif t.crosses(rank, self.layout):
+                    ledger.record(t.op, 0, t.sent)
+                else:
+                    ledger.record(t.op, t.sent, 0)
+        return ledger
+
+    def node_inter_bytes(self) -> float:
+        """Bytes leaving one node per step (every node sends the same)."""
+        return self.layout.ranks_per_node * self.ledger().total(link="inter")
+
+    def busiest_intra_bytes(self) -> int:
+        """Intra-node bytes per step of the rank that sends the most inside its node."""
+        per_node = self.layout.ranks_per_node
+        return max(self.ledger(rank).total(link="intra") for rank in {0, per_node - 1})
+
+    def seconds(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, float]:
+        intra = 8 * self.busiest_intra_bytes() / intra_bits_per_s
+        inter = 8 * self.node_inter_bytes() / inter_bits_per_s
+        return {"intra": intra, "inter": inter, "total": intra + inter}
+
+    def zero3_bytes(self) -> dict[str, dict[str, float]]:
+        """What plain ZeRO-3 would send on the same units ({phase: {link: mean bytes per rank}})."""
+        return zero3_step_bytes([(u.padded, u.resident) for u in self.units], self.data_parallel, self.zero)
+
+    def bytes_of(self, prefix: str) -> float:
+        """Bytes per rank and step of the ledger's ops named `prefix`.*: ``tp``, the tensor-parallel
+        layers' collectives; ``pa``, Pa's all-gathers of the activation checkpoints."""
+        mean = self.ledger()
+        return sum(mean.total(op=op) for op in mean.as_dict() if op.startswith(f"{prefix}."))
+
+    def _activation_fields(self) -> dict[str, Any]:
+        """What depends on the activations: None each where they are unknown (not priced)."""
+        known = self.activations is not None
+        return {
+            "activations": dataclasses.asdict(self.activations) if known else None,
+            "activation_checkpoint_bytes_per_rank": self.activation_checkpoint_bytes() if known else None,
+            "activation_checkpoint_host_bytes_per_rank": self.activation_checkpoint_bytes("host") if known else None,
+            "tensor_parallel_bytes_per_step": self.bytes_of("tp") if known else None,
+            "partitioned_activation_bytes_per_step": self.bytes_of("pa") if known else None,
+        }
+
+    def as_dict(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, Any]:
+        mean, zero3 = self.ledger(), self.zero3_bytes()
+        return {
+            "params": self.psi,
+            "padded_params": self.padded_psi,
+            "unit_numels": [u.numel for u in self.units],
+            "world_size": self.layout.world_size,
+            "nodes": self.layout.nodes,
+            "ranks_per_node": self.layout.ranks_per_node,
+            "tensor_parallel_size": self.layout.tensor_parallel_size,
+            "data_parallel_size": self.data_parallel.world_size,
+            "zero": dataclasses.asdict(self.zero),
+            "hpz_group_size": self.hpz_group_size,
+            "optimizer_state_bytes": self.optimizer_bytes,
+            "model_state_bytes_per_rank": self.model_state_bytes,
+            **self._activation_fields(),
+            "bytes_per_step": {
+                phase: {link: mean.total(phase=phase, link=link) for link in ("intra", "inter")}
+                for phase in STEP_PHASES
+            },
+            "intra_node_bytes_per_step": mean.total(link="intra"),
+            "inter_node_bytes_per_step": mean.total(link="inter"),
+            "ledger": mean.as_dict(),
+            "node_inter_node_bytes_per_step": self.node_inter_bytes(),
+            "busiest_rank_intra_node_bytes_per_step": self.busiest_intra_bytes(),
+            "zero3_inter_node_bytes_per_step": sum(zero3[p]["inter"] for p in STEP_PHASES),
+            "bandwidth_bits_per_s": {"intra": intra_bits_per_s, "inter": inter_bits_per_s},
+            "predicted_comm_seconds_per_step": self.seconds(intra_bits_per_s, inter_bits_per_s),
+        }
+
+
+def estimate(
+    model: int | Sequence[int],
+    world: int,
+    nodes: int = 1,
+    zero: ZeroConfig | None = None,
+    *,
+    optimizer_bytes: int = 8,
+    tensor_parallel: int = 1,
+    activations: Activations | None = None,
+) -> Estimate:
+    """Estimate one optimizer step of `model` on `world` ranks over `nodes` nodes under `zero`
+    (ZeroConfig's defaults when None), with `tensor_parallel` ranks splitting each weight matrix.
+
+    `model`: Ψ as one flat unit, every weight split over the tensor-parallel ranks (ceil(Ψ/tp) per
+    rank, the ZeRO paper's Ψ/N_m), or every unit's numel on one tensor-parallel rank
+    (:func:`gpt_unit_numels`). `activations`: the transformer's shape per micro-batch and the ZeRO-R
+    switches, for the tensor-parallel traffic and the activation checkpoints (None: neither is
+    priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master (Adam: 8).
+    Raises ConfigError for a bad combination."""
+    zero = zero or ZeroConfig()
+    zero.validate()
+    layout = Layout(world, nodes, tensor_parallel)
+    dp = layout.data_parallel_size
+    hpz = layout.hpz_group_size(zero.hpz_partition_size)
+    numels = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
+    shard_world = dp if zero.stage >= 1 else 1
+    policy = StagePolicy.for_stage(zero.stage)
+    units = tuple(
+        Unit(
+            n,
+            FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel,
+            policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload_params != "none"),
+        )
+        for n in numels
+    )
+    transfers = step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations)
+    return Estimate(units, layout, zero, hpz, optimizer_bytes, tuple(transfers), activations)
+
+
+def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
+    """The numel of every unit the engine makes of the embedded GPT (its blocks, then the root), on one
+    tensor-parallel rank: the shipped plan's split weights count their local shard."""
+    import torch
+
+    from zeropp.app.models.gpt import GPT, gpt_config
+    from zeropp.costs.tensor_parallel import local_numels
+    from zeropp.tensor_parallel.plans import gpt_plan
+    from zeropp.zero.grouping import group_parameters, repeated_blocks
+
+    with torch.device("meta"):
+        gpt = GPT(gpt_config(model))
+    local = local_numels(gpt, gpt_plan(gpt, tensor_parallel), tensor_parallel)
+    return [sum(local[name] for name, _ in params) for _, params in group_parameters(gpt, repeated_blocks(gpt))]
+
+
+def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:
+    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model
+    and its layer norms' weights and biases; `switches`: the other fields of
+    :class:`~zeropp.costs.memory.Activations` (ZeRO-R's, sequence parallelism, the recomputed all-reduces)."""
+    from zeropp.app.models.gpt import gpt_config
+
+    gpt = gpt_config(model)
+    return Activations(
+        gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, norm_parameters=gpt_norm_parameters(gpt.n_layer), **switches
+    )
+
+
+def gpt_norm_parameters(layers: int) -> int:
+    """Vectors of d_model in the embedded GPT's layer norms (two per block and the final one, a weight and
+    a bias each): what sequence parallelism all-reduces the partial gradients of."""
+    return 2 * (2 * layers + 1)

@@ -1,0 +1,41 @@
+"""How every unit stores and communicates: the per-run choices the engine derives once from
+:class:`~zeropp.config.ZeroConfig` and hands to each :class:`~zeropp.zero.unit.FlatUnit`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeropp.quant.spec import QuantKernels, QuantSpec
+from zeropp.zero.arena import Arena
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """How every unit stores and communicates (the engine builds one from ZeroConfig)."""
+
+    device: torch.device
+    compute_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    alignment: int
+    persistence_threshold: int
+    allgather_bucket: int
+    reduce_bucket: int
+    weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
+    grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
+    grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: grad_quant's)
+    grad_hadamard: bool = False  # qgZ: random Hadamard rotation of every block (zeropp.quant.hadamard)
+    grad_error_beta: float | None = None  # qgZ: LoCo error feedback with this beta (None: off)
+    qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
+    kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
+    quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
+    master_device: torch.device | None = None  # ZeRO-Offload: the fp32 master's home (None: `device`)
+    compute_shard_device: torch.device | None = None  # offloaded parameters: the compute shard's home
+    grad_arena: Arena | None = None  # where gradient buffers come from (MD: one preallocated buffer); None: fresh
+
+    def host_empty(self, numel: int, dtype: torch.dtype, where: torch.device | None) -> torch.Tensor:
+        """An empty tensor at `where` (default: the device); host memory is pinned when the device is CUDA."""
+        where = where or self.device
+        pin = where.type == "cpu" and self.device.type == "cuda"
+        return torch.empty(numel, dtype=dtype, device=where, pin_memory=pin)

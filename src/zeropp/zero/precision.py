@@ -1,0 +1,47 @@
+"""Compute dtypes and dynamic loss scaling."""
+
+from __future__ import annotations
+
+import torch
+
+from zeropp.config.sections import LossScaleConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """fp16 dynamic loss scaling: an overflowing step is skipped and, after `hysteresis` such
+    overflows, the scale backs off; after `growth_interval` clean steps it grows (and the hysteresis
+    is restored, or after every clean step with `consecutive_hysteresis`), as DeepSpeed's
+    DynamicLossScaler does. For fp32 and bf16 the scale is fixed at 1."""
+
+    def __init__(self, config: LossScaleConfig, enabled: bool) -> None:
+        self.config = config
+        self.enabled = enabled
+        self.scale = config.initial_scale if enabled else 1.0
+        self._clean_steps = 0
+        self._hysteresis = config.hysteresis  # overflows left before the next back-off
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            if self._hysteresis <= 1:
+                self.scale = max(self.scale * self.config.backoff_factor, self.config.min_scale)
+            else:
+                self._hysteresis -= 1
+            self._clean_steps = 0
+            return
+        self._clean_steps += 1
+        if self.config.consecutive_hysteresis:
+            self._hysteresis = self.config.hysteresis
+        if self._clean_steps % self.config.growth_interval == 0:
+            self.scale *= self.config.growth_factor
+            self._hysteresis = self.config.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis": self._hysteresis}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._clean_steps = state["scale"], state["clean_steps"]
+        self._hysteresis = state.get("hysteresis", self.config.hysteresis)  # checkpoints from before hysteresis

@@ -1,0 +1,500 @@
+"""A unit: parameters flattened into one padded buffer, evenly sharded, gathered and reduced together.
+
+A :class:`FlatUnit` owns the buffers of its parameters. The module's ``nn.Parameter`` objects stay
+registered where the user put them, their ``.data`` pointed once at views of the unit's
+``compute_flat`` buffer. Resharding frees that buffer's *storage* (resized to 0 bytes) and
+unsharding re-grows it and gathers into it, so the views never change: a weight (or a view of it,
+like ``w.t()``) that autograd saved in forward reads the re-gathered values in backward, and holds
+no memory in between.
+
+A unit has two pieces of state, each an enum changed only by its own methods:
+
+- :class:`ShardState`, where its compute-dtype parameters are (sharded / gathering / unsharded);
+- :class:`TrainingState`, where it is in a backward pass (the runtime drives it: ``begin_backward``,
+  ``enter_backward``, ``add_grad``, ``finish_backward``, ``end_backward``).
+
+Which modules form units is :mod:`zeropp.zero.grouping`'s concern; when hooks fire is :mod:`zeropp.runtime`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from zeropp.comm.communicator import Communicator, Pending
+from zeropp.comm.feedback import ErrorFeedback
+from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
+from zeropp.index.flat import FlatLayout, secondary_range
+from zeropp.topology import ShardGroups
+from zeropp.zero.arena import Arena, Loans
+from zeropp.zero.dtensor_params import is_split, local_tensor, point_at
+from zeropp.zero.options import UnitOptions
+from zeropp.zero.stages import StagePolicy
+
+_RELEASED = torch.empty(0)
+
+
+def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:
+    """The units whose module contains no other unit's (the blocks; not a root that calls them)."""
+    modules = {id(unit.module) for unit in units}
+    return [u for u in units if not any(id(m) in modules for m in u.module.modules() if m is not u.module)]
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
+    GATHERING = "gathering"  # an all-gather into compute_flat is in flight
+    UNSHARDED = "unsharded"  # parameters are views of the gathered compute_flat
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"  # no backward pass under way (forward and evaluation run here)
+    PRE_BACKWARD = "pre_backward"  # backward has begun; no output gradient has reached the unit yet
+    BACKWARD = "backward"  # gathered for backward; parameter gradients are arriving
+    POST_BACKWARD = "post_backward"  # every gradient of this backward is in (reduced, or kept to accumulate)
+
+
+class FlatUnit:
+    """One unit's flat buffers under a stage policy.
+
+    Buffers (P = padded numel, S = this rank's shard, W = ranks the optimizer state is split over):
+
+    - ``master``: fp32 ``nn.Parameter`` of S elements (P when W == 1), what the optimizer updates;
+    - ``compute_flat``: compute-dtype P elements, the parameters' storage; resident unless the unit
+      is sharded (stage 3), where it holds memory only while gathered;
+    - ``compute_shard``: compute-dtype S elements, the all-gather source of a sharded unit;
+    - ``grad_flat``: P elements in the gradient dtype where parameter gradients land; kept across
+      micro-batches when gradients are not sharded (stages 0, 1), transient otherwise;
+    - ``grad_shard``: S elements, the reduced gradient accumulated over micro-batches (stages 2, 3).
+
+    Where the compute dtype is fp32 the compute buffer (stage 0) or the compute shard (stage 3) is the
+    master's own storage, so nothing is stored twice.
+
+    ZeRO++ on a sharded unit:
+
+    - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
+      size). It is cut from the gathered weights when the unit reshards and is valid while the
+      weights have not changed (``version``, bumped by every optimizer step): while valid every
+      gather (backward, later micro-batches, eval) runs inside the secondary group. A step
+      invalidates it, so a stale copy is never read; the copy is written only after the gather into
+      ``compute_flat`` has completed, so it never races a prefetch.
+    - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        comm: Communicator,
+        groups: ShardGroups,
+        policy: StagePolicy,
+        options: UnitOptions,
+        *,
+        broadcast_initial: bool = False,
+        initial_flat: torch.Tensor | None = None,
+    ) -> None:
+        """Flatten `named_params` (real tensors, anywhere) into this unit's buffers on the device;
+        with `broadcast_initial` every rank takes rank 0's values (one broadcast of the flat buffer).
+        `initial_flat`: an fp32 flat buffer of :meth:`layout_of` that already holds the parameters
+        (they are views of it), taken as it is where it already lives on the device."""
+        self.module = module
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.comm = comm
+        self.groups = groups
+        self.policy = policy
+        self.options = options
+        compute_dtype = self.compute_dtype = options.compute_dtype
+        grad_dtype = self.grad_dtype = options.grad_dtype
+        self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
+        self.shard_world = groups.shard.size if policy.shard_optimizer else 1
+        self.layout = self.layout_of(self.params, groups, policy, options)
+        self.resident = policy.keeps_resident(
+            self.layout.numel, options.persistence_threshold, groups.shard.size, options.compute_shard_device is not None
+        )
+        device = options.device
+
+        self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        # gradient buffers (MD: ranges of the preallocated gradient arena)
+        self._gradients = Loans(options.grad_arena or Arena(device, pinned=False, contiguous=False))
+        if not policy.shard_gradients:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=grad_dtype, device=device)
+        self.version = 0  # bumped whenever the weights change
+        self.quantize_gradients = options.grad_quant is not None  # qgZ; the engine may turn it off mid-run
+        beta = options.grad_error_beta
+        self.error_feedback = ErrorFeedback(beta) if beta is not None and self.quantize_gradients else None
+        self.secondary_shard: torch.Tensor | None = None
+        self._secondary_version = -1
+        self.shard_state = ShardState.UNSHARDED
+        self.training_state = TrainingState.IDLE
+        self._gather: Pending | None = None
+        self._grads_missing = 0
+        self._unwritten: set[int] | None = None  # parameters with nothing in a fresh grad_flat yet
+        self._tp_partial: set[int] = set()  # parameters whose gradients are partial sums over tp ranks
+        self.reshard()
+        if groups.secondary is not None and not self.resident:  # filled by the first gather's reshard
+            secondary = groups.secondary
+            self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
+            size = self._secondary_range[1] - self._secondary_range[0]
+            self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
+
+    def _take_parameters(self, initial_flat: torch.Tensor | None, broadcast: bool) -> torch.Tensor:
+        """The parameters' values as one fp32 flat buffer on the device; the parameters' own copies are
+        released (each as soon as it is flattened), so a unit never exists twice."""
+        device = self.options.device
+        flat = initial_flat
+        if flat is None:
+            flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for p, view in zip(self.params, self.layout.split(flat), strict=True):
+            local = local_tensor(p)
+            if local.data_ptr() != view.data_ptr():  # not initialized in place (or shared with another scope)
+                view.copy_(local.detach())
+            point_at(p, _RELEASED.to(p.dtype))
+        full32 = flat.to(device)
+        if broadcast:  # the padding holds zeros everywhere already
+            self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
+        return full32
+
+    def _hold_weights(self, full32: torch.Tensor) -> None:
+        """Keep this rank's fp32 master and compute-dtype weights of `full32`; point the parameters at
+        views of ``compute_flat``. Where the compute dtype is fp32 and the master stays on the device,
+        the master is the compute shard (stage 3) or the whole buffer (stage 0) itself."""
+        options, dtype = self.options, self.compute_dtype
+        offloaded = options.master_device is not None
+        if self.shard_world == 1 and not offloaded:
+            self.master = nn.Parameter(full32)
+        else:
+            mine = self.shard_of(full32)
+            self.master = nn.Parameter(options.host_empty(mine.numel(), torch.float32, options.master_device))
+            self.master.data.copy_(mine)
+        self.compute_shard: torch.Tensor | None = None
+        if self.resident:
+            alias = self.shard_world == 1 and dtype == torch.float32 and not offloaded
+            self.compute_flat = self.master.data if alias else full32.to(dtype)
+        elif dtype == torch.float32 and not offloaded:
+            self.compute_shard = self.master.data
+        else:
+            numel, where = self.master.numel(), options.compute_shard_device
+            self.compute_shard = options.host_empty(numel, dtype, where).copy_(self.master.data)
+        del full32
+        if not self.resident:  # holds memory only while gathered (storage freed by the first reshard)
+            self.compute_flat = torch.empty(self.layout.padded_numel, dtype=dtype, device=options.device)
+        for p, view in zip(self.params, self.layout.split(self.compute_flat), strict=True):
+            point_at(p, view)
+
+    @staticmethod
+    def layout_of(
+        params: list[nn.Parameter], groups: ShardGroups, policy: StagePolicy, options: UnitOptions
+    ) -> FlatLayout:
+        """The flat layout a unit of `params` gets (padded for the ranks its optimizer state spans)."""
+        shard_world = groups.shard.size if policy.shard_optimizer else 1
+        return FlatLayout(tuple(tuple(local_tensor(p).shape) for p in params), shard_world, options.alignment)
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or, unless async, also finish) gathering the full parameters of a sharded unit."""
+        if self.shard_state is ShardState.SHARDED:
+            self.compute_flat.untyped_storage().resize_(self.layout.padded_numel * self.compute_flat.element_size())
+            self._gather = self._start_gather()
+            self.shard_state = ShardState.GATHERING
+        if self.shard_state is ShardState.GATHERING and not async_op:
+            self._gather.wait()
+            self._gather = None
+            self.shard_state = ShardState.UNSHARDED
+
+    def _start_gather(self) -> Pending:
+        options, bucket = self.options, self.allgather_bucket
+        if self.secondary_valid:  # hpZ: inside the secondary group, in the compute dtype
+            return self.comm.all_gather(
+                self.compute_flat, self.secondary_shard, self.groups.secondary, bucket_numel=bucket, async_op=True
+            )
+        source = self.compute_shard.to(options.device, non_blocking=True)  # offloaded parameters: staged
+        if options.weight_quant is not None:  # qwZ
+            return all_gather_quantized(
+                self.comm,
+                self.compute_flat,
+                source,
+                options.weight_quant,
+                self.groups.shard,
+                options.kernels,
+                bucket_numel=bucket,
+                async_op=True,
+                stream=options.quant_stream,
+            )
+        return self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=bucket, async_op=True)
+
+    @property
+    def secondary_valid(self) -> bool:
+        return self.secondary_shard is not None and self._secondary_version == self.version
+
+    def reshard(self) -> None:
+        """Free the gathered parameters of a sharded unit (resident units keep theirs); with hpZ keep
+        this rank's secondary shard of them first."""
+        if self.resident or self.shard_state is ShardState.SHARDED:
+            return
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+        if self.secondary_shard is not None and not self.secondary_valid:
+            start, stop = self._secondary_range
+            self.secondary_shard.copy_(self.compute_flat[start:stop])
+            self._secondary_version = self.version
+        self.compute_flat.untyped_storage().resize_(0)
+        self.shard_state = ShardState.SHARDED
+
+    # -- training state --------------------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        """A backward pass starts: every parameter's gradient is awaited."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._grads_missing = len(self.params)
+
+    def enter_backward(self) -> bool:
+        """The first output gradient reached the unit; return whether it must be gathered for backward
+        (only the first time in a backward, and not once its gradients are all in)."""
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return False
+        self.training_state = TrainingState.BACKWARD
+        return True
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """Add parameter `index`'s gradient into the flat gradient buffer (allocated on first use);
+        return whether it was the last one this backward awaited."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            raise RuntimeError(
+                f"zeropp: parameter {self.names[index]} received a second gradient after its unit was reduced "
+                "(reentrant activation checkpointing?); use torch.utils.checkpoint with use_reentrant=False"
+            )
+        if self.grad_flat is None:  # fresh: each parameter's first gradient is copied in, not added to zeros
+            self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype)
+            self._unwritten = set(range(len(self.params)))
+        if isinstance(grad, DTensor):  # tensor parallelism: in the parameter's own placement, this rank's piece
+            param = self.params[index]
+            if all(p.is_partial() for p in grad.placements) and all(p.is_replicate() for p in param.placements):
+                self._tp_partial.add(index)  # summed over the tensor-parallel group when reduced
+            elif grad.placements != param.placements:
+                grad = grad.redistribute(placements=param.placements)
+            grad = grad.to_local()
+        start, stop = self.layout.param_range(index)
+        if self._unwritten is not None and index in self._unwritten:
+            self._unwritten.discard(index)
+            self.grad_flat[start:stop].copy_(grad.reshape(-1))
+        else:
+            self.grad_flat[start:stop].add_(grad.reshape(-1))
+        self._grads_missing -= 1
+        return self._grads_missing == 0
+
+    def finish_backward(self) -> None:
+        """Every gradient this backward will produce is in (some parameters may have got none)."""
+        self.training_state = TrainingState.POST_BACKWARD
+
+    @property
+    def finished_backward(self) -> bool:
+        return self.training_state is TrainingState.POST_BACKWARD
+
+    def end_backward(self) -> None:
+        self.training_state = TrainingState.IDLE
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> Pending:
+        """Reduce this rank's gradients over the shard group (mean), asynchronously.
+
+        Stage 0 all-reduces ``grad_flat`` in place; stage 1 reduce-scatters it and writes the mean
+        shard back into its own slice of ``grad_flat``; stages 2 and 3 reduce-scatter into
+        ``grad_shard`` (adding to what earlier micro-batches left there) and drop ``grad_flat``.
+        With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
+        """
+        if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
+            self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype).zero_()
+        self._zero_unwritten()
+        # sequence parallelism: each tp rank's norm gradients cover its slice of the sequence; one
+        # all-reduce per unit sums them (Megatron's coalesced norm all-reduce); linear, so micro-batches
+        # accumulated before it add up the same
+        partial = [self.grad_flat[slice(*self.layout.param_range(i))] for i in sorted(self._tp_partial)]
+        self.comm.all_reduce_coalesced(partial, self.comm.topology.tensor_parallel, reduce="sum")
+        if not self.policy.shard_optimizer:
+            return self.comm.all_reduce(self.grad_flat, self.groups.shard, async_op=True)
+        flat = self.grad_flat
+        mine = self.shard_of(flat)
+        if self.shard_world == 1:  # the mean over one rank is the gradient itself: nothing to move
+            if not self.policy.shard_gradients:
+                return Pending([])
+            self.grad_flat = None
+            return Pending([], lambda: self._accumulate_reduced(flat))
+        out = self._gradients.take(mine.numel(), self.grad_dtype)
+        pending = self._reduce_scatter(out, flat)
+        if not self.policy.shard_gradients:  # stage 1: the mean shard goes back into its own slice
+
+            def write_back() -> None:
+                mine.copy_(out)
+                self._gradients.give_back(out)
+
+            return Pending([pending], write_back, start_hops=pending.start_ready_hops)
+        # the full gradient lives only as long as its reduction needs it (qgZ: not past the quantization)
+        self.grad_flat = None
+
+        def finish() -> None:
+            self._accumulate_reduced(out)
+            self._gradients.give_back(flat)
+
+        return Pending([pending], finish, start_hops=pending.start_ready_hops)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
+        options = self.options
+        if not self.quantize_gradients:
+            return self.comm.reduce_scatter(
+                out, flat, self.groups.shard, bucket_numel=self.reduce_bucket, async_op=True
+            )
+        return reduce_scatter_quantized(
+            self.comm,
+            out,
+            flat,
+            options.grad_quant,
+            options.kernels,
+            self.groups,
+            chunks=options.qgz_chunks,
+            bucket_numel=self.reduce_bucket,
+            intra_spec=options.grad_intra_quant,
+            hadamard_rotation=options.grad_hadamard,
+            feedback=self.error_feedback,
+        )
+
+    def _zero_unwritten(self) -> None:
+        """Zero what no gradient was copied into since ``grad_flat`` was allocated: the slices of
+        parameters that got none, and the padding."""
+        if self._unwritten is None:
+            return
+        for index in self._unwritten:
+            start, stop = self.layout.param_range(index)
+            self.grad_flat[start:stop].zero_()
+        self.grad_flat[self.layout.numel :].zero_()
+        self._unwritten = None
+
+    def _accumulate_reduced(self, shard: torch.Tensor) -> None:
+        if self.grad_shard is None:
+            self.grad_shard = shard
+        else:
+            self.grad_shard.add_(shard)
+            self._gradients.give_back(shard)
+
+    def reduced_gradient(self) -> torch.Tensor:
+        """This rank's reduced gradient, aligned with ``master`` (zeros if none arrived)."""
+        if self.policy.shard_gradients:
+            if self.grad_shard is None:
+                self.grad_shard = self._gradients.take(self.master.numel(), self.grad_dtype).zero_()
+            return self.grad_shard
+        return self.shard_of(self.grad_flat)
+
+    def grad_squares(self, count_whole: bool) -> torch.Tensor:
+        """Sum of squares of the master's gradient on this rank, the parameters whole on every
+        tensor-parallel rank (not split by a DTensor plan) included only where `count_whole`, so that
+        a sum over the tensor-parallel ranks counts them once."""
+        grad = self.master.grad
+        if count_whole:
+            return torch.linalg.vector_norm(grad).square()
+        offset = 0 if self.shard_world == 1 else self.layout.shard_range(self.groups.shard.rank)[0]
+        total = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        for index, param in enumerate(self.params):
+            if is_split(param):
+                start, stop = self.layout.param_range(index)
+                start, stop = max(start - offset, 0), min(stop - offset, grad.numel())
+                if start < stop:
+                    total += torch.linalg.vector_norm(grad[start:stop]).square()
+        return total
+
+    def clear_gradients(self) -> None:
+        if self.policy.shard_gradients:
+            self._gradients.give_back(self.grad_shard)
+            self._gradients.give_back(self.grad_flat)
+            self.grad_shard = None
+            self.grad_flat = None
+        else:
+            self.grad_flat.zero_()
+
+    # -- whole flat buffers and per-parameter pieces (state dicts, checkpoints) --------------------
+
+    def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole padded flat buffer of which `shard` (aligned with ``master``) is this rank's piece."""
+        shard = shard.to(self.options.device)  # an offloaded one travels from the device
+        if self.shard_world == 1:
+            return shard
+        flat = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(flat, shard, self.groups.shard, bucket_numel=self.allgather_bucket)
+        return flat
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole padded flat buffer (the inverse of gather_flat)."""
+        if self.shard_world == 1:
+            return flat
+        start, stop = self.layout.shard_range(self.groups.shard.rank)
+        return flat[start:stop]
+
+    def param_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's piece of every parameter of the flat buffer whose shard is `shard`: its rows
+        cut like ``torch.chunk`` over the shard group (:meth:`FlatLayout.row_chunk`), flattened; the
+        sharding-independent layout of checkpoints. Collective."""
+        flat, group = self.gather_flat(shard), self.groups.shard
+        pieces = []
+        for index, view in enumerate(self.layout.split(flat)):
+            start, stop = self.layout.row_chunk(index, group.size, group.rank)
+            pieces.append(view.reshape(-1)[start:stop].clone())
+        return pieces
+
+    def flat_from_param_chunks(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """The whole padded flat buffer from every rank's :meth:`param_chunks` (one all-gather).
+
+        Each rank sends its chunks padded to the largest chunk size of each parameter (rank 0's), so
+        the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a parameter's
+        chunks read in rank order, cut to its n elements, are the parameter (every chunk but the
+        last ones is the largest size)."""
+        group, layout = self.groups.shard, self.layout
+        widths = [stop - start for start, stop in (layout.row_chunk(i, group.size, 0) for i in range(len(chunks)))]
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+        send = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=self.options.device)
+        for chunk, offset in zip(chunks, offsets, strict=True):
+            send[offset : offset + chunk.numel()].copy_(chunk.reshape(-1))
+        rows = torch.empty(group.size * send.numel(), dtype=send.dtype, device=send.device)
+        self.comm.all_gather(rows, send, group, bucket_numel=self.allgather_bucket)
+        rows = rows.view(group.size, -1)
+        numels = layout.numels
+        params = [rows[:, o : o + w].reshape(-1)[:n] for o, w, n in zip(offsets, widths, numels, strict=True)]
+        return layout.join(params, send.dtype, send.device)
+
+    def load_master(self, flat: torch.Tensor) -> None:
+        """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
+        self.load_master_shard(self.shard_of(flat))
+
+    def load_master_shard(self, shard: torch.Tensor) -> None:
+        """Set this rank's fp32 master shard and make every copy of the weights follow it."""
+        self.reshard()
+        self.master.data.copy_(shard)
+        self.publish_master()
+
+    # -- after the optimizer step -----------------------------------------------------------------
+
+    def publish_master(self) -> None:
+        """Make the compute-dtype parameters follow the updated fp32 master."""
+        self.version += 1
+        if not self.resident:
+            if self.compute_shard.data_ptr() != self.master.data_ptr():
+                self.compute_shard.copy_(self.master.data, non_blocking=True)
+        elif self.shard_world == 1:
+            if self.compute_flat.data_ptr() != self.master.data_ptr():
+                self.compute_flat.copy_(self.master.data, non_blocking=True)
+        else:
+            source = self.master.data.to(self.options.device, self.compute_dtype)
+            self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=self.allgather_bucket)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this unit keeps (for measured model-state bytes)."""
+        kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard)
+        residuals = self.error_feedback.residuals.values() if self.error_feedback is not None else ()
+        return [t for t in (*kept, self.grad_flat, self.grad_shard, *residuals) if t is not None]
