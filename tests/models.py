@@ -11,6 +11,18 @@ from zeropp.app.models.gpt import GPT, GPTConfig
 
 GPT_TEST = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32)
 
+# the exactness tests: fp32 runs equal one process within TOLERANCE after STEPS AdamW steps
+STEPS = 5
+TOLERANCE = 1e-5
+# The attention key bias has an exactly zero gradient (softmax ignores a shift shared by all keys),
+# so every run feeds Adam pure rounding noise there, and eps=1e-8 would turn that noise into +-lr
+# steps in opposite directions. eps=1e-4 keeps noise-level gradients at noise level on both sides.
+ADAM_EPS = 1e-4
+# bf16 runs: within BF16_TOLERANCE of fp32 after BF16_STEPS
+BF16_STEPS = 5
+BF16_TOLERANCE = 2e-2
+BF16_OPTIM = dict(lr=3e-3, eps=ADAM_EPS, weight_decay=0.01)
+
 
 class EdgeModel(nn.Module):
     """The unmodified-model cases: frozen, unused, 1-element and twice-called parameters, an unused unit."""

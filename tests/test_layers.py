@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import zeropp
 
 PACKAGE = Path(zeropp.__file__).parent
@@ -119,29 +117,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.unit
 def test_every_module_belongs_to_a_layer():
     unknown = [m for m in MODULES if m != "zeropp" and m.split(".")[1] not in LAYERS]
     assert not unknown, f"modules outside the layers {LAYERS}: {unknown}"
 
 
-@pytest.mark.unit
 def test_no_module_imports_a_later_layer():
     assert upward_imports(import_graph(MODULES)) == []
 
 
-@pytest.mark.unit
 def test_no_import_cycles():
     assert cycles(import_graph(MODULES)) == []
 
 
-@pytest.mark.unit
 def test_the_top_level_holds_at_most_five_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 5, top
 
 
-@pytest.mark.unit
 def test_the_checks_fail_on_an_upward_import_and_a_cycle():
     """The checks can fail: a deliberate upward import and a two-module cycle are both caught."""
     graph = import_graph(MODULES)
@@ -155,7 +148,6 @@ def test_the_checks_fail_on_an_upward_import_and_a_cycle():
     )
 
 
-@pytest.mark.unit
 def test_function_level_imports_count_and_type_checking_ones_do_not():
     source = (
         "from typing import TYPE_CHECKING\n"

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 from launcher import run_ranks
-from models import global_batch, loss_of, make_model, reference_state, rows
+from models import BF16_OPTIM as OPTIM
+from models import BF16_STEPS, BF16_TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
 
 from zeropp.config.sections import LossScaleConfig
 from zeropp.zero.precision import LossScaler
 
 WORLD = 2
-BF16_STEPS = 5
-BF16_TOLERANCE = 2e-2
-OPTIM = dict(lr=3e-3, eps=1e-4, weight_decay=0.01)  # eps: see test_exactness.py (zero-gradient key bias)
 
 
 # -- LossScaler, no processes ------------------------------------------------------------------------

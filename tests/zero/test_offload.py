@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_ranks
-from models import global_batch, loss_of, make_model, rows
-from test_exactness import ADAM_EPS
+from models import ADAM_EPS, global_batch, loss_of, make_model, rows
 
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError

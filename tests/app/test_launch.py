@@ -10,15 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+from cli_runner import run_cli
 from launcher import free_port
 
 LONG_RUN = ("train", "--preset", "tiny", "--steps", "100000", "--nproc-per-node", "2", "--eval-interval", "100000")
 
 
-def zeropp(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -83,7 +80,7 @@ def test_a_busy_port_is_named_with_the_flag_to_change_it():
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = zeropp("train", "--preset", "tiny", "--steps", "1", "--master-port", str(port))
+        result = run_cli("train", "--preset", "tiny", "--steps", "1", "--master-port", str(port))
     assert result.returncode == 2
     assert error_lines(result) == [
         f"zeropp: error: port {port} is already in use on this machine; choose another with --master-port "
@@ -96,7 +93,7 @@ def test_one_node_picks_a_free_port_by_default():
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         busy.bind(("", 29511))
         busy.listen()
-        result = zeropp("train", "--preset", "tiny", "--steps", "1", "--eval-batches", "1", "--nproc-per-node", "2")
+        result = run_cli("train", "--preset", "tiny", "--steps", "1", "--eval-batches", "1", "--nproc-per-node", "2")
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -113,14 +110,14 @@ def test_environment_that_contradicts_the_flags_is_refused():
         ),
     ]
     for extra, expected in cases:
-        result = zeropp("train", "--nproc-per-node", "2", env={**base, **extra})
+        result = run_cli("train", "--nproc-per-node", "2", env={**base, **extra})
         lines = error_lines(result)
         assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, result.stderr[-2000:])
 
 
 def test_missing_nodes_are_announced_and_given_up_on_after_the_join_timeout():
     port = free_port()
-    result = zeropp(
+    result = run_cli(
         "train", "--preset", "tiny", "--nnodes", "2", "--nproc-per-node", "1", "--join-timeout-s", "2",
         "--master-port", str(port), timeout=60,
     )  # fmt: skip

@@ -17,17 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_cli
 from launcher import free_port, run_ranks
 
 TINY = ["train", "--preset", "tiny", "--nproc-per-node", "2", "--eval-batches", "1"]
 
 
-def zeropp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def tiny_run(*args: str) -> subprocess.CompletedProcess:
-    return zeropp(*TINY, "--master-port", str(free_port()), *args)
+    return run_cli(*TINY, "--master-port", str(free_port()), *args)
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -81,7 +80,7 @@ def test_every_float_key_refuses_non_finite_values(value):
 
 
 def test_lr_inf_is_refused_before_launch():
-    one_line_error(zeropp("train", "--lr", "inf"), "optim.lr = inf", "a finite number")
+    one_line_error(run_cli("train", "--lr", "inf"), "optim.lr = inf", "a finite number")
 
 
 def test_diverging_run_stops_in_one_line_and_keeps_only_finite_checkpoints(tmp_path):
@@ -239,7 +238,7 @@ def test_a_damaged_checkpoint_file_is_named_on_resume_and_export(finished_run, t
         data[len(data) // 2 : len(data) // 2 + 16] = bytes(255 - b for b in data[len(data) // 2 : len(data) // 2 + 16])
         shard.write_bytes(bytes(data))
     for args in (("export", str(damaged), str(tmp_path / "out.safetensors")), (*TINY, "--resume", str(damaged))):
-        one_line_error(zeropp(*args), f"file '{shards[0].name}' is damaged")
+        one_line_error(run_cli(*args), f"file '{shards[0].name}' is damaged")
     assert not (tmp_path / "out.safetensors").exists()
 
 

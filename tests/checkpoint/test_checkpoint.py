@@ -17,29 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_cli
 from launcher import free_port, run_ranks
-
-TINY = {"model": {"preset": "tiny", "block_size": 32}}
-PROBE = torch.arange(64).view(2, 32) * 7 % 256
-
-
-def _config(checkpoint_dir: Path, steps: int, nodes: int, micro_batch: int = 1, **sections):
-    from zeropp.config.sections import load_config
-
-    data = {
-        "model": dict(TINY["model"]),
-        "train": {"steps": steps, "micro_batch_size": micro_batch, "eval_batches": 1, "eval_interval": 1000},
-        "topology": {"nodes": nodes},
-        "checkpoint": {"checkpoint_dir": str(checkpoint_dir), "keep_last": 0},
-    }
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    return load_config(data)
-
-
-def _weights(trainer) -> dict[str, torch.Tensor]:
-    return trainer.engine.full_state_dict()
-
+from runs import PROBE, run_config, weights_of
 
 # -- exact resume ---------------------------------------------------------------------------------
 
@@ -70,20 +50,20 @@ def resume_worker(root: str) -> dict:
     out = {}
     for name, zero in RESUME_CASES.items():
         folder = Path(root) / name
-        straight = Trainer(_config(folder / "straight", 12, nodes=2, zero=zero))
+        straight = Trainer(run_config(folder / "straight", 12, nodes=2, zero=zero))
         straight_losses = [straight.train_step(step) for step in range(12)]
-        first = Trainer(_config(folder / "resumed", 12, nodes=2, zero=zero))
+        first = Trainer(run_config(folder / "resumed", 12, nodes=2, zero=zero))
         for step in range(6):
             first.train_step(step)
         first.save(6)
-        second = Trainer(_config(folder / "resumed", 12, nodes=2, zero=zero, checkpoint={"resume": "auto"}))
+        second = Trainer(run_config(folder / "resumed", 12, nodes=2, zero=zero, checkpoint={"resume": "auto"}))
         resumed_losses = [second.train_step(step) for step in range(second.start_step, 12)]
-        a, b = _weights(straight), _weights(second)
+        a, b = weights_of(straight), weights_of(second)
         out[name] = dict(
             start=second.start_step,
             losses_equal=straight_losses[6:] == resumed_losses,
             weights_equal=all(torch.equal(a[k], b[k]) for k in a),
-            trained=not torch.equal(a["wte.weight"], _weights(first)["wte.weight"]),
+            trained=not torch.equal(a["wte.weight"], weights_of(first)["wte.weight"]),
         )
     out["residuals"] = _residuals_across_worlds(Path(root) / "zeropp-loco" / "resumed")
     return out
@@ -98,10 +78,10 @@ def _residuals_across_worlds(folder: Path) -> dict:
     from zeropp.app.trainer import Trainer
 
     zero, resume = RESUME_CASES["zeropp-loco"], {"resume": "auto"}
-    same = Trainer(_config(folder, 12, nodes=2, zero=zero, checkpoint=resume))
+    same = Trainer(run_config(folder, 12, nodes=2, zero=zero, checkpoint=resume))
     note = io.StringIO()
     with contextlib.redirect_stdout(note):
-        other = Trainer(_config(folder, 12, nodes=1, zero=zero, checkpoint=resume))
+        other = Trainer(run_config(folder, 12, nodes=1, zero=zero, checkpoint=resume))
     norms = [
         [float(r.abs().max()) for u in t.engine.units for r in u.error_feedback.residuals.values()] for t in (same, other)
     ]
@@ -127,7 +107,7 @@ def test_resume_is_bit_identical_for_stages_1_2_3_and_zeropp_with_error_feedback
 def save_world4_worker(root: str) -> dict:
     from zeropp.app.trainer import Trainer
 
-    trainer = Trainer(_config(Path(root), 8, nodes=2, zero={"stage": 3}))
+    trainer = Trainer(run_config(Path(root), 8, nodes=2, zero={"stage": 3}))
     for step in range(4):
         trainer.train_step(step)
     trainer.save(4)
@@ -136,19 +116,19 @@ def save_world4_worker(root: str) -> dict:
     trainer.engine.train()
     for step in range(4, 7):
         trainer.train_step(step)
-    return dict(logits=logits, after=_weights(trainer))
+    return dict(logits=logits, after=weights_of(trainer))
 
 
 def load_worker(root: str, stage: int, micro_batch: int) -> dict:
     from zeropp.app.trainer import Trainer
 
-    config = _config(Path(root), 8, nodes=1, micro_batch=micro_batch, zero={"stage": stage})
+    config = run_config(Path(root), 8, nodes=1, micro_batch=micro_batch, zero={"stage": stage})
     config.checkpoint.resume = "auto"
     trainer = Trainer(config)
-    loaded = _weights(trainer)
+    loaded = weights_of(trainer)
     for step in range(trainer.start_step, 7):
         trainer.train_step(step)
-    return dict(start=trainer.start_step, loaded=loaded, after=_weights(trainer))
+    return dict(start=trainer.start_step, loaded=loaded, after=weights_of(trainer))
 
 
 def test_save_at_world4_loads_at_world2_and_world1_and_exports(tmp_path):
@@ -173,7 +153,7 @@ def test_save_at_world4_loads_at_world2_and_world1_and_exports(tmp_path):
             error = max((result["after"][k] - world4[0]["after"][k]).abs().max().item() for k in saved)
             assert error <= 1e-5, f"world {world} continued {error:.3g} away from world 4"
     # the exported file loads into the unmodified model and reproduces the sharded model's outputs
-    model = GPT(gpt_config(_config(tmp_path, 8, nodes=1).model))
+    model = GPT(gpt_config(run_config(tmp_path, 8, nodes=1).model))
     model.load_state_dict(saved)
     with torch.no_grad():
         assert torch.allclose(model(PROBE), world4[0]["logits"], atol=1e-6, rtol=0)
@@ -189,10 +169,10 @@ def interrupted_save_worker(root: str) -> dict:
     from zeropp.app.trainer import Trainer
     from zeropp.checkpoint.dcp import CheckpointError, _state_to_save, find_latest, load_checkpoint
 
-    trainer = Trainer(_config(Path(root), 8, nodes=2, zero={"stage": 3}))
+    trainer = Trainer(run_config(Path(root), 8, nodes=2, zero={"stage": 3}))
     trainer.train_step(0)
     trainer.save(1)
-    saved = _weights(trainer)
+    saved = weights_of(trainer)
     trainer.train_step(1)
     # what a save killed after every rank wrote its data, before the publish, leaves behind
     dcp.save(_state_to_save(trainer.engine), storage_writer=FileSystemWriter(f"{root}/.step-00000002.partial"))
@@ -214,7 +194,7 @@ def interrupted_save_worker(root: str) -> dict:
     after_disk_full = sorted(p.name for p in Path(root).iterdir())
     torch.distributed.barrier()
     load_checkpoint(trainer.engine, find_latest(root))
-    reloaded = _weights(trainer)
+    reloaded = weights_of(trainer)
     trainer.train_step(1)
     trainer.save(2)  # a good save clears what the killed one left
     return dict(
@@ -241,8 +221,6 @@ def test_killed_or_out_of_disk_save_leaves_previous_checkpoint_loadable(tmp_path
 # -- zeropp train: a killed rank, bad inputs -------------------------------------------------------------
 
 
-def zeropp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _children(pid: int) -> list[int]:
@@ -263,7 +241,7 @@ def test_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(tm
 
     run = ["train", "--preset", "tiny", "--steps", "60", "--eval-batches", "1", "--save-interval", "10"]
     run += ["--keep-last", "0", "--resume", "auto", "--max-restarts", "1"]
-    straight = zeropp(*run, "--checkpoint-dir", str(tmp_path / "a"), "--master-port", str(free_port()))
+    straight = run_cli(*run, "--checkpoint-dir", str(tmp_path / "a"), "--master-port", str(free_port()))
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     summary = tmp_path / "summary.json"
@@ -293,7 +271,7 @@ def test_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(tm
 def small_checkpoint(tmp_path_factory) -> Path:
     """A real checkpoint of the tiny GPT written by zeropp train (2 ranks, 2 steps)."""
     root = tmp_path_factory.mktemp("ckpt")
-    result = zeropp(
+    result = run_cli(
         "train", "--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--nproc-per-node", "2",
         "--checkpoint-dir", str(root), "--save-interval", "2", "--master-port", str(free_port()),
     )  # fmt: skip
@@ -334,7 +312,7 @@ def test_bad_checkpoint_inputs_fail_in_one_line_before_launch_and_destroy_nothin
         (("export", str(corrupt), str(tmp_path / "out.safetensors")), ("incomplete or corrupt",)),
     ]
     for args, fragments in cases:
-        _one_line_error(zeropp(*args), *fragments)
+        _one_line_error(run_cli(*args), *fragments)
     assert _digest(small_checkpoint.parent) == before
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -376,7 +354,7 @@ def cuda_generator_worker(root: str) -> bool:
     return torch.equal(torch.rand(4, device=topology.device), expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_a_checkpoint_restores_the_cuda_generator(tmp_path):
     """Dropout on CUDA draws from the device's generator: a resume continues its stream."""
     assert run_ranks(cuda_generator_worker, 1, root=str(tmp_path)) == [True]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from launcher import free_port
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUNS = int(os.environ.get("ZEROPP_TEARDOWN_RUNS", "2"))
 WORLDS = [int(w) for w in os.environ.get("ZEROPP_TEARDOWN_WORLDS", "2").split(",")]
 NO_SHUTDOWN = f"""

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from launcher import free_port
 
 TINY = ("train", "--preset", "tiny", "--steps", "1", "--nproc-per-node", "2")
 
 
-def zeropp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -51,7 +49,7 @@ def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
 def test_bad_flags(flags, fragments):
     if "nccl" in flags:
         pytest.importorskip("torch").cuda.is_available() and pytest.skip("CUDA is available here")
-    one_line(zeropp(*TINY, "--master-port", str(free_port()), *flags), *fragments)
+    one_line(run_cli(*TINY, "--master-port", str(free_port()), *flags), *fragments)
 
 
 def test_bad_config_files(tmp_path):
@@ -67,20 +65,20 @@ def test_bad_config_files(tmp_path):
         (folder, ("is a directory",)),
     ]
     for path, fragments in cases:
-        one_line(zeropp(*TINY, "--config", str(path)), str(path), *fragments)
+        one_line(run_cli(*TINY, "--config", str(path)), str(path), *fragments)
 
 
 def test_summary_json_that_cannot_be_written_is_refused_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    one_line(zeropp(*TINY, "--summary-json", str(blocker / "summary.json")), "--summary-json", "cannot be written")
-    one_line(zeropp(*TINY, "--summary-json", str(tmp_path)), "--summary-json", "cannot be written")
+    one_line(run_cli(*TINY, "--summary-json", str(blocker / "summary.json")), "--summary-json", "cannot be written")
+    one_line(run_cli(*TINY, "--summary-json", str(tmp_path)), "--summary-json", "cannot be written")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpt")
-    result = zeropp(
+    result = run_cli(
         *TINY, "--eval-batches", "1", "--checkpoint-dir", str(root), "--save-interval", "1",
         "--master-port", str(free_port()),
     )  # fmt: skip
@@ -94,7 +92,7 @@ def test_export_to_a_directory_or_a_full_disk(checkpoint, tmp_path, monkeypatch,
 
     from zeropp.cli import main
 
-    one_line(zeropp("export", str(checkpoint), str(tmp_path)), "it is a directory")
+    one_line(run_cli("export", str(checkpoint), str(tmp_path)), "it is a directory")
 
     def disk_full(*args, **kwargs):  # what safetensors raises on ENOSPC: not an OSError
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from launcher import run_ranks
-from test_checkpoint import PROBE, _config, _weights
-from test_exactness import ADAM_EPS, TOLERANCE
+from models import ADAM_EPS, TOLERANCE
+from runs import PROBE, run_config, weights_of
 
 STEPS, SAVED_AT = 8, 4
 
@@ -20,7 +20,7 @@ def save_tp_worker(root: str) -> dict:
 
     def config(name: str, **checkpoint):
         tp = {"tensor_parallel_size": 2}
-        return _config(Path(root) / name, STEPS, nodes=2, micro_batch=2, zero={"stage": 3}, topology=tp, **checkpoint)
+        return run_config(Path(root) / name, STEPS, nodes=2, micro_batch=2, zero={"stage": 3}, topology=tp, **checkpoint)
 
     straight = Trainer(config("straight"))
     straight_losses = [straight.train_step(step) for step in range(STEPS)]
@@ -28,12 +28,12 @@ def save_tp_worker(root: str) -> dict:
     for step in range(SAVED_AT):
         first.train_step(step)
     first.save(SAVED_AT)
-    saved = _weights(first)
+    saved = weights_of(first)
     with torch.no_grad():
         logits = first.engine.eval()(PROBE)
     resumed = Trainer(config("saved", checkpoint={"resume": "auto"}))
     resumed_losses = [resumed.train_step(step) for step in range(resumed.start_step, STEPS)]
-    a, b = _weights(straight), _weights(resumed)
+    a, b = weights_of(straight), weights_of(resumed)
     return dict(
         start=resumed.start_step,
         losses_equal=straight_losses[SAVED_AT:] == resumed_losses,
@@ -51,13 +51,13 @@ def load_worker(root: str, tp: int, micro_batch: int, stage: int) -> dict:
     checkpoint = {"resume": str(Path(root) / "saved" / f"step-{SAVED_AT:08d}")}
     topology = {"tensor_parallel_size": tp}
     trainer = Trainer(
-        _config(Path(root) / f"tp{tp}", STEPS, nodes=1, micro_batch=micro_batch, zero={"stage": stage},
+        run_config(Path(root) / f"tp{tp}", STEPS, nodes=1, micro_batch=micro_batch, zero={"stage": stage},
                 topology=topology, checkpoint=checkpoint)  # fmt: skip
     )
-    loaded = _weights(trainer)
+    loaded = weights_of(trainer)
     for step in range(trainer.start_step, STEPS):
         trainer.train_step(step)
-    return dict(start=trainer.start_step, loaded=loaded, final=_weights(trainer))
+    return dict(start=trainer.start_step, loaded=loaded, final=weights_of(trainer))
 
 
 def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_exports(tmp_path):
@@ -76,7 +76,7 @@ def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_expo
     whole = load_file(str(exported))
     assert whole.keys() == reference["saved"].keys()
     assert all(torch.equal(whole[k], reference["saved"][k]) for k in whole), "export differs from the run's weights"
-    model = GPT(gpt_config(_config(tmp_path, STEPS, nodes=1).model))
+    model = GPT(gpt_config(run_config(tmp_path, STEPS, nodes=1).model))
     model.load_state_dict(whole)  # the unmodified model, unsharded
     with torch.no_grad():
         assert torch.allclose(model(PROBE), reference["logits"], atol=1e-6, rtol=0)

@@ -33,19 +33,6 @@ from zeropp.tools.cluster import (
     run_cluster,
 )
 
-
-def _namespaces_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` is unavailable here"
-    return None
-
-
-needs_netns = pytest.mark.skipif(_namespaces_unavailable() is not None, reason=str(_namespaces_unavailable()))
-
 # 2 nodes x 2 ranks, tiny GPT: ~8 s on 2 cores
 TINY = ["--preset", "tiny", "--eval-batches", "1", "--micro-batch-size", "1"]
 # eager construction: rank 0's weights are broadcast, which the wire comparison accounts for too
@@ -85,6 +72,7 @@ def leftovers(prefix: str, links_before: set[str] | None = None) -> list[str]:
 # -- refusals and pure functions (no root needed) -------------------------------------------------
 
 
+@pytest.mark.cli  # lists namespaces with `ip`
 def test_refuses_without_root_in_one_line_before_creating_anything(monkeypatch, capsys):
     before = set(list_netns()) if shutil.which("ip") else set()
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
@@ -182,7 +170,7 @@ def tiny_run(tmp_path_factory):
     return result, time.monotonic() - tick, leftovers(result.prefix, links), tmp
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_two_nodes_train_over_the_shaped_link(tiny_run):
     result, elapsed, left, tmp = tiny_run
     assert result.returncode == 0, "\n".join(line for tail in result.log_tails for line in tail[-30:])
@@ -200,7 +188,7 @@ def test_two_nodes_train_over_the_shaped_link(tiny_run):
     assert left == []
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_wire_bytes_agree_with_the_ledger(tiny_run):
     result, _, _, _ = tiny_run
     assert result.returncode == 0
@@ -215,7 +203,7 @@ def test_wire_bytes_agree_with_the_ledger(tiny_run):
         assert LINK_PAYLOAD_BOUNDS[0] <= node["ratio"] <= LINK_PAYLOAD_BOUNDS[1], node
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_wire_bytes_per_step_agree_with_the_ledger(tiny_run, tmp_path):
     """Two runs that differ only in --steps: everything but the steps cancels in the difference."""
     short, _, _, _ = tiny_run
@@ -227,7 +215,7 @@ def test_wire_bytes_per_step_agree_with_the_ledger(tiny_run, tmp_path):
     assert leftovers(long.prefix) == []
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_three_nodes_share_a_bridge_and_resolve_each_other(tmp_path):
     links = root_links()
     with EmulatedCluster(3, parse_bandwidth("1gbit")) as c:
@@ -258,7 +246,7 @@ def test_three_nodes_share_a_bridge_and_resolve_each_other(tmp_path):
     assert leftovers(prefix, links) == []
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_a_run_failing_inside_the_ranks_cleans_up(tmp_path):
     if sys.modules.get("torch") is not None and sys.modules["torch"].cuda.is_available():
         pytest.skip("Triton would work here")
@@ -271,7 +259,7 @@ def test_a_run_failing_inside_the_ranks_cleans_up(tmp_path):
     assert leftovers(result.prefix, links) == []
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_a_bad_train_flag_fails_and_cleans_up(capsys):
     links = root_links()
     status = cluster.main(["run", "--quiet", "--", *TINY, "--no-such-flag"])
@@ -281,7 +269,7 @@ def test_a_bad_train_flag_fails_and_cleans_up(capsys):
     assert root_links() == links
 
 
-@needs_netns
+@pytest.mark.cluster
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_killed_run_cleans_up(tmp_path, sig, status):
     links = root_links()
@@ -310,7 +298,7 @@ def test_a_killed_run_cleans_up(tmp_path, sig, status):
     assert leftovers(prefix, links) == []
 
 
-@needs_netns
+@pytest.mark.cluster
 def test_cleanup_removes_the_namespaces_of_dead_runs():
     name = "zpp999999999-0-n0"  # no such pid: a run that was SIGKILLed
     subprocess.run(["ip", "netns", "add", name], check=True)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+from cli_runner import run_cli
 from launcher import free_port
 
 SUMMARY_KEYS = {
@@ -24,13 +23,11 @@ SUMMARY_KEYS = {
 }
 
 
-def zeropp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeropp.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_path):
     out = tmp_path / "summary.json"
-    result = zeropp(
+    result = run_cli(
         "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1",
         "--master-port", str(free_port()), "--summary-json", str(out),
     )  # fmt: skip
@@ -59,7 +56,7 @@ def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residua
     from zeropp.costs.memory import qgz_residual_bytes
 
     out = tmp_path / "summary.json"
-    result = zeropp(
+    result = run_cli(
         "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1", "--eval-interval", "2",
         "--gradient-error-feedback", "loco", "--err-beta", "0.5", "--gradient-intra-node-bits", "8",
         "--gradient-hadamard", "--quantized-gradients-until", "0.5",
@@ -95,20 +92,20 @@ def test_deepspeed_flag_names_and_zeropp_opt_out_parse():
 
 
 def test_bad_flag_value_is_one_line_error_before_launch():
-    result = zeropp("train", "--stage", "5")
+    result = run_cli("train", "--stage", "5")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == ["zeropp: error: zero.stage = 5 is not allowed; expected one of 0, 1, 2, 3"]
 
 
 def test_nodes_must_divide_world_before_launch():
-    result = zeropp("train", "--nodes", "3", "--nproc-per-node", "4")
+    result = run_cli("train", "--nodes", "3", "--nproc-per-node", "4")
     assert result.returncode == 2
     assert "topology.nodes = 3 does not divide world size 4" in result.stderr
 
 
 def test_hpz_partition_that_does_not_fit_the_world_is_refused_before_launch():
-    result = zeropp("train", "--nproc-per-node", "4", "--hpz-partition-size", "3")
+    result = run_cli("train", "--nproc-per-node", "4", "--hpz-partition-size", "3")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("zeropp: error: zero.hpz_partition_size = 3 is not allowed")

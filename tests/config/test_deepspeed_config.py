@@ -23,7 +23,7 @@ from zeropp.config.sections import Config, LossScaleConfig, OptimConfig, ZeroCon
 from zeropp.errors import ConfigError
 from zeropp.zero.precision import LossScaler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZERO3 = {"zero_optimization": {"stage": 3}}
 OFFLOAD = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
 

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_ranks
-from models import global_batch, loss_of, make_model, reference_state, rows
-
-STEPS = 5
-TOLERANCE = 1e-5
-# The attention key bias has an exactly zero gradient (softmax ignores a shift shared by all keys),
-# so every run feeds Adam pure rounding noise there, and eps=1e-8 would turn that noise into +-lr
-# steps in opposite directions. eps=1e-4 keeps noise-level gradients at noise level on both sides.
-ADAM_EPS = 1e-4
+from models import ADAM_EPS, STEPS, TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
 
 # (name, model, stage, accumulation, max_grad_norm, extra ZeroConfig fields)
 SCENARIOS = [

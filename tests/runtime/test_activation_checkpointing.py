@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_ranks
-from models import GPT_TEST, global_batch, loss_of, make_model, rows
-from test_exactness import ADAM_EPS
+from models import ADAM_EPS, GPT_TEST, global_batch, loss_of, make_model, rows
 
 from zeropp import ConfigError, ZeroConfig
 
@@ -308,14 +307,14 @@ def test_switches_without_what_they_build_on_are_refused_in_one_line(keys, messa
 def test_zeropp_train_reports_the_checkpoint_bytes_and_pa_traffic(tmp_path):
     import json
 
+    from cli_runner import run_cli
     from launcher import free_port
-    from test_cli import zeropp
 
     from zeropp.app.models.gpt import PRESETS
     from zeropp.config.sections import load_config
 
     out = tmp_path / "summary.json"
-    result = zeropp(
+    result = run_cli(
         "train", "--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--stage", "3", "--init", "eager",
         "--nproc-per-node", "4", "--tensor-parallel", "2", "--master-port", str(free_port()),
         "--activation-checkpointing", "--partition-activations", "--summary-json", str(out),

@@ -74,6 +74,7 @@ def test_relative_error_is_the_distance_to_the_exact_run_over_its_whole_update()
     assert weight_error.relative_errors(weights, initial, "exact") == {"exact": 0.0, "other": pytest.approx(0.2)}
 
 
+@pytest.mark.distributed  # the benchmark launches its ranks with torchrun
 def test_fixed_batch_weight_error_is_zero_for_the_exact_run_and_grows_with_quantization():
     """4 ranks as 2 nodes x 2, 3 steps on one batch: ZeRO-3 against itself is 0; ZeRO++ (int8 weights,
     int4 gradients) moves the weights; its two-level qgZ (int8 inside a node) moves them less."""

@@ -189,7 +189,7 @@ def test_checkpointing_recomputes_the_masks_forward_drew(sequence_parallel):
     assert all(torch.equal(ranks[0][True][k], ranks[1][True][k]) for k in ranks[0][True])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_a_rank_stream_on_cuda_recomputes_forwards_masks_under_checkpoint():
     """One process: a region on CUDA inside torch's checkpoint gives the gradient of the plain run."""
     from torch.utils.checkpoint import checkpoint

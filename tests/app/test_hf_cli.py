@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_cli
 from launcher import free_port, run_ranks
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("--steps", "6", "--eval-interval", "3", "--eval-batches", "1", "--micro-batch-size", "2")
 SHAPE = ("--block-size", "32")
 CASES = {  # name: (config, data, tokenizer)
@@ -32,9 +33,6 @@ PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8, 2, 8, 1
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def zeropp(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
-    code = f"{prelude}import sys; from zeropp.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
 
 
 def _write_inputs(folder: Path) -> None:
@@ -82,13 +80,13 @@ def runs(inputs, tmp_path_factory) -> dict[str, dict]:
         folder = tmp_path_factory.mktemp(case)
         first, resumed = folder / "first", folder / "resumed"
         plot = ["--plot", str(folder / "loss.png")] if HAS_MATPLOTLIB else []
-        straight = zeropp(
+        straight = run_cli(
             "train", *_inputs(inputs, case), *STEPS, "--checkpoint-dir", str(first), "--save-interval", "3",
             "--summary-json", str(folder / "first.json"), "--metrics-jsonl", str(folder / "metrics.jsonl"), *plot,
             "--master-port", str(free_port()),
         )  # fmt: skip
         assert straight.returncode == 0, straight.stderr[-3000:]
-        again = zeropp(
+        again = run_cli(
             "train", *_inputs(inputs, case), *STEPS, "--checkpoint-dir", str(resumed),
             "--resume", str(first / "step-00000003"), "--summary-json", str(folder / "resumed.json"),
             "--master-port", str(free_port()),

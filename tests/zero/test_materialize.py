@@ -8,8 +8,7 @@ import ctypes
 import pytest
 import torch
 from launcher import run_ranks
-from models import global_batch, loss_of, make_model, reference_state, rows
-from test_exactness import ADAM_EPS, STEPS, TOLERANCE
+from models import ADAM_EPS, STEPS, TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
 
 KINDS = ["gpt", "hf-gpt2", "hf-llama"]
 SEED = 3

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher import run_ranks
-from models import GPT_TEST, global_batch, loss_of, make_model, reference_state, rows
-from test_exactness import ADAM_EPS, STEPS, TOLERANCE
+from models import ADAM_EPS, GPT_TEST, STEPS, TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
 
 # (name, stage, accumulation, max_grad_norm)
 SCENARIOS = [
@@ -86,7 +85,8 @@ def test_tensor_parallel_trains_to_the_weights_of_one_process(kind, world, nodes
 
 
 def mixed_precision_worker(sequence_parallel: bool) -> dict:
-    from test_precision import BF16_STEPS, OPTIM
+    from models import BF16_OPTIM as OPTIM
+    from models import BF16_STEPS
 
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config.sections import TopologyConfig
@@ -117,7 +117,7 @@ def mixed_precision_worker(sequence_parallel: bool) -> dict:
 
 @SEQUENCE_PARALLEL
 def test_bf16_and_fp16_with_tensor_parallelism_train_close_to_the_fp32_reference(sequence_parallel):
-    from test_precision import BF16_TOLERANCE
+    from models import BF16_TOLERANCE
 
     per_rank = run_ranks(mixed_precision_worker, world=4, nodes=2, sequence_parallel=sequence_parallel)
     for rank, results in enumerate(per_rank):
@@ -288,8 +288,8 @@ def test_a_collective_without_a_byte_model_stops_the_run():
 def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_parallel_run(tmp_path):
     import json
 
+    from cli_runner import run_cli
     from launcher import free_port
-    from test_cli import zeropp
 
     common = ("train", "--preset", "tiny", "--steps", "3", "--eval-batches", "1", "--stage", "2")  # built on meta
     tensor_parallel = ("--nproc-per-node", "4", "--tensor-parallel", "2", "--checkpoint-dir", str(tmp_path / "ckpt"))
@@ -301,7 +301,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
         ("resumed", (*tensor_parallel, "--resume", str(tmp_path / "ckpt" / "step-00000002"))),
     ):
         out = tmp_path / f"{name}.json"
-        result = zeropp(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
+        result = run_cli(*common, *extra, "--master-port", str(free_port()), "--summary-json", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         summaries[name] = json.loads(out.read_text())
     tp, dp, resumed, sp = summaries["tp"], summaries["dp"], summaries["resumed"], summaries["sp"]
@@ -334,5 +334,5 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run
     assert (resumed["start_step"], resumed["train_losses"]) == (2, tp["train_losses"][2:])
     exported = tmp_path / "model.safetensors"
-    assert zeropp("export", str(tmp_path / "ckpt" / "step-00000003"), str(exported)).returncode == 0
+    assert run_cli("export", str(tmp_path / "ckpt" / "step-00000003"), str(exported)).returncode == 0
     GPT(PRESETS["tiny"]).load_state_dict(load_file(str(exported)))  # whole tensors under every name
