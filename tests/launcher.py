@@ -48,9 +48,10 @@ def _serialize(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, **kwargs: Any) -> list[Any]:
-    """Fork `world` processes that look like torchrun's ranks on `nodes` nodes; return results by rank."""
-    ctx = mp.get_context("fork")
+def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, start: str = "fork", **kwargs: Any) -> list[Any]:
+    """Start `world` processes that look like torchrun's ranks on `nodes` nodes; return results by rank.
+    `start`: "spawn" where a rank uses CUDA (a forked child cannot once the parent initialized it)."""
+    ctx = mp.get_context(start)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, nodes, port, queue, kwargs)) for r in range(world)]

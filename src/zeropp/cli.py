@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,19 @@ def _train_config_flags(parser: argparse.ArgumentParser) -> None:
     add_config_flags(group, stage3_defaults=ZEROPP_TRAIN_DEFAULTS)
 
 
+def installed_version() -> str:
+    """zeropp's installed version; a checkout run from source (PYTHONPATH=src) has none."""
+    try:
+        return version("zeropp")
+    except PackageNotFoundError:
+        return "(not installed: run from source)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeropp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"zeropp {version('zeropp')}")
+    parser.add_argument("--version", action="version", version=f"zeropp {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",

@@ -357,4 +357,4 @@ def cuda_generator_worker(root: str) -> bool:
 @pytest.mark.gpu
 def test_a_checkpoint_restores_the_cuda_generator(tmp_path):
     """Dropout on CUDA draws from the device's generator: a resume continues its stream."""
-    assert run_ranks(cuda_generator_worker, 1, root=str(tmp_path)) == [True]
+    assert run_ranks(cuda_generator_worker, 1, start="spawn", root=str(tmp_path)) == [True]

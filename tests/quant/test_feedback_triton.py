@@ -13,7 +13,7 @@ from zeropp.quant.backends import backend_of
 from zeropp.quant.spec import QuantSpec
 
 feedback_triton = import_kernels("zeropp.quant.triton.feedback")
-pytestmark = NEEDS_GPU_OR_INTERPRETER
+pytestmark = [pytest.mark.kernels, NEEDS_GPU_OR_INTERPRETER]
 
 
 def _steps(rows: int, columns: int, dtype: torch.dtype) -> list[torch.Tensor]:

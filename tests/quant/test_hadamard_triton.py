@@ -12,7 +12,7 @@ from zeropp.quant import hadamard, reference
 from zeropp.quant.backends import backend_of
 
 hadamard_triton = import_kernels("zeropp.quant.triton.hadamard")
-pytestmark = NEEDS_GPU_OR_INTERPRETER
+pytestmark = [pytest.mark.kernels, NEEDS_GPU_OR_INTERPRETER]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from zeropp.quant.backends import kernels_for
 from zeropp.quant.spec import Quantized, QuantSpec
 
 pytestmark = [
+    pytest.mark.kernels,
     NEEDS_GPU_OR_INTERPRETER,
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # numpy, in the interpreter
 ]

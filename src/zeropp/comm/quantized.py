@@ -71,6 +71,8 @@ def all_gather_quantized(
     """
     n, width = group.size, shard.numel()
     with _on(stream):
+        if stream is not None:  # e.g. an offloaded shard staged on the caller's stream, which may free it
+            shard.record_stream(stream)
         message = joined(kernels.quantize(shard.view(1, -1), spec), messages)
         gathered = messages.take((n, message.shape[-1]), out.device)
         works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]

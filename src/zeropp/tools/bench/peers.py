@@ -82,8 +82,9 @@ def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_bat
     return engine
 
 
-def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Module:
-    """Apply `peer`'s data parallelism to `model` the way its documentation recommends for a GPT."""
+def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int, mp_policy: Any = None) -> nn.Module:
+    """Apply `peer`'s data parallelism to `model` the way its documentation recommends for a GPT (FSDP2's
+    mesh on the device of the model's parameters; `mp_policy`: FSDP2's MixedPrecisionPolicy, if any)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -92,11 +93,14 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int) -> nn.Mod
         return model
     if peer == "ddp":
         return DistributedDataParallel(model)
+    device = next(model.parameters()).device.type
     if peer == "fsdp2-hsdp":
-        mesh = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device, (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard"))
         options = {"mesh": mesh}
     else:
-        options = {"mesh": init_device_mesh("cpu", (world,))}
+        options = {"mesh": init_device_mesh(device, (world,))}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
         if peer == "fsdp2-reshard-node":
             options["reshard_after_forward"] = ranks_per_node
     for block in model.blocks:
