@@ -4,7 +4,9 @@
 - ``distributed``: forks ranks (``launcher.run_ranks``);
 - ``cli``: runs a command as a subprocess (``cli_runner.run_cli``, ``subprocess`` directly, ``ip``);
 - ``cluster``: needs root and network namespaces (marked by hand; skipped without them);
-- ``gpu``: needs CUDA (marked by hand; skipped without it).
+- ``gpu``: needs CUDA (marked by hand; skipped without it);
+- ``kernels``: runs the Triton kernels (marked by hand): unit under the interpreter, not on a GPU, where
+  compiling them starts the compiler's processes.
 
 A test's tier is read from the names its code uses: its own body, the module's functions it calls
 and the fixtures it takes, transitively.
@@ -83,7 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.distributed)
         if names & CLI_NAMES:
             item.add_marker(pytest.mark.cli)
-        if not any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
+        compiles = item.get_closest_marker("kernels") and torch.cuda.is_available()  # Triton runs ptxas, ldconfig
+        if not compiles and not any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(no_cuda)

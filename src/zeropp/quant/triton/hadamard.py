@@ -37,9 +37,8 @@ def _rotate_kernel(
     signs = tl.load(signs_ptr + tl.arange(0, BLOCK))[None, :]
     if not INVERSE:
         x = x * signs
-    for stage in tl.static_range(STAGES):
-        stride: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(x, (GROUP, BLOCK // (2 * stride), 2, stride)), (0, 1, 3, 2))
+    for stage in tl.static_range(STAGES):  # stride 1 << stage, inline: the compiler refuses a constexpr redefined
+        pairs = tl.permute(tl.reshape(x, (GROUP, BLOCK // (2 << stage), 2, 1 << stage)), (0, 1, 3, 2))
         u, v = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(u + v, u - v), (0, 1, 3, 2)), (GROUP, BLOCK))
     x = x * scale
