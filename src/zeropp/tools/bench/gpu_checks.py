@@ -158,8 +158,10 @@ def _formula(psi: int, world: int, unit_numel: int, config: GPTConfig, batch: in
             "activation_checkpoints": acts.checkpoint_bytes(tp=1, element_bytes=2)}  # fmt: skip
 
 
-def memory_rank(topology: Any, config: GPTConfig, batch: int) -> dict[str, Any]:
-    """Peak allocated bytes after construction and during the second step (stage 3, bf16, AC)."""
+def memory_rank(topology: Any, config: GPTConfig, batch: int, optimizer: dict | None = None) -> dict[str, Any]:
+    """Peak allocated bytes after construction and during the second step (stage 3, bf16, AC), the
+    step's peak split at ``engine.step()``: forward + backward, then the optimizer step (with
+    `optimizer`'s AdamW options, e.g. ``fused``), and what is allocated when the step starts."""
     from zeropp.config.sections import ZeroConfig
     from zeropp.engine import ZeroEngine
 
@@ -168,22 +170,34 @@ def memory_rank(topology: Any, config: GPTConfig, batch: int) -> dict[str, Any]:
         model = GPT(config)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    engine = ZeroEngine(model, torch.optim.AdamW, {"lr": 1e-4}, ZeroConfig(stage=3, precision="bf16",
-                        activation_checkpointing=True), topology)  # fmt: skip
+    engine = ZeroEngine(model, torch.optim.AdamW, {"lr": 1e-4, **(optimizer or {})}, ZeroConfig(stage=3,
+                        precision="bf16", activation_checkpointing=True), topology)  # fmt: skip
     built = torch.cuda.max_memory_allocated(device) if cuda else None
-    peaks = []
+
+    def peak_since_reset() -> int | None:
+        if not cuda:
+            return None
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+
+    peaks, split = [], {}
     for step in range(2):
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        peak_since_reset()
         x, y = _batch(config, step, batch, device, topology.rank, topology.world_size)
         engine.backward(engine(x, y))
+        backward_peak = peak_since_reset()
+        before_step = torch.cuda.memory_allocated(device) if cuda else None
         engine.step()
-        peaks.append(torch.cuda.max_memory_allocated(device) if cuda else None)
+        step_peak = peak_since_reset()
+        peaks.append(max(backward_peak, step_peak) if cuda else None)
+        split = {"backward_peak_bytes": backward_peak, "allocated_at_step_bytes": before_step,
+                 "optimizer_step_peak_bytes": step_peak}  # fmt: skip
     unit = max(u.layout.numel for u in engine.units)
     formula = _formula(engine.param_count, topology.world_size, unit, config, batch)
     bound = sum(formula.values())
-    result = {"psi": engine.param_count, "constructed_bytes": built, "step_peak_bytes": peaks[-1],
+    result = {"psi": engine.param_count, "constructed_bytes": built, "step_peak_bytes": peaks[-1], **split,
               "formula_bytes": bound, "formula": formula, "ratio": peaks[-1] / bound if cuda else None}  # fmt: skip
     result["passed"] = None if not cuda else result["ratio"] <= 1.1
     return result
@@ -192,17 +206,20 @@ def memory_rank(topology: Any, config: GPTConfig, batch: int) -> dict[str, Any]:
 def stage_c(device_kind: str, sizes: Sizes, budget: Callable[[], float], world2_backend: str | None) -> Result:
     """Measured peak against 1.1 x the formula, at world 1 and (on stage b's backend) world 2."""
     first = "nccl" if device_kind == "cuda" else "gloo"
-    for world, backend in ((1, first), (2, world2_backend)):
+    runs = ((1, first, "", None), (1, first, "-fused-adamw", {"fused": True}), (2, world2_backend, "", None))
+    for world, backend, label, optimizer in runs:
+        if optimizer and device_kind != "cuda":
+            continue  # fused AdamW is a CUDA kernel
         if backend is None:
-            yield f"world{world}", {"skipped": "no backend found by stage b's probe"}
+            yield f"world{world}{label}", {"skipped": "no backend found by stage b's probe"}
             continue
         try:
             ranks = launch(memory_rank, world, backend, device_kind, budget(), config=sizes.memory,
-                           batch=sizes.memory_batch)  # fmt: skip
-            yield f"world{world}", {"backend": backend, "bound": "step peak <= 1.1 x formula", **ranks[0],
-                                    "ranks_step_peak_bytes": [r["step_peak_bytes"] for r in ranks]}  # fmt: skip
+                           batch=sizes.memory_batch, optimizer=optimizer)  # fmt: skip
+            yield f"world{world}{label}", {"backend": backend, "bound": "step peak <= 1.1 x formula", **ranks[0],
+                                           "ranks_step_peak_bytes": [r["step_peak_bytes"] for r in ranks]}  # fmt: skip
         except RuntimeError as error:
-            yield f"world{world}", {"backend": backend, "error": first_line(error)}
+            yield f"world{world}{label}", {"backend": backend, "error": first_line(error)}
 
 
 SPEED_VARIANTS = ("pytorch", "zeropp-3", "zeropp-3-qwz-qgz", "fsdp2")
