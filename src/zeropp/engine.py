@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from zeropp.checkpoint import layout as state
+from zeropp.checkpoint import layout
 from zeropp.comm import quantized
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
@@ -35,8 +35,8 @@ from zeropp.quant.spec import QuantSpec
 from zeropp.runtime import Runtime
 from zeropp.runtime.activation_checkpointing import (
     ActivationCheckpointing,
-    CheckpointOptions,
-    CheckpointStep,
+    ActivationCheckpointOptions,
+    ActivationCheckpointStep,
     kv_cache_configs,
     kv_cache_off,
 )
@@ -103,9 +103,9 @@ class ZeroEngine:
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
         if self.config.compile:
             compile_units(self.units)
-        self.checkpointing = self._activation_checkpointing()
-        self._kv_caches = [] if self.checkpointing is None else kv_cache_configs(model)
-        self.last_checkpoint_step: CheckpointStep | None = None  # what the last optimizer step stored
+        self.activation_checkpointing = self._build_activation_checkpointing()
+        self._kv_caches = [] if self.activation_checkpointing is None else kv_cache_configs(model)
+        self.last_activation_checkpoints: ActivationCheckpointStep | None = None  # what the last optimizer step stored
 
         self.micro_step = 0
         self.global_step = 0
@@ -127,11 +127,11 @@ class ZeroEngine:
         if split and tp == 1:
             raise ConfigError("the model has DTensor-split parameters but topology.tensor_parallel_size = 1")
 
-    def _activation_checkpointing(self) -> ActivationCheckpointing | None:
+    def _build_activation_checkpointing(self) -> ActivationCheckpointing | None:
         config = self.config
         if not config.activation_checkpointing:
             return None
-        options = CheckpointOptions(
+        options = ActivationCheckpointOptions(
             partition=config.partition_activations,
             offload=config.cpu_checkpointing,
             contiguous=config.contiguous_memory_optimization,
@@ -271,8 +271,8 @@ class ZeroEngine:
             for unit in self.units:
                 unit.master.grad = None
                 unit.clear_gradients()
-        if self.checkpointing is not None:
-            self.last_checkpoint_step = self.checkpointing.new_step()
+        if self.activation_checkpointing is not None:
+            self.last_activation_checkpoints = self.activation_checkpointing.new_step()
         self.last_gradient_allocations = self.gradient_buffers.end_step()
         self.global_step += 1
         self.comm.ledger.steps += 1
@@ -357,27 +357,27 @@ class ZeroEngine:
     # -- state (per-parameter, sharding-independent: zeropp.checkpoint.layout) --------------------------------
 
     @functools.cached_property
-    def layout_mesh(self) -> state.LayoutMesh:
+    def layout_mesh(self) -> layout.LayoutMesh:
         """The ranks as the (tensor-parallel x data-parallel) mesh of the state layout (built once, on first use)."""
-        return state.LayoutMesh(self.topology)
+        return layout.LayoutMesh(self.topology)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
-        return state.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
+        return layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
         maps each optimizer state key to (per-element, dtype)."""
-        return state.sharded_state_template(self.units, self.module, self.layout_mesh, optimizer_keys)
+        return layout.sharded_state_template(self.units, self.module, self.layout_mesh, optimizer_keys)
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
-        state.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
+        layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
         with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
-            return state.full_state_dict(self.units, self.module)
+            return layout.full_state_dict(self.units, self.module)
 
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""

@@ -42,7 +42,7 @@ def _train(topology, stage: int, extra: dict) -> tuple[dict[str, torch.Tensor], 
             x, y = rows(global_batch("gpt", step, micro, dp.size), dp.rank)  # tp ranks read the same rows
             engine.backward(loss_of("gpt", engine, x, y))
         assert engine.step()
-        records.append((engine.last_checkpoint_step, engine.last_gradient_allocations))
+        records.append((engine.last_activation_checkpoints, engine.last_gradient_allocations))
     return engine.full_state_dict(), records
 
 
@@ -52,7 +52,7 @@ def _one_step(topology, extra: dict) -> dict:
     engine.comm.ledger.reset()
     x, y = rows(global_batch("gpt", 0, 0, dp.size), dp.rank)
     loss = loss_of("gpt", engine, x, y)
-    memory = engine.checkpointing.memory
+    memory = engine.activation_checkpointing.memory
     held = (memory.device, memory.host)
     engine.backward(loss)
     engine.step()
@@ -83,7 +83,7 @@ def _odd_inputs(topology) -> dict:
     from types import SimpleNamespace
 
     from zeropp.comm.communicator import Communicator
-    from zeropp.runtime.activation_checkpointing import ActivationCheckpointing, CheckpointOptions
+    from zeropp.runtime.activation_checkpointing import ActivationCheckpointing, ActivationCheckpointOptions
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 7, dtype=torch.float64, generator=g)
@@ -93,7 +93,7 @@ def _odd_inputs(topology) -> dict:
         torch.manual_seed(0)
         block, leaf = OddInputs(), x.clone().requires_grad_()
         if checkpointed:
-            options = CheckpointOptions(partition=True, offload=True, contiguous=False, bucket_numel=16)
+            options = ActivationCheckpointOptions(partition=True, offload=True, contiguous=False, bucket_numel=16)
             store = ActivationCheckpointing(
                 [SimpleNamespace(module=block)], comm, topology.tensor_parallel, topology.device, options
             )

@@ -28,7 +28,7 @@ def one_step_per_config(configs: dict[str, dict], sequence_parallel: bool = Fals
             x, y = rows(global_batch("gpt", step, 0, dp.size), dp.rank)
             engine.backward(loss_of("gpt", engine, x, y))
             assert engine.step()
-        secondary, stored = engine.groups.secondary, engine.last_checkpoint_step
+        secondary, stored = engine.groups.secondary, engine.last_activation_checkpoints
         out[name] = dict(
             checkpoints=stored and (stored.device_peak_bytes, stored.host_peak_bytes),
             memory=engine.measured_model_state_bytes,

@@ -115,7 +115,7 @@ def pa_cpu_worker() -> dict:
     topology = init_topology()
     checkpointing = dict(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True)
     engine, ours, _ = train_engine(topology, **checkpointing)
-    pieces = engine.checkpointing.pieces
+    pieces = engine.activation_checkpointing.pieces
     return {"home": pieces.device.type, "pinned": pieces.pinned, "diff": max_diff(ours, plain_state(topology.device))}
 
 

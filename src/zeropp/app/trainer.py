@@ -87,6 +87,18 @@ def preflight(config: Config) -> None:
         verify_files(path, read_meta(path))
 
 
+@dataclasses.dataclass
+class RankRecord:
+    """What one rank measured, gathered to every rank for the summary (floats: they travel as one tensor)."""
+
+    model_state_bytes: float
+    peak_memory_bytes: float
+    intra_node_bytes_per_step: float
+    inter_node_bytes_per_step: float
+    init_peak_memory_bytes: float
+    step_peak_memory_bytes: float
+
+
 class TrainingStopped(ZeroppError, RuntimeError):
     """The run cannot go on (a non-finite loss or gradient norm, too many skipped fp16 steps). One line."""
 
@@ -314,37 +326,32 @@ class Trainer:
             return None
         return self.flops_per_token * tokens_per_s_per_rank / self.peak_flops
 
-    def gathered_ledger(self) -> tuple[list[list[float]], dict[str, dict[str, dict[str, float]]]]:
-        """Every rank's row [model-state bytes, peak memory, intra, inter bytes per step, init peak, step
-        peak], and the ledger's bytes per step as the mean over ranks ({op: {phase: {link}}}, nonzero entries)."""
+    def gathered_ledger(self) -> tuple[list[RankRecord], dict[str, dict[str, dict[str, float]]]]:
+        """Every rank's :class:`RankRecord`, and the ledger's bytes per step as the mean over ranks
+        ({op: {phase: {link}}}, nonzero entries)."""
         engine, topo = self.engine, self.topology
         ledger = engine.comm.ledger
         steps = max(1, ledger.steps)
         step_bytes = {
             link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / steps for link in ("intra", "inter")
         }
-        ops = LEDGER_OPS  # the same list on every rank: the all-gather below must match in size
-        flat_ledger = [
-            ledger.total(op=o, phase=p, link=k) / steps for o in ops for p in STEP_PHASES for k in ("intra", "inter")
-        ]
-        rows = self.per_rank(
-            [
-                engine.measured_model_state_bytes,
-                peak_memory_bytes(topo.device),
-                step_bytes["intra"],
-                step_bytes["inter"],
-                self.init_peak_memory,
-                self.step_peak_memory,
-                *flat_ledger,
-            ]
+        entries = [(o, p, k) for o in LEDGER_OPS for p in STEP_PHASES for k in ("intra", "inter")]  # same on every rank
+        record = RankRecord(
+            engine.measured_model_state_bytes,
+            peak_memory_bytes(topo.device),
+            step_bytes["intra"],
+            step_bytes["inter"],
+            self.init_peak_memory,
+            self.step_peak_memory,
         )
-        n = len(rows)
+        fields = len(dataclasses.fields(RankRecord))
+        rows = self.per_rank([*dataclasses.astuple(record), *(ledger.total(op=o, phase=p, link=k) / steps for o, p, k in entries)])
         mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
-        for i, (o, p, k) in enumerate((o, p, k) for o in ops for p in STEP_PHASES for k in ("intra", "inter")):
-            value = sum(r[6 + i] for r in rows) / n
+        for i, (o, p, k) in enumerate(entries):
+            value = sum(r[fields + i] for r in rows) / len(rows)
             if value:
                 mean_ledger.setdefault(o, {}).setdefault(p, {"intra": 0.0, "inter": 0.0})[k] = value
-        return [r[:6] for r in rows], mean_ledger
+        return [RankRecord(*r[:fields]) for r in rows], mean_ledger
 
     def summary(self, train_loss: float, val_loss: float, log: MetricsLog) -> RunSummary:
         engine, topo = self.engine, self.topology
@@ -353,7 +360,7 @@ class Trainer:
         n = len(rows)
         zero = self.config.zero
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
-        stored = engine.last_checkpoint_step
+        stored = engine.last_activation_checkpoints
         zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
         return RunSummary(
             final_train_loss=train_loss,
@@ -369,7 +376,7 @@ class Trainer:
             resumed_from=None if self.resumed_from is None else str(self.resumed_from),
             train_losses=self.losses,
             param_count=engine.param_count,
-            model_state_bytes_per_rank=[int(r[0]) for r in rows],
+            model_state_bytes_per_rank=[int(r.model_state_bytes) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
                 engine.param_count,  # this rank's tensor-parallel share, sharded over its data-parallel group
                 topo.data_parallel.size,
@@ -386,11 +393,11 @@ class Trainer:
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,
-            peak_memory_bytes_per_rank=[int(r[1]) for r in rows],
-            intra_node_bytes_per_step=sum(r[2] for r in rows) / n,
-            inter_node_bytes_per_step=sum(r[3] for r in rows) / n,
-            intra_node_bytes_per_step_by_rank=[r[2] for r in rows],
-            inter_node_bytes_per_step_by_rank=[r[3] for r in rows],
+            peak_memory_bytes_per_rank=[int(r.peak_memory_bytes) for r in rows],
+            intra_node_bytes_per_step=sum(r.intra_node_bytes_per_step for r in rows) / n,
+            inter_node_bytes_per_step=sum(r.inter_node_bytes_per_step for r in rows) / n,
+            intra_node_bytes_per_step_by_rank=[r.intra_node_bytes_per_step for r in rows],
+            inter_node_bytes_per_step_by_rank=[r.inter_node_bytes_per_step for r in rows],
             zero3_intra_node_bytes_per_step=sum(zero3[p]["intra"] for p in STEP_PHASES),
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
             tensor_parallel_size=topo.tensor_parallel.size,
@@ -405,8 +412,8 @@ class Trainer:
             config=self.config.to_dict(),
             skipped_steps=self.skipped_steps,
             checkpoints=self.checkpoints,
-            init_peak_memory_bytes_per_rank=[int(r[4]) for r in rows],
-            step_peak_memory_bytes_per_rank=[int(r[5]) for r in rows],
+            init_peak_memory_bytes_per_rank=[int(r.init_peak_memory_bytes) for r in rows],
+            step_peak_memory_bytes_per_rank=[int(r.step_peak_memory_bytes) for r in rows],
             tokens_per_s_per_rank=tokens_per_s / topo.world_size,
             flops_per_token=self.flops_per_token,
             mfu=self.mfu(tokens_per_s / topo.world_size),

@@ -49,7 +49,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from zeropp.checkpoint import layout as state
+from zeropp.checkpoint import layout
 from zeropp.checkpoint.layout import LayoutError
 from zeropp.comm.feedback import HOPS
 from zeropp.errors import ZeroppError
@@ -250,9 +250,9 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
         "nodes": engine.topology.nodes,
         "tensor_parallel_size": engine.topology.tensor_parallel.size,
         "stage": engine.config.stage,
-        "params": state.parameter_shapes(engine.units),
-        "fixed": {name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()},
-        "aliases": state.tied_aliases(engine.units, engine.module),
+        "params": layout.parameter_shapes(engine.units),
+        "fixed": {name: list(t.shape) for name, t in layout.fixed_tensors(engine.units, engine.module).items()},
+        "aliases": layout.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
@@ -280,7 +280,7 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     optimizer_keys = {}
     for key, entry in saved.items():
-        name = state.optimizer_state_name(key)
+        name = layout.optimizer_state_name(key)
         if name is not None:
             optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
     wanted = engine.sharded_state_template(optimizer_keys)
@@ -364,8 +364,8 @@ def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     meta = read_meta(path)
     verify_files(path, meta)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    masters = {key: _empty_like_saved(keys[key]) for key in map(state.model_key, meta["params"])}
-    fixed = {key: _empty_like_saved(keys[key]) for key in map(state.fixed_key, meta["fixed"])}
+    masters = {key: _empty_like_saved(keys[key]) for key in map(layout.model_key, meta["params"])}
+    fixed = {key: _empty_like_saved(keys[key]) for key in map(layout.fixed_key, meta["fixed"])}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
@@ -373,11 +373,11 @@ def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
     # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
-    tensors = {name: masters[state.model_key(name)].view(shape) for name, shape in meta["params"].items()}
+    tensors = {name: masters[layout.model_key(name)].view(shape) for name, shape in meta["params"].items()}
     for alias, name in meta["aliases"].items():
         tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
     for name in meta["fixed"]:
-        value = fixed[state.fixed_key(name)]
+        value = fixed[layout.fixed_key(name)]
         tensors[name] = value.float() if value.is_floating_point() else value
     return meta, tensors
 

@@ -26,7 +26,7 @@ forward is kept. (Keyword tensor arguments are kept by torch's closure as they a
   the device staging copies come from :class:`~zeropp.zero.arena.Arena` buffers preallocated
   after the first step.
 
-:class:`CheckpointMemory` counts what is stored, exactly: bytes alive on the device and on the
+:class:`ActivationCheckpointMemory` counts what is stored, exactly: bytes alive on the device and on the
 host (each stored tensor's own bytes, added at pack, removed when autograd frees it) and their
 peaks since the last step.
 
@@ -60,7 +60,7 @@ from zeropp.zero.unit import FlatUnit, innermost_units
 
 
 @dataclass
-class CheckpointMemory:
+class ActivationCheckpointMemory:
     """Bytes of stored checkpoints alive now and their peaks since :meth:`new_step`."""
 
     device: int = 0
@@ -84,7 +84,7 @@ class CheckpointMemory:
 
 
 @dataclass(frozen=True)
-class CheckpointStep:
+class ActivationCheckpointStep:
     """One optimizer step's stored checkpoints: peak bytes on the device and on the host (every
     micro-batch's), and the allocations made for pieces and staging copies during the step."""
 
@@ -94,7 +94,7 @@ class CheckpointStep:
 
 
 @dataclass(frozen=True)
-class CheckpointOptions:
+class ActivationCheckpointOptions:
     """What the engine's activation checkpointing does (from ZeroConfig)."""
 
     partition: bool  # Pa
@@ -120,10 +120,10 @@ class ActivationCheckpointing:
         comm: Communicator,
         group: Group,
         device: torch.device,
-        options: CheckpointOptions,
+        options: ActivationCheckpointOptions,
     ) -> None:
         self.comm, self.group, self.device, self.options = comm, group, device, options
-        self.memory = CheckpointMemory()
+        self.memory = ActivationCheckpointMemory()
         cuda = device.type == "cuda"
         home = torch.device("cpu") if options.offload else device
         self.pieces = Arena(home, pinned=cuda and options.offload, contiguous=options.contiguous)
@@ -220,11 +220,11 @@ class ActivationCheckpointing:
 
     # -- per step --------------------------------------------------------------------------------
 
-    def new_step(self) -> CheckpointStep:
+    def new_step(self) -> ActivationCheckpointStep:
         """The end of an optimizer step: what the step stored, then peaks start again; MD's arenas
         allocate their buffers after the first step."""
         arenas = [arena for arena in (self.pieces, self.staging) if arena is not None]
-        step = CheckpointStep(self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas))
+        step = ActivationCheckpointStep(self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas))
         self.memory.new_step()
         return step
 
