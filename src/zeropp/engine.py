@@ -140,6 +140,7 @@ class ZeroEngine:
         topology = self.topology
         # Pa splits each block input over the tensor-parallel ranks, which all hold it whole; with sequence
         # parallelism each holds its own 1/tp of the sequence already: Pa keeps that (over a group of one)
+        # See [Note: Pa under sequence parallelism] (docs/design.md)
         group = Group(None, (topology.rank,), 0) if topology.sequence_parallel else topology.tensor_parallel
         return ActivationCheckpointing(self.units, self.comm, group, topology.device, options)
 
@@ -379,6 +380,7 @@ class ZeroEngine:
         with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
             return layout.full_state_dict(self.units, self.module)
 
+    # See [Note: MD arenas]: with MD the gradient arena counts whole
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""
         tensors = [t for unit in self.units for t in unit.state_tensors()]

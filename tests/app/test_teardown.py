@@ -1,7 +1,7 @@
 """The library's example exits cleanly: with ``with zeropp.init_topology()``, and without any shutdown
 (gloo's threads used to abort ~1 in 5 exits: "terminate called without an active exception").
 
-More runs: ZEROPP_TEARDOWN_RUNS=20 python -m pytest -q tests/test_teardown.py
+More runs: ZEROPP_TEARDOWN_RUNS=20 python -m pytest -q tests/app/test_teardown.py
 """
 
 from __future__ import annotations

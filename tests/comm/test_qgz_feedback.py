@@ -1,5 +1,5 @@
 """qgZ additions in one process: LoCo error feedback's residual algebra, the Hadamard rotation, the
-options' config keys and aliases (multi-rank behaviour: tests/test_zeropp.py and test_checkpoint.py)."""
+options' config keys and aliases (multi-rank behaviour: tests/zero/test_zeropp.py and test_checkpoint.py)."""
 
 from __future__ import annotations
 

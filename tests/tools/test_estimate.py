@@ -1,5 +1,5 @@
 """zeropp estimate: its byte and memory models (with tensor parallelism and ZeRO-R), the engine's
-ledger, the command line. The papers' published numbers: tests/test_estimate_papers.py.
+ledger, the command line. The papers' published numbers: tests/tools/test_estimate_papers.py.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ class Pending:
 
         Hops must be started in issue order across Pendings (every rank must issue a group's
         collectives in the same order): call it on the oldest first and stop at the first False.
+        See [Note: qgZ issue order] (docs/design.md).
         """
         if self._start_hops is None or self._then is None:
             return True

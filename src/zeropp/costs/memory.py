@@ -124,6 +124,7 @@ class Activations:
         """One block's input: batch x seq x hidden."""
         return self.batch * self.seq * self.hidden
 
+    # See [Note: Pa under sequence parallelism] (docs/design.md)
     def checkpoint_elements(self, tp: int) -> int:
         """Elements of one block's checkpoint on one rank: the whole input, or with Pa its 1/tp (padded);
         with sequence parallelism the input is this rank's 1/tp of the sequence already (Pa keeps it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from zeropp.comm.communicator import Pending
 
 
+# See [Note: qgZ issue order] (docs/design.md)
 class ReductionQueue:
     """Reductions issued as units finish backward, oldest first, at most `max_in_flight` at once.
 

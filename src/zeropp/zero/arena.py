@@ -35,6 +35,7 @@ def _aligned(nbytes: int) -> int:
 Size = tuple[int, torch.dtype]
 
 
+# See [Note: MD arenas] (docs/design.md)
 class Arena:
     def __init__(self, device: torch.device, *, pinned: bool, contiguous: bool) -> None:
         self.device, self.pinned, self.contiguous = device, pinned, contiguous

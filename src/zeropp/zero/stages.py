@@ -28,6 +28,7 @@ class StagePolicy:
     def for_stage(cls, stage: int) -> StagePolicy:
         return cls(stage, shard_optimizer=stage >= 1, shard_gradients=stage >= 2, shard_parameters=stage >= 3)
 
+    # See [Note: one-rank shard groups] (docs/design.md)
     def keeps_resident(
         self, numel: int, persistence_threshold: int, shard_ranks: int, params_offloaded: bool = False
     ) -> bool:

@@ -199,6 +199,7 @@ class FlatUnit:
     def unshard(self, async_op: bool = False) -> None:
         """Start (or, unless async, also finish) gathering the full parameters of a sharded unit."""
         if self.shard_state is ShardState.SHARDED:
+            # See [Note: the storage-resize trick] (docs/design.md)
             self.compute_flat.untyped_storage().resize_(self.layout.padded_numel * self.compute_flat.element_size())
             self._gather = self._start_gather()
             self.shard_state = ShardState.GATHERING
@@ -228,6 +229,7 @@ class FlatUnit:
             )
         return self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=bucket, async_op=True)
 
+    # See [Note: hpZ validity and versioning] (docs/design.md)
     @property
     def secondary_valid(self) -> bool:
         return self.secondary_shard is not None and self._secondary_version == self.version
@@ -244,6 +246,7 @@ class FlatUnit:
             start, stop = self._secondary_range
             self.secondary_shard.copy_(self.compute_flat[start:stop])
             self._secondary_version = self.version
+        # See [Note: the storage-resize trick]
         self.compute_flat.untyped_storage().resize_(0)
         self.shard_state = ShardState.SHARDED
 
@@ -480,6 +483,7 @@ class FlatUnit:
 
     def publish_master(self) -> None:
         """Make the compute-dtype parameters follow the updated fp32 master."""
+        # See [Note: hpZ validity and versioning]
         self.version += 1
         if not self.resident:
             if self.compute_shard.data_ptr() != self.master.data_ptr():
