@@ -5,11 +5,10 @@ chain, and the package's top level holds at most five modules."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
-import zeropp
-
-PACKAGE = Path(zeropp.__file__).parent
+PACKAGE = Path(importlib.util.find_spec("zeropp").origin).parent  # found, not imported: a broken import still fails here
 LAYERS = (
     "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel",
     "costs", "checkpoint", "engine", "app", "tools", "cli",

@@ -8,3 +8,24 @@
 - :mod:`~zeropp.checkpoint.pretrained`: safetensors files and Hugging Face folders read slice by
   slice into the shards.
 """
+
+from zeropp.checkpoint.dcp import (
+    CheckpointError,
+    export_checkpoint,
+    find_latest,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
+from zeropp.checkpoint.pretrained import PretrainedError, load_pretrained
+
+__all__ = [
+    "CheckpointError",
+    "PretrainedError",
+    "export_checkpoint",
+    "find_latest",
+    "load_checkpoint",
+    "load_pretrained",
+    "read_meta",
+    "save_checkpoint",
+]
