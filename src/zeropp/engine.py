@@ -110,7 +110,7 @@ class ZeroEngine:
         self.micro_step = 0
         self.global_step = 0
         self._at_boundary = False
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # of the last step taken (last_grad_norm)
         self.last_step_skipped = False
         self.measured_model_state_bytes = 0
 
@@ -256,13 +256,14 @@ class ZeroEngine:
                 unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
             ]
             if self.config.offload_optimizer != "none" and self.topology.device.type == "cuda":
+                # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
                 torch.cuda.current_stream(self.topology.device).synchronize()
             for unit, grad in zip(self.units, grads, strict=True):
                 unit.master.grad = grad.div_(self.scaler.scale) if self.scaler.enabled else grad
             overflow = self._any_overflow() if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:
-                self.last_grad_norm = self._clip_gradients()
+                self._grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 for unit in self.units:
                     unit.publish_master()
@@ -281,6 +282,12 @@ class ZeroEngine:
         if reset and self.global_step % reset == 0:  # LoCo's periodic reset (reset_T)
             self.reset_error_feedback()
         return not overflow
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step taken, before clipping (reading it synchronizes
+        with the device; the step itself does not)."""
+        return None if self._grad_norm is None else float(self._grad_norm.item())
 
     # -- qgZ options over the run ----------------------------------------------------------------
 
@@ -326,15 +333,16 @@ class ZeroEngine:
         return local
 
     def _any_overflow(self) -> bool:
-        local = torch.zeros(1, device=self.topology.device)
-        for unit in self.units:
-            if not torch.isfinite(unit.master.grad).all():
-                local.fill_(1.0)
+        """Whether any rank's gradients hold an inf or a nan: the step's one host synchronization
+        under fp16 (skipping the step is a decision the host takes), one for all units."""
+        finite = torch.stack([torch.isfinite(unit.master.grad).all().to(self.topology.device) for unit in self.units])
+        local = finite.logical_not().any().to(torch.float32).reshape(1)
         return bool(self._reduce_over_shards(local, "max").item())
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> torch.Tensor:
         """Global gradient norm over all shards (parameters whole on every tensor-parallel rank counted
-        on its first only); clip to max_grad_norm like clip_grad_norm_."""
+        on its first only); clip to max_grad_norm like clip_grad_norm_. The norm stays a device tensor:
+        no host synchronization here (``last_grad_norm`` reads it when asked)."""
         squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
         count_whole = self.topology.tensor_parallel.rank == 0
         for unit in self.units:  # a norm per unit, no squared copy of the gradient
@@ -344,7 +352,7 @@ class ZeroEngine:
             coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
             for unit in self.units:
                 unit.master.grad.mul_(coefficient.to(unit.master.device))
-        return float(norm.item())
+        return norm
 
     # -- modes, state, measurement ---------------------------------------------------------------
 
