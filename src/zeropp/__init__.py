@@ -11,6 +11,7 @@ from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
 from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
+from zeropp.config.policies import ActivationCheckpointPolicy, OffloadPolicy, QuantizedGradients, QuantizedWeights
 from zeropp.config.sections import Config, TopologyConfig, ZeroConfig, load_config
 from zeropp.engine import ZeroEngine
 from zeropp.errors import ConfigError, ZeroppError
@@ -18,10 +19,14 @@ from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import Topology, init_topology, shutdown
 
 __all__ = [
+    "ActivationCheckpointPolicy",
     "Communicator",
     "Config",
     "ConfigError",
     "Ledger",
+    "OffloadPolicy",
+    "QuantizedGradients",
+    "QuantizedWeights",
     "Topology",
     "TopologyConfig",
     "ZeroConfig",

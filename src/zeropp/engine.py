@@ -129,11 +129,11 @@ class ZeroEngine:
 
     def _build_activation_checkpointing(self) -> ActivationCheckpointing | None:
         config = self.config
-        if not config.activation_checkpointing:
+        if not config.activations.enabled:
             return None
         options = ActivationCheckpointOptions(
-            partition=config.partition_activations,
-            offload=config.cpu_checkpointing,
+            partition=config.activations.partition_activations,
+            offload=config.activations.cpu_checkpointing,
             contiguous=config.contiguous_memory_optimization,
             bucket_numel=config.allgather_bucket_numel,
         )
@@ -158,9 +158,9 @@ class ZeroEngine:
 
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
-        weight_block = config.weight_block_size if config.weight_quantization == "block" else None
-        quantized = config.quantized_weights or config.quantized_gradients
-        side_stream = config.quantized_weights and device.type == "cuda"
+        qwz, qgz = config.qwz, config.qgz
+        quantized = qwz.enabled or qgz.enabled
+        side_stream = qwz.enabled and device.type == "cuda"
         return UnitOptions(
             device=device,
             compute_dtype=self.compute_dtype,
@@ -169,20 +169,18 @@ class ZeroEngine:
             persistence_threshold=config.persistence_threshold,
             allgather_bucket=config.allgather_bucket_numel,
             reduce_bucket=config.reduce_bucket_numel,
-            weight_quant=QuantSpec(config.weight_bits, weight_block) if config.quantized_weights else None,
-            grad_quant=QuantSpec(config.gradient_bits, config.gradient_block_size)
-            if config.quantized_gradients
+            weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
+            grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
+            grad_intra_quant=QuantSpec(qgz.intra_node_bits, qgz.block_size)
+            if qgz.enabled and qgz.intra_node_bits is not None
             else None,
-            grad_intra_quant=QuantSpec(config.gradient_intra_node_bits, config.gradient_block_size)
-            if config.quantized_gradients and config.gradient_intra_node_bits is not None
-            else None,
-            grad_hadamard=config.gradient_hadamard,
-            grad_error_beta=config.gradient_error_beta if config.gradient_error_feedback == "loco" else None,
-            qgz_chunks=config.qgz_pipeline_chunks,
+            grad_hadamard=qgz.hadamard,
+            grad_error_beta=qgz.error_beta if qgz.error_feedback == "loco" else None,
+            qgz_chunks=qgz.pipeline_chunks,
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
-            master_device=torch.device("cpu") if config.offload_optimizer == "cpu" else None,
-            compute_shard_device=torch.device("cpu") if config.offload_params == "cpu" else None,
+            master_device=torch.device("cpu") if config.offload.optimizer == "cpu" else None,
+            compute_shard_device=torch.device("cpu") if config.offload.params == "cpu" else None,
             grad_arena=self.gradient_buffers,
         )
 
@@ -255,7 +253,7 @@ class ZeroEngine:
             grads = [
                 unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
             ]
-            if self.config.offload_optimizer != "none" and self.topology.device.type == "cuda":
+            if self.config.offload.optimizer != "none" and self.topology.device.type == "cuda":
                 # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
                 torch.cuda.current_stream(self.topology.device).synchronize()
             for unit, grad in zip(self.units, grads, strict=True):
@@ -278,7 +276,7 @@ class ZeroEngine:
         self.last_gradient_allocations = self.gradient_buffers.end_step()
         self.global_step += 1
         self.comm.ledger.steps += 1
-        reset = self.config.gradient_error_reset_steps
+        reset = self.config.qgz.error_reset_steps
         if reset and self.global_step % reset == 0:  # LoCo's periodic reset (reset_T)
             self.reset_error_feedback()
         return not overflow

@@ -120,7 +120,7 @@ def test_hadamard_butterflies_equal_the_matrix_definition_within_fp32_rounding(b
 
 def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
     zero = load_config({"zero": {"err_beta": 0.5, "reset_T": 64, "gradient_error_feedback": "loco"}}).zero
-    assert (zero.gradient_error_beta, zero.gradient_error_reset_steps) == (0.5, 64)
+    assert (zero.qgz.error_beta, zero.qgz.error_reset_steps) == (0.5, 64)
     for key, value, allowed in (
         ("gradient_error_beta", 1.0, "[0, 1)"),
         ("gradient_error_reset_steps", -1, ">= 0"),

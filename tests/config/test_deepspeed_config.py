@@ -111,9 +111,10 @@ TABLE = {
 
 
 def value_at(config: Config, dotted: str):
+    """A key's value; zero's policy fields by their flat keys too (zero.weight_bits: zero.qwz.bits)."""
     node = config
     for name in dotted.split("."):
-        node = getattr(node, name)
+        node = node.as_flat()[name] if isinstance(node, ZeroConfig) and name in ZeroConfig.FLAT_KEYS else getattr(node, name)
     return node
 
 
@@ -131,7 +132,7 @@ def test_each_deepspeed_key_sets_its_zeropp_key(ds_key):
 
 def test_a_block_means_what_it_means_in_deepspeed_and_an_absent_one_keeps_zeropp():
     config = translate({"zero_optimization": {}, "fp16": {"enabled": True}}, world_size=2).config()
-    assert config.zero.stage == 0 and not config.zero.quantized_weights  # DeepSpeed's defaults
+    assert config.zero.stage == 0 and not config.zero.qwz.enabled  # DeepSpeed's defaults
     assert (config.zero.loss_scale.initial_scale, config.zero.loss_scale.hysteresis) == (2.0**16, 2)
     assert config.zero.persistence_threshold == 100_000 and config.zero.reduce_bucket_numel == 250_000_000
     assert config.optim == OptimConfig()  # no optimizer or scheduler block: zeropp's
@@ -431,7 +432,7 @@ def test_flags_override_the_deepspeed_file_and_the_batch_is_checked_after_them(t
 
     argv = ["train", "--deepspeed", str(config), "--stage", "2", "--gradient-accumulation-steps", "1"]
     config_, _ = _train_config(build_parser().parse_args(argv), argv)
-    assert config_.zero.stage == 2 and not config_.zero.quantized_weights  # the flag won; ZeRO++ off as the file says
+    assert config_.zero.stage == 2 and not config_.zero.qwz.enabled  # the flag won; ZeRO++ off as the file says
 
 
 def test_deepspeed_batch_sizes_count_data_parallel_ranks_under_tensor_parallelism(tmp_path):

@@ -94,7 +94,8 @@ def print_summary(summary: RunSummary) -> None:
             + (", sequence parallel" if summary.sequence_parallel else "")
             + f", {si(summary.tensor_parallel_bytes_per_step)}/step per rank",
         )
-    if summary.config.get("zero", {}).get("activation_checkpointing"):
+    zero = summary.config.get("zero", {})  # the grouped key, or the flat one of summaries written before the policies
+    if zero.get("activations", {}).get("enabled") or zero.get("activation_checkpointing"):
         head.add_row(
             "activation checkpoints per rank",
             f"device {si(summary.activation_checkpoint_bytes_per_rank)}, "

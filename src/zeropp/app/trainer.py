@@ -145,7 +145,7 @@ class Trainer:
         """The optimizer's settings; where it steps on the host, its fused kernel, several times faster
         than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
-        on_host = self.topology.device.type == "cpu" or zero.offload_optimizer == "cpu"
+        on_host = self.topology.device.type == "cpu" or zero.offload.optimizer == "cpu"
         own = dict(momentum=optim.momentum) if optim.optimizer == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
         return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
 
@@ -206,13 +206,13 @@ class Trainer:
 
     @property
     def quantized_gradient_steps(self) -> int:
-        """Steps that reduce gradients with qgZ (zero.quantized_gradients_until of the run), from step 0."""
-        return math.ceil(self.config.zero.quantized_gradients_until * self.config.train.steps)
+        """Steps that reduce gradients with qgZ (zero.qgz.until of the run, flat: quantized_gradients_until), from step 0."""
+        return math.ceil(self.config.zero.qgz.until * self.config.train.steps)
 
     @property
     def error_feedback(self) -> bool:
         zero = self.config.zero
-        return zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+        return zero.stage == 3 and zero.qgz.feedback
 
     @property
     def residuals_freed_at_step(self) -> int | None:
@@ -384,8 +384,8 @@ class Trainer:
                 zero.precision,
                 zero.grad_dtype,
                 hpz_group_size=engine.hpz_group_size,
-                offload_optimizer=zero.offload_optimizer != "none",
-                offload_params=zero.offload_params != "none",
+                offload_optimizer=zero.offload.optimizer != "none",
+                offload_params=zero.offload.params != "none",
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them
                 qgz_residuals=(topo.ranks_per_node, topo.nodes)
                 if self.error_feedback and self.residuals_freed_at_step is None
@@ -407,7 +407,7 @@ class Trainer:
             ),
             activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
             activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,
-            zeropp=ZeroppSwitches(zero.quantized_weights, engine.hpz_group_size, zero.quantized_gradients),
+            zeropp=ZeroppSwitches(zero.qwz.enabled, engine.hpz_group_size, zero.qgz.enabled),
             ledger=mean_ledger,
             config=self.config.to_dict(),
             skipped_steps=self.skipped_steps,

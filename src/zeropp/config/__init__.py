@@ -2,6 +2,8 @@
 
 - :mod:`~zeropp.config.schema`: how a section is declared (``setting``) and read from a mapping or a
   file, every key and type checked, one-line :class:`~zeropp.errors.ConfigError` otherwise;
+- :mod:`~zeropp.config.policies`: ZeroConfig's grouped switches (qwZ, qgZ, offload, activation
+  checkpointing), each field also accepted by its former flat key;
 - :mod:`~zeropp.config.sections`: the sections (``zero``, ``topology``, ``model``, ``optim``,
   ``train``, ``checkpoint``), their defaults, aliases and range checks, ``load_config``;
 - :mod:`~zeropp.config.deepspeed`: a DeepSpeed JSON config as zeropp keys (its tables in
@@ -10,6 +12,7 @@
 """
 
 from zeropp.config.deepspeed import translate, zero_config
+from zeropp.config.policies import ActivationCheckpointPolicy, OffloadPolicy, QuantizedGradients, QuantizedWeights
 from zeropp.config.sections import (
     CheckpointConfig,
     Config,
@@ -24,12 +27,16 @@ from zeropp.config.sections import (
 from zeropp.errors import ConfigError
 
 __all__ = [
+    "ActivationCheckpointPolicy",
     "CheckpointConfig",
     "Config",
     "ConfigError",
     "LossScaleConfig",
     "ModelConfig",
+    "OffloadPolicy",
     "OptimConfig",
+    "QuantizedGradients",
+    "QuantizedWeights",
     "TopologyConfig",
     "TrainConfig",
     "ZeroConfig",

@@ -11,7 +11,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,25 +29,30 @@ def setting(default: Any, meaning: str) -> Any:
     return field(default=default, metadata={"help": meaning})
 
 
-def check_choices(section: Any, prefix: str) -> None:
-    """Refuse a value outside its Literal type, also for configs built in code rather than loaded."""
-    for name, hint in typing.get_type_hints(type(section)).items():
+def check_choices(section: Any, prefix: str, name: Callable[[str], str] | None = None) -> None:
+    """Refuse a value outside its Literal type, also for configs built in code rather than loaded. An error
+    names ``prefix.field``, or ``name(field)`` where the section says how its keys were written."""
+    for key, hint in typing.get_type_hints(type(section)).items():
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         for option in options:
             if typing.get_origin(option) is Literal:
-                value = getattr(section, name)
+                value = getattr(section, key)
                 allowed = typing.get_args(option)
                 if value not in allowed and not (value is None and type(None) in options):
                     expected = f"one of {', '.join(map(repr, allowed))}"
-                    require(False, f"{prefix}.{name}", value, expected)
+                    require(False, name_key(prefix, key, name), value, expected)
 
 
-def check_finite(section: Any, prefix: str) -> None:
+def check_finite(section: Any, prefix: str, name: Callable[[str], str] | None = None) -> None:
     """Refuse inf and nan in every float key (``--lr inf`` parses, and would train to nan)."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            require(False, f"{prefix}.{f.name}", value, "a finite number")
+            require(False, name_key(prefix, f.name, name), value, "a finite number")
+
+
+def name_key(prefix: str, key: str, name: Callable[[str], str] | None) -> str:
+    return name(key) if name is not None else f"{prefix}.{key}"
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -61,12 +66,18 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} = {data!r} is not allowed; expected a table")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    # a section's other spellings of its policies' fields (zeropp.config.policies): flat key -> (field, its field)
+    flat = getattr(cls, "FLAT_KEYS", {})
     kwargs = {}
     aliases = getattr(cls, "ALIASES", {})
     for key, value in data.items():
         key = aliases.get(key, key)
+        if key in flat:
+            group, name = flat[key]
+            kwargs[key] = coerce(f"{prefix}{key}", value, typing.get_type_hints(hints[group])[name])
+            continue
         if key not in names:
-            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join(names)}")
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join([*names, *flat])}")
         kwargs[key] = coerce(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)
 

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from zeropp.config.policies import (
+    FLAT_KEYS,
+    POLICIES,
+    ActivationCheckpointPolicy,
+    OffloadPolicy,
+    QuantizedGradients,
+    QuantizedWeights,
+    accepts_flat_keys,
+)
 from zeropp.config.schema import check_choices, check_finite, deep_copy, from_dict, read_config_file, require, setting
 from zeropp.errors import ConfigError
 
@@ -50,9 +59,11 @@ class LossScaleConfig:
         check_finite(self, "zero.loss_scale")  # last: a range check names nan's range first
 
 
+@accepts_flat_keys
 @dataclass
 class ZeroConfig:
-    """What the engine partitions and how it communicates."""
+    """What the engine partitions and how it communicates; ZeRO++, offload and activation checkpointing as
+    policies (:mod:`zeropp.config.policies`), each field also accepted by its flat key (``weight_bits=4``)."""
 
     # other names accepted for a key (in files, dicts and as flags): DeepSpeed's, and former names
     ALIASES: ClassVar[dict[str, str]] = {
@@ -64,6 +75,7 @@ class ZeroConfig:
         "err_beta": "gradient_error_beta",
         "reset_T": "gradient_error_reset_steps",
     }
+    FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS  # weight_bits -> ("qwz", "bits"), ...
 
     stage: int = setting(3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights")
     precision: Precision = setting("fp32", "compute dtype of weights and activations (masters stay fp32)")
@@ -80,87 +92,34 @@ class ZeroConfig:
     gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; unset: no clipping")
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    quantized_weights: bool = setting(False, "qwZ (ZeRO++, stage 3): all-gather weights block-quantized")
-    weight_bits: Literal[8, 4] = setting(8, "qwZ: bits per quantized weight")
-    weight_block_size: int = setting(256, "qwZ: weights per quantization block (one scale each)")
-    weight_quantization: Literal["block", "tensor"] = setting(
-        "block", "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline)"
-    )
+    qwz: QuantizedWeights = field(default_factory=QuantizedWeights)
     hpz_partition_size: int = setting(
         1, "hpZ (ZeRO++): secondary weight partition over groups of this many consecutive ranks (1: off, 0: a node)"
     )
-    quantized_gradients: bool = setting(False, "qgZ (ZeRO++, stage 3): reduce gradients by a quantized two-hop all-to-all")
-    gradient_bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
-    gradient_block_size: int = setting(256, "qgZ: gradients per quantization block")
-    qgz_pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
-    gradient_intra_node_bits: Literal[4, 8] | None = setting(
-        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
-    )
-    gradient_hadamard: bool = setting(
-        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
-    )
-    gradient_error_feedback: Literal["off", "loco"] = setting(
-        "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
-    )
-    gradient_error_beta: float = setting(
-        0.8, "qgZ error feedback: residual <- beta * residual + (1 - beta) * new error (DeepSpeed's err_beta; 0: plain)"
-    )
-    gradient_error_reset_steps: int = setting(
-        1024, "qgZ error feedback: zero the residuals every this many optimizer steps (DeepSpeed's reset_T; 0: never)"
-    )
-    quantized_gradients_until: float = setting(
-        1.0, "qgZ for this fraction of the run's steps, a full-precision reduce-scatter after (1.0: always)"
-    )
+    qgz: QuantizedGradients = field(default_factory=QuantizedGradients)
     quant_backend: Literal["auto", "torch", "triton"] = setting(
         "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
     )
-    offload_optimizer: Literal["none", "cpu"] = setting(
-        "none", "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there"
-    )
-    offload_params: Literal["none", "cpu"] = setting(
-        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
-    )
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     compile: bool = setting(
         False, "torch.compile every unit's forward that calls no other unit (the blocks); hooks stay eager"
     )
-    activation_checkpointing: bool = setting(
-        False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
-    )
-    partition_activations: bool = setting(
-        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
-        "checkpointed input; an all-gather rebuilds it before recomputation"
-    )
-    cpu_checkpointing: bool = setting(
-        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
-    )
+    activations: ActivationCheckpointPolicy = field(default_factory=ActivationCheckpointPolicy)
     contiguous_memory_optimization: bool = setting(
         False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
     )
 
-    def _validate_qgz_options(self) -> None:
-        require(
-            0 <= self.gradient_error_beta < 1, "zero.gradient_error_beta", self.gradient_error_beta, "a number in [0, 1)"
-        )
-        require(
-            self.gradient_error_reset_steps >= 0,
-            "zero.gradient_error_reset_steps",
-            self.gradient_error_reset_steps,
-            "an integer >= 0 (0: never reset)",
-        )
-        require(
-            0 < self.quantized_gradients_until <= 1,
-            "zero.quantized_gradients_until",
-            self.quantized_gradients_until,
-            "a fraction of the run's steps in (0, 1]",
-        )
-        if self.gradient_hadamard:
-            block = self.gradient_block_size
-            require(
-                block >= 2 and block & (block - 1) == 0,
-                "zero.gradient_block_size",
-                block,
-                "a power of 2 when zero.gradient_hadamard is on (the Hadamard transform's size)",
-            )
+    def key(self, group: str) -> Callable[[str], str]:
+        """How an error names policy `group`'s fields: as written (flat ``zero.weight_bits`` or grouped
+        ``zero.qwz.bits``); flat where neither was written."""
+        spelled = getattr(self, "_spelled", {})
+        return lambda name: f"zero.{spelled.get(f'{group}.{name}', f'{group}.{name}')}"
+
+    def as_flat(self) -> dict[str, Any]:
+        """Every key by its flat name, as ``zeropp train``'s flags and ``ZEROPP_SWITCHES`` spell them:
+        {'stage': 3, ..., 'quantized_weights': False, 'weight_bits': 8, ...}."""
+        core = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in POLICIES}
+        return core | {flat: getattr(getattr(self, group), name) for flat, (group, name) in FLAT_KEYS.items()}
 
     def validate(self) -> None:
         check_choices(self, "zero")
@@ -181,10 +140,8 @@ class ZeroConfig:
             require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
-        self._validate_qgz_options()
-        for key in ("weight_block_size", "gradient_block_size", "qgz_pipeline_chunks"):
-            value = getattr(self, key)
-            require(value >= 1, f"zero.{key}", value, "an integer >= 1")
+        self.qgz.validate(self.key("qgz"))
+        self.qwz.validate(self.key("qwz"))
         require(
             self.hpz_partition_size >= 0,
             "zero.hpz_partition_size",
@@ -192,33 +149,16 @@ class ZeroConfig:
             "an integer >= 0 (1: off, 0: the ranks of one node, N: groups of N ranks)",
         )
         if self.stage != 3:
-            for key, off in (("quantized_weights", False), ("quantized_gradients", False), ("hpz_partition_size", 1)):
-                value = getattr(self, key)
-                require(
-                    value == off, f"zero.{key}", value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)"
-                )
-        if self.offload_params != "none":
-            require(self.stage == 3, "zero.offload_params", self.offload_params, "'none' unless zero.stage = 3")
-            require(
-                self.offload_optimizer != "none",
-                "zero.offload_params",
-                self.offload_params,
-                "'none' unless zero.offload_optimizer is 'cpu' too",
-            )
-        validate_checkpointing(self)
+            for key, value, off in (
+                (self.key("qwz")("enabled"), self.qwz.enabled, False),
+                (self.key("qgz")("enabled"), self.qgz.enabled, False),
+                ("zero.hpz_partition_size", self.hpz_partition_size, 1),
+            ):
+                require(value == off, key, value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)")
+        self.offload.validate(self.key("offload"), self.stage)
+        self.activations.validate(self.key("activations"))
         check_finite(self, "zero")
         self.loss_scale.validate()
-
-
-def validate_checkpointing(switches: Any) -> None:
-    """ZeRO-R's switches, each building on the one before (Pa on checkpointing, Pa+cpu on Pa), on a
-    ZeroConfig or a :class:`zeropp.costs.memory.Activations`: the one rule for both."""
-    for key, needs in (
-        ("partition_activations", "activation_checkpointing"),
-        ("cpu_checkpointing", "partition_activations"),
-    ):
-        if getattr(switches, key):
-            require(getattr(switches, needs), f"zero.{key}", True, f"false unless zero.{needs} is true too")
 
 
 @dataclass
@@ -423,7 +363,8 @@ def load_config(
         node = data
         for section in sections:
             node = node.get(section) if isinstance(node.get(section), dict) else node.setdefault(section, {})
-        node.setdefault(leaf, value)
+        if not _written(node, leaf, sections):
+            node[leaf] = value
     for dotted, value in (overrides or {}).items():
         *sections, leaf = dotted.split(".")
         node = data
@@ -434,6 +375,18 @@ def load_config(
                 raise ConfigError(f"override {dotted!r} goes through {where} = {node!r}, which is not a table")
         node[leaf] = value
     return from_dict(Config, data).validate()
+
+
+def _written(node: Mapping[str, Any], leaf: str, sections: list[str]) -> bool:
+    """Whether a section's table sets key `leaf` in any spelling: its own, an alias, its policy's grouped one."""
+    cls: Any = Config
+    for section in sections:
+        cls = typing.get_type_hints(cls).get(section) if dataclasses.is_dataclass(cls) else None
+    aliases = getattr(cls, "ALIASES", {})
+    if any(key == leaf or aliases.get(key) == leaf for key in node):
+        return True
+    group, name = getattr(cls, "FLAT_KEYS", {}).get(leaf, (None, None))
+    return group is not None and isinstance(node.get(group), Mapping) and name in node[group]
 
 
 class Key(typing.NamedTuple):
@@ -460,7 +413,12 @@ def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, Key]:
     out: dict[str, Key] = {}
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if hasattr(hint, "FLAT"):  # a policy: its fields by their flat keys, in the section (zero.weight_bits)
+            hints = typing.get_type_hints(hint)
+            for g in dataclasses.fields(hint):
+                flat = hint.FLAT[g.name]
+                out[flat] = Key(f"{prefix}{flat}", hints[g.name], g.metadata.get("help", ""), g.default)
+        elif dataclasses.is_dataclass(hint):
             out.update(leaf_keys(hint, f"{prefix}{f.name}."))
         else:
             out[f.name] = Key(f"{prefix}{f.name}", hint, f.metadata.get("help", ""), f.default)

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from zeropp.config.sections import validate_checkpointing
+from zeropp.config.policies import check_switches, flat_name
 from zeropp.errors import ConfigError
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -117,7 +117,12 @@ class Activations:
             raise ConfigError(
                 f"activations: recomputed_all_reduces = {self.recomputed_all_reduces} is not allowed; expected 0, 1 or 2"
             )
-        validate_checkpointing(self)
+        check_switches(
+            self.activation_checkpointing,
+            self.partition_activations,
+            self.cpu_checkpointing,
+            lambda name: f"zero.{flat_name('activations', name)}",
+        )
 
     @property
     def block_elements(self) -> int:

@@ -253,11 +253,10 @@ def _gather_weights(
 ) -> Iterator[Transfer]:
     """All-gather of a unit's weights over the world; qwZ gathers int8/int4 data and fp32 scales, each
     rank's shard quantized as one row."""
-    if not zero.quantized_weights:
+    if not zero.qwz.enabled:
         yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
         return
-    block = zero.weight_block_size if zero.weight_quantization == "block" else None
-    spec, shard = QuantSpec(zero.weight_bits, block), padded // world
+    spec, shard = QuantSpec(zero.qwz.bits, zero.qwz.block), padded // world
     for row in (spec.row_bytes(shard), SCALE_BYTES * spec.blocks(shard)):
         yield Transfer("all_gather", phase, ring_bytes(world * row, world), crossing)
 
@@ -271,12 +270,13 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     W = XY); data and scales (sent in one message, counted here one after the other).
     """
     world, per_node, nodes = layout.world_size, layout.ranks_per_node, layout.nodes
-    if not zero.quantized_gradients:
+    qgz = zero.qgz
+    if not qgz.enabled:
         yield Transfer("reduce_scatter", "backward", ring_bytes(padded * grad, world), _world_crossing(layout))
         return
-    spec, shard = QuantSpec(zero.gradient_bits, zero.gradient_block_size), padded // world
-    intra_spec = QuantSpec(zero.gradient_intra_node_bits or zero.gradient_bits, zero.gradient_block_size)
-    pieces = math.ceil(shard / zero.reduce_bucket_numel) * zero.qgz_pipeline_chunks
+    spec, shard = QuantSpec(qgz.bits, qgz.block_size), padded // world
+    intra_spec = QuantSpec(qgz.intra_node_bits or qgz.bits, qgz.block_size)
+    pieces = math.ceil(shard / zero.reduce_bucket_numel) * qgz.pipeline_chunks
     for start, stop in column_chunks(shard, pieces):
         c = stop - start
         for intra_row, inter_row in ((intra_spec.row_bytes(c), spec.row_bytes(c)), (SCALE_BYTES * spec.blocks(c),) * 2):

@@ -13,7 +13,7 @@ from zeropp.app.flags import as_flags
 from zeropp.app.summary import RunSummary
 from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig
 
-ZEROPP_OFF = {key: getattr(ZeroConfig(), key) for key in ZEROPP_SWITCHES}  # the library's defaults: all off
+ZEROPP_OFF = {key: ZeroConfig().as_flat()[key] for key in ZEROPP_SWITCHES}  # the library's defaults: all off
 ZEROPP_ON_FLAGS = as_flags(ZEROPP_SWITCHES)  # qwZ, hpZ over each node, qgZ
 ZEROPP_OFF_FLAGS = as_flags(ZEROPP_OFF)
 

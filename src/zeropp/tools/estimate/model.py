@@ -81,7 +81,7 @@ class Estimate:
     def qgz_residual_layout(self) -> tuple[int, int] | None:
         """(ranks per node, nodes) where qgZ's error feedback keeps residuals, else None."""
         zero = self.zero
-        feedback = zero.stage == 3 and zero.quantized_gradients and zero.gradient_error_feedback != "off"
+        feedback = zero.stage == 3 and zero.qgz.feedback
         return (self.data_parallel.ranks_per_node, self.layout.nodes) if feedback else None
 
     def activation_checkpoint_bytes(self, where: str = "device") -> int:
@@ -200,7 +200,7 @@ def estimate(
         Unit(
             n,
             FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel,
-            policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload_params != "none"),
+            policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none"),
         )
         for n in numels
     )

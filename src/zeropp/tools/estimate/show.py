@@ -48,9 +48,9 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         f"{zero.stage} / {zero.precision} (gradients {zero.grad_dtype or zero.precision}), "
         f"{zero.gradient_accumulation_steps} micro-batch(es) per step",
     )
-    switches = [f"qwZ int{zero.weight_bits}"] if zero.quantized_weights else []
+    switches = [f"qwZ int{zero.qwz.bits}"] if zero.qwz.enabled else []
     switches += [f"hpZ (groups of {est.hpz_group_size})"] if est.hpz_group_size > 1 else []
-    switches += [f"qgZ int{zero.gradient_bits}"] if zero.quantized_gradients else []
+    switches += [f"qgZ int{zero.qgz.bits}"] if zero.qgz.enabled else []
     head.add_row("ZeRO++", ", ".join(switches) or "off")
     head.add_row("model states per rank", si(est.model_state_bytes))
     _activation_rows(head, est)

@@ -1,0 +1,216 @@
+"""ZeroConfig's switches grouped into policies, the way FSDP2 groups ``MixedPrecisionPolicy`` / ``OffloadPolicy``.
+
+- ``zero.qwz``: :class:`QuantizedWeights`, ZeRO++'s quantized weight all-gather;
+- ``zero.qgz``: :class:`QuantizedGradients`, ZeRO++'s quantized gradient reduction (and LoCo error feedback);
+- ``zero.offload``: :class:`OffloadPolicy`, ZeRO-Offload of the optimizer and the parameters;
+- ``zero.activations``: :class:`ActivationCheckpointPolicy`, activation checkpointing and ZeRO-R's Pa, Pa+cpu.
+
+hpZ stays one key of ZeroConfig (``hpz_partition_size``): a policy of one field would add a level and no meaning.
+
+Every field of a policy also has its flat spelling, the key it had before the grouping (``FLAT_KEYS``:
+``weight_bits`` is ``qwz.bits``, ``offload_optimizer`` is ``offload.optimizer``). The flat keys are accepted
+everywhere: as ZeroConfig keywords, in config files and dicts, as ``zeropp train`` flags (the flags are the
+flat keys only), through ``ZeroConfig.ALIASES`` and DeepSpeed's keys. A flat key is applied on top of its
+policy (a flag overrides a file's ``[zero.qwz]``), and an error names the key as it was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from zeropp.config.schema import check_choices, check_finite, require, setting
+
+Name = Callable[[str], str]  # a policy field -> the dotted key an error names
+
+
+@dataclass
+class QuantizedWeights:
+    """qwZ (ZeRO++, stage 3): all-gather weights block-quantized."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "enabled": "quantized_weights",
+        "bits": "weight_bits",
+        "block_size": "weight_block_size",
+        "quantization": "weight_quantization",
+    }
+
+    enabled: bool = setting(False, "qwZ (ZeRO++, stage 3): all-gather weights block-quantized")
+    bits: Literal[8, 4] = setting(8, "qwZ: bits per quantized weight")
+    block_size: int = setting(256, "qwZ: weights per quantization block (one scale each)")
+    quantization: Literal["block", "tensor"] = setting(
+        "block", "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline)"
+    )
+
+    @property
+    def block(self) -> int | None:
+        """Weights per scale: the block size, or None for one scale per shard."""
+        return self.block_size if self.quantization == "block" else None
+
+    def validate(self, name: Name) -> None:
+        check_choices(self, "", name)
+        require(self.block_size >= 1, name("block_size"), self.block_size, "an integer >= 1")
+        check_finite(self, "", name)
+
+
+@dataclass
+class QuantizedGradients:
+    """qgZ (ZeRO++, stage 3): reduce gradients by a quantized two-hop all-to-all."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "enabled": "quantized_gradients",
+        "bits": "gradient_bits",
+        "block_size": "gradient_block_size",
+        "pipeline_chunks": "qgz_pipeline_chunks",
+        "intra_node_bits": "gradient_intra_node_bits",
+        "hadamard": "gradient_hadamard",
+        "error_feedback": "gradient_error_feedback",
+        "error_beta": "gradient_error_beta",
+        "error_reset_steps": "gradient_error_reset_steps",
+        "until": "quantized_gradients_until",
+    }
+
+    enabled: bool = setting(False, "qgZ (ZeRO++, stage 3): reduce gradients by a quantized two-hop all-to-all")
+    bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
+    block_size: int = setting(256, "qgZ: gradients per quantization block")
+    pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
+    intra_node_bits: Literal[4, 8] | None = setting(
+        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
+    )
+    hadamard: bool = setting(
+        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
+    )
+    error_feedback: Literal["off", "loco"] = setting(
+        "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
+    )
+    error_beta: float = setting(
+        0.8, "qgZ error feedback: residual <- beta * residual + (1 - beta) * new error (DeepSpeed's err_beta; 0: plain)"
+    )
+    error_reset_steps: int = setting(
+        1024, "qgZ error feedback: zero the residuals every this many optimizer steps (DeepSpeed's reset_T; 0: never)"
+    )
+    until: float = setting(
+        1.0, "qgZ for this fraction of the run's steps, a full-precision reduce-scatter after (1.0: always)"
+    )
+
+    @property
+    def feedback(self) -> bool:
+        """Whether qgZ is on with LoCo error feedback."""
+        return self.enabled and self.error_feedback != "off"
+
+    def validate(self, name: Name) -> None:
+        check_choices(self, "", name)
+        require(0 <= self.error_beta < 1, name("error_beta"), self.error_beta, "a number in [0, 1)")
+        require(
+            self.error_reset_steps >= 0, name("error_reset_steps"), self.error_reset_steps, "an integer >= 0 (0: never reset)"
+        )
+        require(0 < self.until <= 1, name("until"), self.until, "a fraction of the run's steps in (0, 1]")
+        if self.hadamard:
+            block = self.block_size
+            require(
+                block >= 2 and block & (block - 1) == 0,
+                name("block_size"),
+                block,
+                f"a power of 2 when {name('hadamard')} is on (the Hadamard transform's size)",
+            )
+        for key in ("block_size", "pipeline_chunks"):
+            require(getattr(self, key) >= 1, name(key), getattr(self, key), "an integer >= 1")
+        check_finite(self, "", name)
+
+
+@dataclass
+class OffloadPolicy:
+    """ZeRO-Offload: what lives and steps in host memory."""
+
+    FLAT: ClassVar[dict[str, str]] = {"optimizer": "offload_optimizer", "params": "offload_params"}
+
+    optimizer: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there"
+    )
+    params: Literal["none", "cpu"] = setting(
+        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
+    )
+
+    def validate(self, name: Name, stage: int) -> None:
+        check_choices(self, "", name)
+        if self.params != "none":
+            require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
+            require(self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is 'cpu' too")
+
+
+@dataclass
+class ActivationCheckpointPolicy:
+    """Activation checkpointing, and ZeRO-R's partitioned (Pa) and host-resident (Pa+cpu) checkpoints."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "enabled": "activation_checkpointing",
+        "partition_activations": "partition_activations",
+        "cpu_checkpointing": "cpu_checkpointing",
+    }
+
+    enabled: bool = setting(
+        False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
+    )
+    partition_activations: bool = setting(
+        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
+        "checkpointed input; an all-gather rebuilds it before recomputation"
+    )
+    cpu_checkpointing: bool = setting(
+        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
+    )
+
+    def validate(self, name: Name) -> None:
+        check_switches(self.enabled, self.partition_activations, self.cpu_checkpointing, name)
+
+
+def check_switches(checkpointing: bool, partition: bool, cpu: bool, name: Name) -> None:
+    """ZeRO-R's switches, each building on the one before (Pa on checkpointing, Pa+cpu on Pa): the one
+    rule for ZeroConfig and :class:`zeropp.costs.memory.Activations`."""
+    if partition:
+        require(checkpointing, name("partition_activations"), True, f"false unless {name('enabled')} is true too")
+    if cpu:
+        require(partition, name("cpu_checkpointing"), True, f"false unless {name('partition_activations')} is true too")
+
+
+# ZeroConfig's policy fields and their classes
+POLICIES: dict[str, type] = {
+    "qwz": QuantizedWeights,
+    "qgz": QuantizedGradients,
+    "offload": OffloadPolicy,
+    "activations": ActivationCheckpointPolicy,
+}
+
+# flat key -> (policy field of ZeroConfig, field of the policy)
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    flat: (group, name) for group, cls in POLICIES.items() for name, flat in cls.FLAT.items()
+}
+
+
+def flat_name(group: str, name: str) -> str:
+    """A policy field's flat key: ('qwz', 'bits') -> 'weight_bits'."""
+    return POLICIES[group].FLAT[name]
+
+
+def accepts_flat_keys(cls: type) -> type:
+    """Let dataclass `cls` (ZeroConfig) take every policy field by its flat key too, applied on top of the
+    policy given (or the default one), and remember how each key was written for its errors (``_spelled``)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        changes: dict[str, dict[str, Any]] = {}
+        spelled = {f"{g}.{n}": flat for flat, (g, n) in FLAT_KEYS.items() if g not in kwargs}
+        for key in [k for k in kwargs if k in FLAT_KEYS]:
+            group, name = FLAT_KEYS[key]
+            changes.setdefault(group, {})[name] = kwargs.pop(key)
+            spelled[f"{group}.{name}"] = key
+        for group, values in changes.items():
+            kwargs[group] = dataclasses.replace(kwargs.get(group) or POLICIES[group](), **values)
+        init(self, *args, **kwargs)
+        self._spelled = spelled
+
+    cls.__init__ = __init__
+    return cls
