@@ -64,7 +64,10 @@ def _collective_error(error: RuntimeError) -> CollectiveTimeout | None:
 
 class Pending:
     """Handles of in-flight collectives plus what to do once they have all finished, and optionally
-    a way to start the later hops of a multi-hop collective early (qgZ's inter-node exchange)."""
+    a way to start the later hops of a multi-hop collective early (qgZ's inter-node exchange).
+
+    c10d's work objects keep their tensors alive until they complete; whoever issued the collective
+    keeps its Pending (a unit's gather, the reduction queue) until it has waited for it."""
 
     def __init__(
         self, works: list, then: Callable[[], None] | None = None, start_hops: Callable[[], bool] | None = None

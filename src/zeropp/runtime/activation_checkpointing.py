@@ -154,6 +154,7 @@ class ActivationCheckpointing:
         start = min(rank * piece_numel, flat.numel())
         stop = min(start + piece_numel, flat.numel())
         piece, release = self.pieces.take(piece_numel, tensor.dtype)
+        # ordered by the current stream: the piece's only reader is _fetch's copy back, issued on it later
         piece[: stop - start].copy_(flat[start:stop], non_blocking=True)
         piece[stop - start :].zero_()  # padding
         stored = _Stored(piece, tensor.shape, len(self._order), partitioned=True)
@@ -208,6 +209,7 @@ class ActivationCheckpointing:
         if stored.staged is not None:
             return
         copy, release = self.staging.take(stored.data.numel(), stored.dtype)
+        # ordered by the current stream: read by _unpack's all-gather, which the backend orders after it
         copy.copy_(stored.data, non_blocking=True)
         nbytes = copy.numel() * copy.element_size()
         self.memory.add(nbytes, on_host=False)

@@ -214,7 +214,9 @@ class FlatUnit:
             return self.comm.all_gather(
                 self.compute_flat, self.secondary_shard, self.groups.secondary, bucket_numel=bucket, async_op=True
             )
-        source = self.compute_shard.to(options.device, non_blocking=True)  # offloaded parameters: staged
+        # offloaded parameters, staged: the gather below is ordered after the copy (NCCL waits on the current
+        # stream; qwZ's side stream waits on it and records the staged shard)
+        source = self.compute_shard.to(options.device, non_blocking=True)
         if options.weight_quant is not None:  # qwZ
             return all_gather_quantized(
                 self.comm,
@@ -485,6 +487,8 @@ class FlatUnit:
         """Make the compute-dtype parameters follow the updated fp32 master."""
         # See [Note: hpZ validity and versioning]
         self.version += 1
+        # non-blocking: the next gather reads the copy in stream order, and with offloaded masters the host
+        # writes them again only after the next step's synchronize (ZeroEngine.step)
         if not self.resident:
             if self.compute_shard.data_ptr() != self.master.data_ptr():
                 self.compute_shard.copy_(self.master.data, non_blocking=True)
