@@ -118,15 +118,15 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return self.layout.node_of(rank)
 
-    def subgroups(self, name: str, partition: RankGroups) -> Group:
-        """Build (once) a partition of the world into process groups; return the one holding this rank.
+    def subgroups(self, name: str, groups: RankGroups) -> Group:
+        """Build (once) the process groups of `groups` (disjoint, covering the world): the one holding this rank.
 
-        Every rank must call this with the same partition, in the same order: new_group is collective.
+        Every rank must call this with the same groups, in the same order: new_group is collective.
         A group of every rank is the world's; a group of one rank needs no process group.
         """
         if name not in self._built:
             mine = None
-            for ranks in partition:
+            for ranks in groups:
                 if ranks == self.world.ranks:
                     group = self.world
                 else:
