@@ -21,15 +21,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world: int, nodes: int, port: int, queue: mp.Queue, kwargs: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank % (world // nodes)),
-        LOCAL_WORLD_SIZE=str(world // nodes),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_env(launcher: str, rank: int, world: int, nodes: int, port: int) -> dict[str, str]:
+    """The variables `launcher` gives rank `rank` of `world` on `nodes` nodes (this machine's loopback)."""
+    per_node = world // nodes
+    if launcher == "torchrun":
+        values = (rank, world, rank % per_node, per_node, "127.0.0.1", port)
+        return dict(zip(TORCHRUN, map(str, values), strict=True))
+    if launcher == "slurm":  # srun, one task per rank; the rendezvous address from the node list
+        return dict(
+            SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID=str(rank % per_node),
+            SLURM_TASKS_PER_NODE=f"{per_node}(x{nodes})", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port),
+            SLURM_JOB_ID="4242",
+        )  # fmt: skip
+    if launcher == "openmpi":
+        return dict(
+            OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world), OMPI_COMM_WORLD_LOCAL_RANK=str(rank % per_node),
+            OMPI_COMM_WORLD_LOCAL_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+    raise ValueError(launcher)
+
+
+def _worker(
+    fn: Callable, rank: int, world: int, nodes: int, port: int, queue: mp.Queue, kwargs: dict, launcher: str = "torchrun"
+) -> None:
+    for name in TORCHRUN:
+        os.environ.pop(name, None)
+    os.environ.update(launcher_env(launcher, rank, world, nodes, port))
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", _serialize(fn(**kwargs))))
@@ -48,13 +68,18 @@ def _serialize(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, nodes: int = 1, start: str = "fork", **kwargs: Any) -> list[Any]:
-    """Start `world` processes that look like torchrun's ranks on `nodes` nodes; return results by rank.
-    `start`: "spawn" where a rank uses CUDA (a forked child cannot once the parent initialized it)."""
+def run_ranks(
+    fn: Callable[..., Any], world: int, nodes: int = 1, start: str = "fork", launcher: str = "torchrun", **kwargs: Any
+) -> list[Any]:
+    """Start `world` processes that look like `launcher`'s ranks (torchrun, slurm, openmpi) on `nodes`
+    nodes; return results by rank. `start`: "spawn" where a rank uses CUDA (a forked child cannot
+    once the parent initialized it)."""
     ctx = mp.get_context(start)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, nodes, port, queue, kwargs)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, nodes, port, queue, kwargs, launcher)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

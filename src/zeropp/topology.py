@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from zeropp.config.launcher import read_launch_environment
 from zeropp.config.sections import TopologyConfig
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout, RankGroups
@@ -163,32 +164,26 @@ class Topology:
         return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
 
 
-def read_world_from_env() -> tuple[int, int, int | None]:
-    """(rank, world_size, nodes) from torchrun's environment; nodes is None when it cannot be told."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    nodes = world_size // int(local) if local else None
-    return rank, world_size, nodes
-
-
 def init_topology(config: TopologyConfig | None = None) -> Topology:
     """Validate the topology against the environment, then initialise torch.distributed and build groups."""
     config = config or TopologyConfig()
     config.validate()
-    rank, world_size, env_nodes = read_world_from_env()
-    layout = Layout(world_size, config.nodes or env_nodes or 1, config.tensor_parallel_size)
+    launch = read_launch_environment(os.environ)  # torchrun's, Open MPI's, PMI's or Slurm's variables
+    rank, world_size = launch.rank, launch.world_size
+    layout = Layout(world_size, config.nodes or launch.nodes or 1, config.tensor_parallel_size)
     backend = resolve_backend(config)
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ and world_size == 1:
+        if world_size == 1 and launch.master_addr is None:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
+        elif launch.master_addr is not None:  # derived under Slurm: the store reads them from here
+            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         timeout = datetime.timedelta(seconds=config.timeout_s)
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
