@@ -28,8 +28,10 @@ def assert_mentions(message: str, *needles: str) -> None:
 
 # (source, overrides, what the message must name: key, value, what is allowed)
 BAD = [
-    pytest.param({"zeroo": {}}, None, ("zeroo", "zero", "topology"), id="unknown-top-level-key"),
-    pytest.param({"zero": {"stge": 3}}, None, ("zero", "stge", "stage"), id="unknown-nested-key"),
+    pytest.param({"zeroo": {}}, None, ("'zeroo'", "did you mean 'zero'?"), id="unknown-top-level-key-a-typo"),
+    pytest.param({"banana": {}}, None, ("'banana'", "allowed keys: zero, topology"), id="unknown-top-level-key"),
+    pytest.param({"zero": {"stge": 3}}, None, ("'zero.stge'", "did you mean 'zero.stage'?"), id="unknown-nested-key"),
+    pytest.param({"zero": {"wieght_bits": 4}}, None, ("did you mean 'zero.weight_bits'?",), id="unknown-flat-key"),
     pytest.param(
         {"zero": {"loss_scale": {"grow": 2}}}, None, ("loss_scale", "grow", "growth_factor"), id="unknown-deep-key"
     ),

@@ -7,6 +7,7 @@ read. Every error is a one-line :class:`ConfigError` naming the key, the value a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -77,9 +78,17 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
             kwargs[key] = coerce(f"{prefix}{key}", value, typing.get_type_hints(hints[group])[name])
             continue
         if key not in names:
-            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys: {', '.join([*names, *flat])}")
+            raise unknown_key(f"{prefix}{key}", [*names, *flat, *aliases], prefix)
         kwargs[key] = coerce(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)
+
+
+def unknown_key(key: str, known: list[str], prefix: str = "") -> ConfigError:
+    """An unknown key's error: the closest known key when one is close (a typo), else every allowed key."""
+    close = difflib.get_close_matches(key.removeprefix(prefix), known, n=1, cutoff=0.75)
+    if close:
+        return ConfigError(f"unknown key '{key}'; did you mean '{prefix}{close[0]}'?")
+    return ConfigError(f"unknown key '{key}'; allowed keys: {', '.join(known)}")
 
 
 def coerce(key: str, value: Any, hint: Any) -> Any:
