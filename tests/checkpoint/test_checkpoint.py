@@ -358,3 +358,13 @@ def cuda_generator_worker(root: str) -> bool:
 def test_a_checkpoint_restores_the_cuda_generator(tmp_path):
     """Dropout on CUDA draws from the device's generator: a resume continues its stream."""
     assert run_ranks(cuda_generator_worker, 1, start="spawn", root=str(tmp_path)) == [True]
+
+
+def test_resuming_the_folder_of_checkpoints_names_its_newest(tmp_path):
+    from zeropp.checkpoint.dcp import CheckpointError, checkpoint_name, read_meta
+
+    for step in (2, 10):
+        (tmp_path / checkpoint_name(step)).mkdir()
+        (tmp_path / checkpoint_name(step) / "zeropp.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="folder of checkpoints, not one; its newest is .*step.*10.*--resume auto"):
+        read_meta(tmp_path)

@@ -88,6 +88,11 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not (path / META).is_file() and (latest := find_latest(path)) is not None:  # the run's folder, not a checkpoint
+        raise CheckpointError(
+            f"{str(path)!r} is a folder of checkpoints, not one; its newest is {str(latest)!r} "
+            "(or resume with --resume auto and --checkpoint-dir set to it)"
+        )
     try:
         meta = json.loads((path / META).read_text())
         if meta.get("format") not in (FORMAT, FLAT_FORMAT):
