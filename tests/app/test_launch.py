@@ -162,3 +162,13 @@ def test_ctrl_c_says_interrupted_once():
     _, stderr = launcher.communicate(timeout=60)
     assert [line for line in stderr.splitlines() if line.strip()] == ["zeropp: interrupted"], stderr[-3000:]
     assert launcher.returncode == 130 and not any(alive(r) for r in ranks)
+
+
+def test_a_thread_count_the_ranks_libraries_would_refuse_stops_the_launcher():
+    """OpenMP reads OMP_NUM_THREADS when torch loads it (its own warning comes first); the launcher
+    then refuses to start ranks that would each warn and run on its default."""
+    result = run_cli("train", "--nproc-per-node", "2", env={**os.environ, "OMP_NUM_THREADS": "four"})
+    ours = [line for line in error_lines(result) if line.startswith("zeropp: error:")]
+    assert result.returncode == 2 and ours == [
+        "zeropp: error: the environment sets OMP_NUM_THREADS='four'; expected a whole number >= 1 (or unset it)"
+    ], result.stderr[-2000:]

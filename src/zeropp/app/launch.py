@@ -76,6 +76,7 @@ def resolve(args: argparse.Namespace) -> int:
     _check_positive("--join-timeout-s", args.join_timeout_s)
     if not 0 <= args.node_rank < nodes:
         raise ConfigError(f"--node-rank {args.node_rank} is not allowed; expected 0 to {nodes - 1} (--nnodes {nodes})")
+    _check_thread_env()
     if is_rank():
         _check_rank_env(args, given, nodes)
     else:
@@ -104,6 +105,17 @@ def _nodes(nnodes: str) -> int:
 def _check_positive(flag: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{flag} {value} is not allowed; expected an integer >= 1")
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by every rank's OpenMP / MKL at start
+
+
+def _check_thread_env() -> None:
+    """Thread counts the ranks' libraries would warn about or ignore, refused before any process starts."""
+    for name in THREAD_ENV:
+        value = os.environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+            raise ConfigError(f"the environment sets {name}={value!r}; expected a whole number >= 1 (or unset it)")
 
 
 def _check_launcher_env() -> None:
