@@ -90,14 +90,14 @@ def test_world_one_equals_the_plain_trainer(tmp_path):
     assert _close(zero["state"], start) > 1e-3  # it trained
 
 
-def _stages(out: str, world: int) -> list[dict]:
-    return [_zero_run(f"{out}/stage{stage}", world, stage) for stage in (1, 2, 3)]
+def _stages(out: str, ranks: int) -> list[dict]:
+    return [_zero_run(f"{out}/stage{stage}", ranks, stage) for stage in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
 def test_more_ranks_equal_world_one(world_one, world, nodes, tmp_path):
     """The same global batch (per_device_train_batch_size x world) at stages 1-3 gives world 1's run."""
-    results = run_ranks(_stages, world, nodes=nodes, out=str(tmp_path), world=world)
+    results = run_ranks(_stages, world, nodes=nodes, out=str(tmp_path), ranks=world)
     for rank_result in results:
         for run in rank_result:
             assert _close(run["state"], world_one["state"]) < TOLERANCE
@@ -161,3 +161,27 @@ def test_the_readme_shows_the_example():
     example = (ROOT / "examples" / "hf_trainer.py").read_text()
     code = example[example.index("import ") :]
     assert f"```python\n{code}```" in readme
+
+
+def test_importing_zeropp_imports_no_transformers():
+    """The core never imports the integrations (checked in a fresh interpreter: this one has transformers)."""
+    code = "import sys, zeropp, zeropp.engine, zeropp.app.trainer; assert 'transformers' not in sys.modules, 'imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
+    """"auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
+    from zeropp.integrations.transformers import TrainerError, resolve_zero_config
+
+    args = _args(str(tmp_path), 1, bf16=True)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    zero = resolve_zero_config(ds, args, world_size=2, hidden_size=32)
+    assert (zero.stage, zero.gradient_accumulation_steps, zero.max_grad_norm, zero.precision) == (2, 2, 0.5, "bf16")
+    assert resolve_zero_config({"stage": 1, "quantized_weights": False}, args, 1).stage == 1
+    with pytest.raises(TrainerError, match="gradient_accumulation_steps 4 but the TrainingArguments say 2"):
+        resolve_zero_config({**ds, "gradient_accumulation_steps": 4}, args, world_size=2)
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1}, "fp16": {"enabled": true}}')
+    with pytest.raises(TrainerError, match="precision 'fp16' but the TrainingArguments say 'bf16'"):
+        resolve_zero_config(str(path), args, world_size=1)
