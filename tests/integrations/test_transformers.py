@@ -185,3 +185,24 @@ def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
     path.write_text('{"zero_optimization": {"stage": 1}, "fp16": {"enabled": true}}')
     with pytest.raises(TrainerError, match="precision 'fp16' but the TrainingArguments say 'bf16'"):
         resolve_zero_config(str(path), args, world_size=1)
+
+
+def _from_args_deepspeed(out: str) -> tuple[int, bool, float]:
+    import json
+
+    from zeropp.integrations.transformers import ZeroTrainer
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    Path(f"{out}/ds.json").write_text(json.dumps(ds))
+    trainer = ZeroTrainer(_model(), _args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=_rows())
+    trainer.train()
+    same = _close(trainer.engine.full_state_dict(), _zero_run(f"{out}/b", 2, 2)["state"])
+    return trainer.engine.config.stage, trainer.is_deepspeed_enabled, same
+
+
+def test_args_deepspeed_is_read_by_zeropp(tmp_path):
+    """TrainingArguments(deepspeed=...) constructs only where DeepSpeed is installed (transformers 5.24
+    fails with a TypeError otherwise); there ZeroTrainer reads the file and DeepSpeed never starts."""
+    pytest.importorskip("deepspeed")
+    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, out=str(tmp_path)):
+        assert (stage, deepspeed_on, difference) == (2, False, 0.0)
