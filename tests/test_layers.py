@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(importlib.util.find_spec("zeropp").origin).parent  # found, not imported: a broken import still fails here
 LAYERS = (
     "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel",
-    "costs", "checkpoint", "engine", "app", "tools", "cli",
+    "costs", "checkpoint", "engine", "integrations", "app", "tools", "cli",
 )  # fmt: skip
 
 

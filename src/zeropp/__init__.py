@@ -3,7 +3,8 @@
 The packages, each importing only the ones before it (``tests/test_layers.py`` keeps it so):
 ``errors`` · ``config`` · ``index`` (pure rank and flat-buffer math) · ``topology`` · ``quant`` ·
 ``comm`` · ``zero`` (the ZeRO core) · ``runtime`` · ``tensor_parallel`` · ``costs`` (the analytic
-models) · ``checkpoint`` · ``engine`` · ``app`` (``zeropp train``) · ``tools`` (estimate, cluster,
+models) · ``checkpoint`` · ``engine`` · ``integrations`` (``ZeroTrainer``: the
+Hugging Face Trainer; not imported here) · ``app`` (``zeropp train``) · ``tools`` (estimate, cluster,
 bench) · ``cli``.
 """
 

@@ -1,0 +1,208 @@
+"""``zeropp.integrations.transformers.ZeroTrainer`` against the real ``transformers.Trainer``: a tiny
+Llama built from a config (no downloads) on fixed token rows, fp32, sequential batches, no dropout.
+World 1 equals the plain Trainer; worlds 2 and 4 (2 nodes x 2) at stages 1-3 equal world 1 with the
+same global batch; a resumed run is bit-identical to a straight one; ``save_model`` loads with
+``from_pretrained``; a DeepSpeed config reaches the engine; the example runs under torchrun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import free_port, run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL_BATCH = 4
+STEPS = 4
+TOLERANCE = 1e-5
+PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
+
+
+def _rows(n: int = 48, length: int = 16) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _model():
+    from models import hf_model
+
+    torch.manual_seed(0)
+    return hf_model("hf-llama")
+
+
+def _args(out: str, world: int, **overrides):
+    import transformers
+
+    settings = dict(
+        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.1,
+        optim="adamw_torch", adam_epsilon=1e-4, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, dataloader_drop_last=True, train_sampling_strategy="sequential",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.Tensor]:
+    import zeropp
+    from zeropp.integrations.transformers import ZeroTrainer
+
+    trainer = ZeroTrainer(_model(), _args(out, world, **overrides), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=stage))
+    trainer.train()
+    return {"state": trainer.engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+def _plain_and_zero(out: str) -> tuple[dict, dict]:
+    import transformers
+
+    model = _model()
+    plain = transformers.Trainer(model, _args(out + "/plain", 1), train_dataset=_rows())
+    plain.train()
+    reference = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    reference["losses"] = [e["loss"] for e in plain.state.log_history if "loss" in e]
+    return reference, _zero_run(out + "/zero", 1, 3)
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def world_one(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("world1"))
+    return run_ranks(lambda: _zero_run(out, 1, 3), 1)[0]
+
+
+def test_world_one_equals_the_plain_trainer(tmp_path):
+    """Stage 3, fp32, accumulation 2, warm-up + linear decay, decay / no-decay groups, clipping."""
+    reference, zero = run_ranks(_plain_and_zero, 1, out=str(tmp_path))[0]
+    assert len(zero["losses"]) == STEPS and zero["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
+    assert _close(zero["state"], reference["state"]) < TOLERANCE
+    start = _model().state_dict()
+    assert _close(zero["state"], start) > 1e-3  # it trained
+
+
+def _stages(out: str, ranks: int) -> list[dict]:
+    return [_zero_run(f"{out}/stage{stage}", ranks, stage) for stage in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
+def test_more_ranks_equal_world_one(world_one, world, nodes, tmp_path):
+    """The same global batch (per_device_train_batch_size x world) at stages 1-3 gives world 1's run."""
+    results = run_ranks(_stages, world, nodes=nodes, out=str(tmp_path), ranks=world)
+    for rank_result in results:
+        for run in rank_result:
+            assert _close(run["state"], world_one["state"]) < TOLERANCE
+            assert run["losses"] == pytest.approx(world_one["losses"], abs=TOLERANCE)
+
+
+def _resume(out: str) -> tuple[dict, dict, list[str]]:
+    straight = _zero_run(f"{out}/straight", 2, 3, max_steps=6, save_strategy="steps", save_steps=3)
+    import zeropp
+    from zeropp.integrations.transformers import ZeroTrainer
+
+    args = _args(f"{out}/straight", 2, max_steps=6, save_strategy="no")
+    trainer = ZeroTrainer(_model(), args, train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    trainer.train(resume_from_checkpoint=f"{out}/straight/checkpoint-3")
+    files = sorted(p.name for p in Path(f"{out}/straight/checkpoint-3").iterdir())
+    return straight["state"], trainer.engine.full_state_dict(), files
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """Saved at step 3 (zeropp's sharded checkpoint in checkpoint-3/zeropp), resumed, equal at step 6."""
+    straight, resumed, files = run_ranks(_resume, 2, out=str(tmp_path))[0]
+    assert {"zeropp", "scheduler.pt", "trainer_state.json", "config.json", "rng_state_0.pth"} <= set(files)
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+
+def _save(out: str) -> torch.Tensor:
+    import zeropp
+    from zeropp.integrations.transformers import ZeroTrainer
+
+    trainer = ZeroTrainer(_model(), _args(out, 2, max_steps=2), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    trainer.train()
+    trainer.save_model(f"{out}/final")
+    trainer.engine.eval()
+    with torch.no_grad():
+        return trainer.engine(input_ids=PROBE).logits
+
+
+def test_save_model_loads_with_from_pretrained(tmp_path):
+    import transformers
+
+    logits = run_ranks(_save, 2, out=str(tmp_path))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    with torch.no_grad():
+        assert (model(input_ids=PROBE).logits - logits).abs().max().item() < TOLERANCE
+
+
+def test_the_example_runs_under_torchrun(tmp_path):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        str(ROOT / "examples" / "hf_trainer.py"), str(tmp_path / "out"),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrote" in done.stdout
+    assert (tmp_path / "out" / "final" / "config.json").is_file()
+
+
+def test_the_readme_shows_the_example():
+    readme = (ROOT / "README.md").read_text()
+    example = (ROOT / "examples" / "hf_trainer.py").read_text()
+    code = example[example.index("import ") :]
+    assert f"```python\n{code}```" in readme
+
+
+def test_importing_zeropp_imports_no_transformers():
+    """The core never imports the integrations (checked in a fresh interpreter: this one has transformers)."""
+    code = "import sys, zeropp, zeropp.engine, zeropp.app.trainer; assert 'transformers' not in sys.modules, 'imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
+    """"auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
+    from zeropp.integrations.transformers import TrainerError, resolve_zero_config
+
+    args = _args(str(tmp_path), 1, bf16=True)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    zero = resolve_zero_config(ds, args, world_size=2, hidden_size=32)
+    assert (zero.stage, zero.gradient_accumulation_steps, zero.max_grad_norm, zero.precision) == (2, 2, 0.5, "bf16")
+    assert resolve_zero_config({"stage": 1, "quantized_weights": False}, args, 1).stage == 1
+    with pytest.raises(TrainerError, match="gradient_accumulation_steps 4 but the TrainingArguments say 2"):
+        resolve_zero_config({**ds, "gradient_accumulation_steps": 4}, args, world_size=2)
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1}, "fp16": {"enabled": true}}')
+    with pytest.raises(TrainerError, match="precision 'fp16' but the TrainingArguments say 'bf16'"):
+        resolve_zero_config(str(path), args, world_size=1)
+
+
+def _from_args_deepspeed(out: str) -> tuple[int, bool, float]:
+    import json
+
+    from zeropp.integrations.transformers import ZeroTrainer
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    Path(f"{out}/ds.json").write_text(json.dumps(ds))
+    trainer = ZeroTrainer(_model(), _args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=_rows())
+    trainer.train()
+    same = _close(trainer.engine.full_state_dict(), _zero_run(f"{out}/b", 2, 2)["state"])
+    return trainer.engine.config.stage, trainer.is_deepspeed_enabled, same
+
+
+def test_args_deepspeed_is_read_by_zeropp(tmp_path):
+    """TrainingArguments(deepspeed=...) constructs only where DeepSpeed is installed (transformers 5.24
+    fails with a TypeError otherwise); there ZeroTrainer reads the file and DeepSpeed never starts."""
+    pytest.importorskip("deepspeed")
+    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, out=str(tmp_path)):
+        assert (stage, deepspeed_on, difference) == (2, False, 0.0)
