@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 4
 STEPS = 4
 TOLERANCE = 1e-5
+# Ranks are spawned, not forked: accelerate raises the rank's thread count, and an OpenMP pool that the
+# pytest process started before a fork deadlocks the child's first parallel region (seen in the full suite).
+SPAWN = "spawn"
 PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
 
 
@@ -59,6 +62,10 @@ def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.
     return {"state": trainer.engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
 
 
+def _world_one_run(out: str) -> dict:
+    return _zero_run(out, 1, 3)
+
+
 def _plain_and_zero(out: str) -> tuple[dict, dict]:
     import transformers
 
@@ -78,12 +85,12 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def world_one(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("world1"))
-    return run_ranks(lambda: _zero_run(out, 1, 3), 1)[0]
+    return run_ranks(_world_one_run, 1, start=SPAWN, out=out)[0]
 
 
 def test_world_one_equals_the_plain_trainer(tmp_path):
     """Stage 3, fp32, accumulation 2, warm-up + linear decay, decay / no-decay groups, clipping."""
-    reference, zero = run_ranks(_plain_and_zero, 1, out=str(tmp_path))[0]
+    reference, zero = run_ranks(_plain_and_zero, 1, start=SPAWN, out=str(tmp_path))[0]
     assert len(zero["losses"]) == STEPS and zero["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
     assert _close(zero["state"], reference["state"]) < TOLERANCE
     start = _model().state_dict()
@@ -97,7 +104,7 @@ def _stages(out: str, ranks: int) -> list[dict]:
 @pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
 def test_more_ranks_equal_world_one(world_one, world, nodes, tmp_path):
     """The same global batch (per_device_train_batch_size x world) at stages 1-3 gives world 1's run."""
-    results = run_ranks(_stages, world, nodes=nodes, out=str(tmp_path), ranks=world)
+    results = run_ranks(_stages, world, start=SPAWN, nodes=nodes, out=str(tmp_path), ranks=world)
     for rank_result in results:
         for run in rank_result:
             assert _close(run["state"], world_one["state"]) < TOLERANCE
@@ -118,7 +125,7 @@ def _resume(out: str) -> tuple[dict, dict, list[str]]:
 
 def test_resume_is_bit_identical(tmp_path):
     """Saved at step 3 (zeropp's sharded checkpoint in checkpoint-3/zeropp), resumed, equal at step 6."""
-    straight, resumed, files = run_ranks(_resume, 2, out=str(tmp_path))[0]
+    straight, resumed, files = run_ranks(_resume, 2, start=SPAWN, out=str(tmp_path))[0]
     assert {"zeropp", "scheduler.pt", "trainer_state.json", "config.json", "rng_state_0.pth"} <= set(files)
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
@@ -139,7 +146,7 @@ def _save(out: str) -> torch.Tensor:
 def test_save_model_loads_with_from_pretrained(tmp_path):
     import transformers
 
-    logits = run_ranks(_save, 2, out=str(tmp_path))[0]
+    logits = run_ranks(_save, 2, start=SPAWN, out=str(tmp_path))[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
     with torch.no_grad():
         assert (model(input_ids=PROBE).logits - logits).abs().max().item() < TOLERANCE
@@ -204,5 +211,5 @@ def test_args_deepspeed_is_read_by_zeropp(tmp_path):
     """TrainingArguments(deepspeed=...) constructs only where DeepSpeed is installed (transformers 5.24
     fails with a TypeError otherwise); there ZeroTrainer reads the file and DeepSpeed never starts."""
     pytest.importorskip("deepspeed")
-    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, out=str(tmp_path)):
+    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, start=SPAWN, out=str(tmp_path)):
         assert (stage, deepspeed_on, difference) == (2, False, 0.0)
