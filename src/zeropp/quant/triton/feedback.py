@@ -8,7 +8,7 @@ their scales and the residual once and writes the residual once::
 
 bit for bit as the torch path computes it: every product and difference is rounded once to fp32
 (the kernel is built without fp fusion, and the torch path multiplies and adds in separate ops).
-Blocks, int4 unpacking and the launch geometry are those of :mod:`zeropp.quant.triton_kernels`,
+Blocks, int4 unpacking and the launch geometry are those of :mod:`zeropp.quant.triton.kernels`,
 whose device helpers it calls, so it runs under the same CPU interpreter (``TRITON_INTERPRET=1``
 before the first import).
 """

@@ -7,7 +7,7 @@ the inverse flips the signs last. Each sum, difference and product rounds once t
 torch ops do (kernels are built without fp fusion; nothing here could fuse anyway). The input is
 first copied to fp32 in torch, and the full blocks are rotated in place in that copy.
 
-Kernels are decorated at import: as :mod:`zeropp.quant.triton_kernels`, under the CPU interpreter
+Kernels are decorated at import: as :mod:`zeropp.quant.triton.kernels`, under the CPU interpreter
 ``TRITON_INTERPRET=1`` must be set before this module is first imported.
 """
 
