@@ -142,9 +142,7 @@ def test_the_checks_fail_on_an_upward_import_and_a_cycle():
         "zeropp.quant.spec imports zeropp.engine (layer quant may not import engine)"
     ]
     graph["zeropp.engine"] = graph["zeropp.engine"] | {"zeropp.quant.spec"}
-    assert ["zeropp.engine", "zeropp.quant.spec"] in [c for c in cycles(graph) if "zeropp.engine" in c] or any(
-        {"zeropp.engine", "zeropp.quant.spec"} <= set(c) for c in cycles(graph)
-    )
+    assert any({"zeropp.engine", "zeropp.quant.spec"} <= set(component) for component in cycles(graph))
 
 
 def test_function_level_imports_count_and_type_checking_ones_do_not():

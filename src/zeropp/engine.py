@@ -45,12 +45,12 @@ from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
-from zeropp.zero.grouping import group_parameters, repeated_blocks
+from zeropp.zero.grouping import group_parameters, innermost_units, repeated_blocks
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.unit import FlatUnit, innermost_units
+from zeropp.zero.unit import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -120,15 +120,15 @@ def _with_address(found: LaunchEnvironment, launcher: str) -> LaunchEnvironment:
 
 def _slurm(env: Mapping[str, str], master_addr: str | None, master_port: int | None) -> LaunchEnvironment:
     per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    local_size = tasks_on_first_node(per_node) if per_node else None
-    if per_node and tasks_per_node_vary(per_node):
+    counts = _task_counts(per_node) if per_node else [None]
+    if len(set(counts)) > 1:
         raise ConfigError(
             f"the environment sets SLURM_TASKS_PER_NODE={per_node!r}: nodes with different task counts; "
             "zeropp needs the same ranks on every node (sbatch --ntasks-per-node)"
         )
     found = _checked(
         "slurm", env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-        master_addr, master_port, local_world_size=local_size,
+        master_addr, master_port, local_world_size=counts[0],
     )  # fmt: skip
     if found.world_size == 1:
         return found
@@ -164,11 +164,3 @@ def _task_counts(per_node: str) -> list[int]:
             raise ConfigError(f"the environment sets SLURM_TASKS_PER_NODE={per_node!r}; expected e.g. '4(x2)'")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
-
-
-def tasks_on_first_node(per_node: str) -> int:
-    return _task_counts(per_node)[0]
-
-
-def tasks_per_node_vary(per_node: str) -> bool:
-    return len(set(_task_counts(per_node))) > 1

@@ -2,7 +2,7 @@
 (Pa+cpu) and contiguous checkpoint memory (MD).
 
 With ``activation_checkpointing`` the ``forward`` of every block (a unit that contains no other
-unit, :func:`zeropp.zero.unit.innermost_units`) runs through torch's non-reentrant
+unit, :func:`zeropp.zero.grouping.innermost_units`) runs through torch's non-reentrant
 ``torch.utils.checkpoint.checkpoint`` inside a pair of saved-tensor hooks of ours. Torch's
 checkpoint saves the block's positional tensor inputs as saved tensors *before* it installs its own
 hooks for what runs inside the block, so ours see exactly the block's checkpointed inputs: *pack*
@@ -56,7 +56,8 @@ from zeropp.comm.ledger import PA_GATHER
 from zeropp.topology import Group
 from zeropp.zero.arena import Arena
 from zeropp.zero.dtensor_params import local_tensor
-from zeropp.zero.unit import FlatUnit, innermost_units
+from zeropp.zero.grouping import innermost_units
+from zeropp.zero.unit import FlatUnit
 
 
 @dataclass

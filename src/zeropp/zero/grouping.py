@@ -9,8 +9,12 @@ a layer and the root, say) goes to the root unit, which stays gathered for the w
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from zeropp.zero.unit import FlatUnit
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -51,3 +55,9 @@ def group_parameters(
         grouped[owners[0] if len(owners) == 1 else -1].append((name, p))
     modules = [*unit_modules, model]
     return [(m, params) for m, params in zip(modules, grouped, strict=True) if params]
+
+
+def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:
+    """The units whose module contains no other unit's (the blocks; not a root that calls them)."""
+    modules = {id(unit.module) for unit in units}
+    return [u for u in units if not any(id(m) in modules for m in u.module.modules() if m is not u.module)]

@@ -37,12 +37,6 @@ from zeropp.zero.stages import StagePolicy
 _RELEASED = torch.empty(0)
 
 
-def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:
-    """The units whose module contains no other unit's (the blocks; not a root that calls them)."""
-    modules = {id(unit.module) for unit in units}
-    return [u for u in units if not any(id(m) in modules for m in u.module.modules() if m is not u.module)]
-
-
 class ShardState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
     GATHERING = "gathering"  # an all-gather into compute_flat is in flight
@@ -75,11 +69,8 @@ class FlatUnit:
     ZeRO++ on a sharded unit:
 
     - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
-      size). It is cut from the gathered weights when the unit reshards and is valid while the
-      weights have not changed (``version``, bumped by every optimizer step): while valid every
-      gather (backward, later micro-batches, eval) runs inside the secondary group. A step
-      invalidates it, so a stale copy is never read; the copy is written only after the gather into
-      ``compute_flat`` has completed, so it never races a prefetch.
+      size), cut when the unit reshards (after its gather completed, so never racing a prefetch) and
+      gathered from while the weights are unchanged ([Note: hpZ validity and versioning]).
     - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives.
     """
 
