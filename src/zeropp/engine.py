@@ -50,6 +50,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
+from zeropp.zero.stepping import step_batches
 from zeropp.zero.unit import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -249,27 +250,16 @@ class ZeroEngine:
             unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.in_phase("step"):
-            # offloaded masters: every unit's copy to the host is issued before any is waited for
-            grads = [
-                unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True) for unit in self.units
-            ]
-            if self.config.offload.optimizer != "none" and self.topology.device.type == "cuda":
-                # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
-                torch.cuda.current_stream(self.topology.device).synchronize()
-            for unit, grad in zip(self.units, grads, strict=True):
-                unit.master.grad = grad.div_(self.scaler.scale) if self.scaler.enabled else grad
-            overflow = self._any_overflow() if self.scaler.enabled else False
+            finite, squares = self._gradient_statistics()
+            overflow = self._any_overflow(finite) if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:
-                self._grad_norm = self._clip_gradients()
-                self.optimizer.step()
-                for unit in self.units:
-                    unit.publish_master()
+                self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
+                self._step_optimizer(self._clip_coefficient(self._grad_norm))
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
             for unit in self.units:
-                unit.master.grad = None
                 unit.clear_gradients()
         if self.activation_checkpointing is not None:
             self.last_activation_checkpoints = self.activation_checkpointing.new_step()
@@ -330,27 +320,63 @@ class ZeroEngine:
         self.comm.all_reduce(local, group, reduce=reduce)
         return local
 
-    def _any_overflow(self) -> bool:
+    def _gradient_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether this rank's gradients are all finite, and the sum of their squares (parameters whole
+        on every tensor-parallel rank counted on its first only), in one pass over the units that holds
+        one unit's fp32 gradient at a time. Both stay device tensors."""
+        device = self.topology.device
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        count_whole = self.topology.tensor_parallel.rank == 0
+        for unit in self.units:
+            grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: not written
+            if self.scaler.enabled:
+                grad = grad / self.scaler.scale
+                finite &= torch.isfinite(grad).all()
+            squares += unit.grad_squares(grad, count_whole)
+        return finite, squares
+
+    def _any_overflow(self, finite: torch.Tensor) -> bool:
         """Whether any rank's gradients hold an inf or a nan: the step's one host synchronization
         under fp16 (skipping the step is a decision the host takes), one for all units."""
-        finite = torch.stack([torch.isfinite(unit.master.grad).all().to(self.topology.device) for unit in self.units])
-        local = finite.logical_not().any().to(torch.float32).reshape(1)
+        local = finite.logical_not().to(torch.float32).reshape(1)
         return bool(self._reduce_over_shards(local, "max").item())
 
-    def _clip_gradients(self) -> torch.Tensor:
-        """Global gradient norm over all shards (parameters whole on every tensor-parallel rank counted
-        on its first only); clip to max_grad_norm like clip_grad_norm_. The norm stays a device tensor:
-        no host synchronization here (``last_grad_norm`` reads it when asked)."""
-        squares = torch.zeros(1, dtype=torch.float32, device=self.topology.device)
-        count_whole = self.topology.tensor_parallel.rank == 0
-        for unit in self.units:  # a norm per unit, no squared copy of the gradient
-            squares += unit.grad_squares(count_whole).to(squares.device)
-        norm = self._reduce_over_shards(squares, "sum").sqrt()
-        if self.config.max_grad_norm is not None:
-            coefficient = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
-            for unit in self.units:
-                unit.master.grad.mul_(coefficient.to(unit.master.device))
-        return norm
+    def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """The factor clip_grad_norm_ would scale the gradients by (a device tensor: no host
+        synchronization; ``last_grad_norm`` reads the norm when asked), None without clipping."""
+        if self.config.max_grad_norm is None:
+            return None
+        return torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
+
+    def _step_optimizer(self, coefficient: torch.Tensor | None) -> None:
+        """Hand each master its fp32 gradient and step the optimizer, unit by unit where the optimizer
+        is per-parameter (:func:`zeropp.zero.stepping.step_batches`): the fp32 gradient and the
+        optimizer's temporaries then exist for one unit at a time, not the whole shard."""
+        copies: dict[int, torch.Tensor] = {}
+        if self.config.offload.optimizer != "none":
+            # offloaded masters: every unit's copy to the host is issued before any is waited for
+            copies = {
+                id(unit): unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True)
+                for unit in self.units
+            }
+            if self.topology.device.type == "cuda":
+                # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
+                torch.cuda.current_stream(self.topology.device).synchronize()
+        for batch in step_batches(self.optimizer, self.units):
+            for unit in batch:
+                grad = copies.pop(id(unit), None)
+                if grad is None:  # the reduced buffer itself where it is fp32: its last use
+                    grad = unit.reduced_gradient().to(unit.master.device, torch.float32)
+                if self.scaler.enabled:
+                    grad.div_(self.scaler.scale)
+                if coefficient is not None:
+                    grad.mul_(coefficient.to(grad.device))
+                unit.master.grad = grad
+            self.optimizer.step()
+            for unit in batch:
+                unit.master.grad = None
+                unit.publish_master()
 
     # -- modes, state, measurement ---------------------------------------------------------------
 

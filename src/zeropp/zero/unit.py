@@ -387,11 +387,10 @@ class FlatUnit:
             return self.grad_shard
         return self.shard_of(self.grad_flat)
 
-    def grad_squares(self, count_whole: bool) -> torch.Tensor:
-        """Sum of squares of the master's gradient on this rank, the parameters whole on every
-        tensor-parallel rank (not split by a DTensor plan) included only where `count_whole`, so that
-        a sum over the tensor-parallel ranks counts them once."""
-        grad = self.master.grad
+    def grad_squares(self, grad: torch.Tensor, count_whole: bool) -> torch.Tensor:
+        """Sum of squares of `grad` (this rank's gradient, aligned with ``master``), the parameters
+        whole on every tensor-parallel rank (not split by a DTensor plan) included only where
+        `count_whole`, so that a sum over the tensor-parallel ranks counts them once."""
         if count_whole:
             return torch.linalg.vector_norm(grad).square()
         offset = 0 if self.shard_world == 1 else self.layout.shard_range(self.groups.shard.rank)[0]

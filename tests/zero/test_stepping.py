@@ -1,0 +1,65 @@
+"""The optimizer steps the masters unit by unit where it is per-parameter (one unit's fp32 gradient
+and optimizer temporaries at a time), and over all masters at once otherwise, to the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+
+from zeropp.zero.stepping import step_batches
+
+
+class WholeAdamW(torch.optim.AdamW):
+    """AdamW as an optimizer zeropp cannot vouch for: stepped over all masters at once."""
+
+
+def test_torch_optimizers_step_per_unit_and_others_at_once():
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    assert step_batches(torch.optim.AdamW(params), "abc") == [["a"], ["b"], ["c"]]
+    assert step_batches(torch.optim.SGD(params, lr=0.1), "ab") == [["a"], ["b"]]
+    assert step_batches(WholeAdamW(params), "abc") == ["abc"]
+
+
+def train(optimizer: type[torch.optim.Optimizer], zero: dict) -> tuple[list[list[int]], dict[str, torch.Tensor], int]:
+    """Masters holding a gradient at each optimizer.step() call, the final full state dict, the units."""
+    import zeropp
+    from zeropp.app.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    topology = zeropp.init_topology()
+    model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, d_model=32, vocab_size=64))
+    engine = zeropp.ZeroEngine(model, optimizer, dict(lr=1e-2), zeropp.ZeroConfig(**zero), topology)
+    calls: list[list[int]] = []
+    engine.optimizer.register_step_pre_hook(
+        lambda opt, *_: calls.append([i for i, u in enumerate(engine.units) if u.master.grad is not None])
+    )
+    for step in range(3):
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + topology.rank))
+        engine.backward(engine(x, x))
+        engine.step()
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    units = len(engine.units)
+    zeropp.shutdown()
+    return calls, state, units
+
+
+CASES = {
+    "stage3": dict(stage=3),
+    "stage1-clipped": dict(stage=1, max_grad_norm=0.05),
+    "stage3-fp16-clipped": dict(stage=3, precision="fp16", max_grad_norm=0.05),
+    "stage3-offload": dict(stage=3, offload_optimizer="cpu"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_unit_by_unit_equals_all_at_once(case):
+    per_unit = run_ranks(train, 2, optimizer=torch.optim.AdamW, zero=CASES[case])
+    whole = run_ranks(train, 2, optimizer=WholeAdamW, zero=CASES[case])
+    for (unit_calls, unit_state, units), (whole_calls, whole_state, _) in zip(per_unit, whole, strict=True):
+        steps = len(whole_calls)
+        assert steps >= 2 and whole_calls == [list(range(units))] * steps  # fp16 may skip its first steps
+        assert unit_calls == [[u] for u in range(units)] * steps
+        assert unit_state.keys() == whole_state.keys()
+        for name, tensor in unit_state.items():
+            assert torch.equal(tensor, whole_state[name]), name
