@@ -1,25 +1,20 @@
 """A DeepSpeed JSON config read as zeropp config keys (``zeropp train --deepspeed``, ``zeropp.zero_config_from_deepspeed``).
 
-:func:`translate` maps each key to the zeropp key it sets (``deepspeed_keys.MAPPED`` lists them) and returns
-them as dotted overrides for ``load_config``. Rules:
+:func:`translate` gives each key what its row in :mod:`zeropp.config.deepspeed_keys` says, under any of
+DeepSpeed's names for it, and returns the zeropp keys set as dotted overrides for ``load_config``. Rules:
 
-- A block the file has means what it means in DeepSpeed, defaults included: a ``zero_optimization``
-  block without ``stage`` is stage 0, without the ZeRO++ keys plain ZeRO; an ``fp16`` block brings
-  DeepSpeed's loss-scale defaults (2^16, window 1000, hysteresis 2); an ``optimizer`` block Adam's
-  (betas 0.9, 0.999, eps 1e-8, weight decay 0); a ``scheduler`` block its own.
-- A block the file leaves out, and every ``"auto"`` value, keeps zeropp's setting (its default, the
-  ``--config`` file or a flag), as the Hugging Face integration fills ``"auto"`` from its trainer;
-  the bucket sizes' ``"auto"`` come from the model's hidden size h: ``reduce_bucket_size`` h²,
+- A block the file has means what it means in DeepSpeed, defaults included (a ``zero_optimization`` block
+  without ``stage`` is stage 0 and plain ZeRO; ``fp16`` brings DeepSpeed's loss-scale defaults, ``optimizer``
+  Adam's). A block the file leaves out, and every ``"auto"``, keeps zeropp's setting (its default, the
+  ``--config`` file or a flag), as the Hugging Face integration fills ``"auto"`` from its trainer; the
+  bucket sizes' ``"auto"`` come from the model's hidden size h: ``reduce_bucket_size`` h²,
   ``stage3_prefetch_bucket_size`` 0.9·h², ``stage3_param_persistence_threshold`` 10·h.
-- DeepSpeed's bucket sizes count the elements of a whole collective, zeropp's one rank's part:
-  they are divided by the data-parallel world size.
-- Every key DeepSpeed 0.19 reads has a row in ``deepspeed_keys``, under any of DeepSpeed's names for it
-  (``ALIASES``: ``max_live_parameters`` is ``stage3_max_live_parameters``). Keys that change nothing here
-  (``NOTED``; ZeRO++ and parameter offload below stage 3, which DeepSpeed ignores there too) are accepted and
-  listed in one note; keys zeropp cannot honour are refused in one line saying why (``REFUSED``, and values
-  such as an NVMe offload); any other key is refused with the keys allowed there.
-- Every error names the key as the file wrote it; one that zeropp's own checks raise later (a range, the
-  node layout of hpZ) names the file's key and the zeropp key it set too (:meth:`Translation.worded`).
+- DeepSpeed's bucket sizes count a whole collective's elements, zeropp's one rank's: divided by the world size.
+- Keys that change nothing here (``NOTED``; ZeRO++ and parameter offload below stage 3, which DeepSpeed
+  ignores too) are listed in one note; keys zeropp cannot honour are refused in one line saying why
+  (``REFUSED``, and values such as an NVMe offload); any other key with the keys allowed there.
+- Every error names the key as the file wrote it; one that zeropp's own checks raise later (a range, hpZ's
+  node layout) names the zeropp key it set too (:meth:`Translation.worded`).
 - ``train_batch_size`` must equal micro-batch × accumulation steps × world size; one of the three
   missing is derived from the others as DeepSpeed does.
 """
@@ -35,21 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zeropp.config.deepspeed_keys import (
-    ALIASES,
-    AUTO,
-    BLOCKS,
-    DEEPSPEED_DEFAULTS,
-    DTYPES,
-    NEVER,
-    NOTED,
-    OFF,
-    OPTIMIZERS,
-    REFUSED,
-    SCHEDULES,
-    keys_under,
-    row,
-)
+from zeropp.config import deepspeed_keys as tables
+from zeropp.config.deepspeed_keys import AUTO
 from zeropp.config.sections import Config, ZeroConfig, load_config
 from zeropp.errors import ConfigError
 
@@ -101,7 +83,7 @@ class Translation:
                 raise
             written, value = self.sources[error.key]
             why = str(error).removeprefix(f"{error.key} = {error.value!r} ")
-            raise ConfigError(f"DeepSpeed {written} = {_shown(value)} (zeropp's {error.key}) {why}", error.key, error.value) from None
+            raise ConfigError(f"DeepSpeed {written} = {_shown(value)} (zeropp's {error.key}) {why}") from None
 
 
 def read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -164,14 +146,14 @@ class _Reader:
         """`block` with DeepSpeed's other names for a key (ALIASES) renamed to the tables' (recorded in `written`)."""
         out: dict[str, Any] = {}
         for key, value in block.items():
-            path = f"{where}.{key}".lstrip(".")
-            name = ALIASES.get(path, path)
+            path, written = f"{where}.{key}".lstrip("."), f"{self.name(where)}.{key}".lstrip(".")
+            name = tables.ALIASES.get(path, path)
             short = name.rpartition(".")[2]
             if short in out:
-                raise ConfigError(f"DeepSpeed {self.name(path)} and {self.name(name)} are one key; expected one of them")
+                raise ConfigError(f"DeepSpeed {written} and {self.name(name)} are one key; expected one of them")
             if name != path:
-                self.written[name] = self.name(path)
-            out[short] = self.canonical(name, value) if name in BLOCKS and isinstance(value, dict) else value
+                self.written[name] = written
+            out[short] = self.canonical(name, value) if name in tables.BLOCKS and isinstance(value, dict) else value
         return out
 
     def name(self, path: str) -> str:
@@ -236,21 +218,21 @@ class _Reader:
         self.out.noted.append(self.name(path) + (f" ({why})" if why else ""))
 
     def check_keys(self, where: str, block: Mapping[str, Any], only: set[str] | None = None) -> None:
-        """Every key of `block` by its row: refused ones (unless their value changes nothing) in one line,
+        """Every key of `block` by its row in the tables: refused ones (unless their value changes nothing) in one line,
         noted ones named in the note, unknown ones (or, with `only`, read keys outside it) with the keys allowed."""
         for key, value in block.items():
             path = f"{where}.{key}".lstrip(".")
-            kind = (row(path) or ("unknown",))[0]
+            kind = (tables.row(path) or ("unknown",))[0]
             if kind == "refused":
-                why, harmless = REFUSED[path]
-                if harmless is NEVER or not (value in (harmless, AUTO) or harmless == OFF and _off(value)):
+                why, harmless = tables.REFUSED[path]
+                if harmless is tables.NEVER or not (value in (harmless, AUTO) or harmless == tables.OFF and _off(value)):
                     raise ConfigError(f"DeepSpeed {self.name(path)} = {_shown(value)} is not allowed: {why}")
-                if harmless == OFF:
+                if harmless == tables.OFF:
                     self.note(path)
             elif kind == "noted":
                 self.note(path)
             elif kind == "unknown" or only is not None and key not in only:
-                allowed = sorted(only | set(NOTED.get(where, ()))) if only is not None else keys_under(where)
+                allowed = sorted(only | set(tables.NOTED.get(where, ()))) if only is not None else tables.keys_under(where)
                 raise ConfigError(
                     f"DeepSpeed key {self.name(path)!r} is not known to zeropp; allowed here: {', '.join(allowed)}"
                 )
@@ -276,7 +258,7 @@ class _Reader:
     def zero(self) -> None:
         given = self.block("zero_optimization")
         self.check_keys("zero_optimization", given)
-        values = {**DEEPSPEED_DEFAULTS["zero_optimization"], **given}
+        values = {**tables.DEEPSPEED_DEFAULTS["zero_optimization"], **given}
         key = "zero_optimization."
         stage = self.base.zero.stage
         if values["stage"] != AUTO:
@@ -344,7 +326,7 @@ class _Reader:
             block = self.block(name)
             self.check_keys(name, block)
             if name == "fp16":
-                self.loss_scale({**DEEPSPEED_DEFAULTS["fp16"], **block})
+                self.loss_scale({**tables.DEEPSPEED_DEFAULTS["fp16"], **block})
             if block.get("enabled", False) != AUTO:
                 enabled[name] = self.boolean(f"{name}.enabled", block.get("enabled", False))
         on = [kind for kind, value in enabled.items() if value]
@@ -380,9 +362,9 @@ class _Reader:
         for key, value in values.items():
             if value == AUTO:
                 continue
-            if value not in DTYPES:
-                raise self.refuse(key, value, ", ".join(f'"{d}"' for d in DTYPES))
-            self.set("zero.grad_dtype", DTYPES[value], key)
+            if value not in tables.DTYPES:
+                raise self.refuse(key, value, ", ".join(f'"{d}"' for d in tables.DTYPES))
+            self.set("zero.grad_dtype", tables.DTYPES[value], key)
 
     def clipping(self) -> None:
         value = self.data["gradient_clipping"]
@@ -423,7 +405,7 @@ class _Reader:
         block = self.block("optimizer")
         self.check_keys("optimizer", block)
         kind = str(block.get("type", "")).lower()
-        if kind not in OPTIMIZERS:
+        if kind not in tables.OPTIMIZERS:
             raise self.refuse("optimizer.type", block.get("type"), '"Adam", "AdamW" or "SGD" (in any case)')
         params = self.block("optimizer", "params")
         adam = kind != "sgd"
@@ -431,8 +413,8 @@ class _Reader:
         self.check_keys("optimizer.params", params, read)
         where = "optimizer.params."
         adam_w = self.boolean(where + "adam_w_mode", params.get("adam_w_mode", True)) or kind == "adamw"
-        self.set("optim.optimizer", "adam" if adam and not adam_w else OPTIMIZERS[kind], "optimizer.type")
-        values = {**DEEPSPEED_DEFAULTS["optimizer.params"], **params}
+        self.set("optim.optimizer", "adam" if adam and not adam_w else tables.OPTIMIZERS[kind], "optimizer.type")
+        values = {**tables.DEEPSPEED_DEFAULTS["optimizer.params"], **params}
         for key in ("lr", "weight_decay", *(("eps",) if adam else ("momentum",))):
             if values.get(key, AUTO) != AUTO:
                 self.set(f"optim.{key}", self.number(where + key, values[key]), where + key)
@@ -447,14 +429,14 @@ class _Reader:
         block = self.block("scheduler")
         self.check_keys("scheduler", block)
         kind = block.get("type")
-        if kind not in SCHEDULES:
-            raise self.refuse("scheduler.type", kind, ", ".join(f'"{k}"' for k in SCHEDULES))
+        if kind not in tables.SCHEDULES:
+            raise self.refuse("scheduler.type", kind, ", ".join(f'"{k}"' for k in tables.SCHEDULES))
         given = self.block("scheduler", "params")
-        read = {*DEEPSPEED_DEFAULTS[kind], *(("warmup_max_lr",) if kind == "WarmupLR" else ("total_num_steps",))}
+        read = {*tables.DEEPSPEED_DEFAULTS[kind], *(("warmup_max_lr",) if kind == "WarmupLR" else ("total_num_steps",))}
         self.check_keys("scheduler.params", given, read)
-        params = {**DEEPSPEED_DEFAULTS[kind], **given}
+        params = {**tables.DEEPSPEED_DEFAULTS[kind], **given}
         key = "scheduler.params."
-        self.set("optim.schedule", SCHEDULES[kind], "scheduler.type")
+        self.set("optim.schedule", tables.SCHEDULES[kind], "scheduler.type")
         if params["warmup_num_steps"] != AUTO:
             steps = self.integer(key + "warmup_num_steps", params["warmup_num_steps"], 1)
             self.set("optim.warmup_steps", steps, key + "warmup_num_steps")

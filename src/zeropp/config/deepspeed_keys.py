@@ -3,8 +3,8 @@ accepted without effect (NOTED), refused and why (REFUSED), the other names Deep
 (ALIASES), and DeepSpeed's defaults inside a block.
 
 A key is a dotted path as the file nests it (``zero_optimization.offload_param.device``); a NOTED or
-REFUSED path covers everything under it. Read by zeropp.config.deepspeed; ``python -m
-zeropp.config.deepspeed_keys`` prints the table docs/deepspeed.md carries (:func:`markdown`).
+REFUSED path covers everything under it. Read by zeropp.config.deepspeed; :func:`markdown` renders the
+table docs/deepspeed.md carries.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _json(value: Any) -> str:
 def markdown() -> str:
     """The key table of docs/deepspeed.md: every row of these tables, in key order."""
     lines = ["| DeepSpeed key | zeropp |", "| --- | --- |"]
-    rows = {**{p: f"sets `{m}`" for p, m in MAPPED.items()},
+    rows = {**{p: f"sets {m}" for p, m in MAPPED.items()},
             **{f"{b}.{k}".lstrip("."): "accepted, no effect" for b, keys in NOTED.items() for k in keys},
             **{p: "refused: " + why + ("" if ok is NEVER else f" (accepted: `{_json(ok)}`)")
                for p, (why, ok) in REFUSED.items()},
@@ -220,7 +220,3 @@ def markdown() -> str:
             f"{COMMENT}*": "a comment: accepted, no effect"}  # fmt: skip
     lines += [f"| `{path}` | {text} |" for path, text in sorted(rows.items())]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")
