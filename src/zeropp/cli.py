@@ -14,6 +14,7 @@ At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); tur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -173,33 +174,37 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         world = int(os.environ["WORLD_SIZE"]) if is_rank() else args.nproc_per_node * nodes
         deepspeed = _read_deepspeed(args.deepspeed, args.config, overrides, world)
         overrides = {**deepspeed.overrides, **overrides}  # the flags win
-    config = load_config(args.config, overrides)
-    if config.zero.stage == 3:
-        config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
-    if deepspeed is not None:
-        deepspeed.check_batch(config)
-    if is_rank():
-        Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
-    else:
-        layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
-        layout.hpz_group_size(config.zero.hpz_partition_size)
-        resolve_backend(config.topology)
-        source = model_source(config)
-        training_text(config, source)  # model, tokenizer and data: refused here in one line
-        topology = config.topology
-        if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
-            with torch.device("meta"):
-                plan_for(source.build(), topology.tensor_parallel_size, topology.sequence_parallel)
-        if topology.sequence_parallel:
-            check_sequence_length(source.block_size, topology.tensor_parallel_size)
-        preflight(config)
-        for flag in ("summary_json", "metrics_jsonl", "plot"):
-            if getattr(args, flag) is not None:
-                _check_output(f"--{flag.replace('_', '-')}", getattr(args, flag))
-        if args.plot is not None:
-            require_matplotlib()
-        if config.checkpoint.checkpoint_dir is not None:  # one run per folder
-            runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
+    with deepspeed.worded() if deepspeed is not None else contextlib.nullcontext():  # errors in the file's keys
+        config = load_config(args.config, overrides)
+        if config.zero.stage == 3:
+            config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
+        if deepspeed is not None:
+            deepspeed.check_batch(config)
+        if is_rank():
+            Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
+        else:
+            layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
+            layout.hpz_group_size(config.zero.hpz_partition_size)
+            hpz_note = layout.hpz_note(config.zero.hpz_partition_size)  # hpZ asked for and off here
+            if hpz_note:
+                print(hpz_note, flush=True)
+            resolve_backend(config.topology)
+            source = model_source(config)
+            training_text(config, source)  # model, tokenizer and data: refused here in one line
+            topology = config.topology
+            if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
+                with torch.device("meta"):
+                    plan_for(source.build(), topology.tensor_parallel_size, topology.sequence_parallel)
+            if topology.sequence_parallel:
+                check_sequence_length(source.block_size, topology.tensor_parallel_size)
+            preflight(config)
+            for flag in ("summary_json", "metrics_jsonl", "plot"):
+                if getattr(args, flag) is not None:
+                    _check_output(f"--{flag.replace('_', '-')}", getattr(args, flag))
+            if args.plot is not None:
+                require_matplotlib()
+            if config.checkpoint.checkpoint_dir is not None:  # one run per folder
+                runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     return config, nodes
 
 

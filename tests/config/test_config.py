@@ -258,4 +258,4 @@ def test_hpz_group_size(world, ranks_per_node, setting, expected):
 @pytest.mark.parametrize("world,ranks_per_node,setting", [(4, 2, 3), (6, 3, 2), (4, 2, 8)])
 def test_hpz_group_that_straddles_nodes_or_does_not_divide_the_world_is_refused(world, ranks_per_node, setting):
     message = config_error(Layout(world, world // ranks_per_node).hpz_group_size, setting)
-    assert_mentions(message, "zero.hpz_partition_size", str(setting), f"world size {world}")
+    assert_mentions(message, "zero.hpz_partition_size", str(setting), f"nodes of {ranks_per_node} data-parallel ranks")

@@ -51,6 +51,8 @@ TABLE = {
     "zero_optimization.offload_param.device": (
         {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "cpu"}}}, {"zero.offload_params": "cpu"}),
     "zero_optimization.cpu_offload": ({"zero_optimization": {"cpu_offload": True}}, {"zero.offload_optimizer": "cpu"}),
+    "zero_optimization.cpu_offload_param": (
+        {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}}, {"zero.offload_params": "cpu"}),
     "fp16.enabled": ({"fp16": {"enabled": True}}, {"zero.precision": "fp16"}),
     "bf16.enabled": ({"bf16": {"enabled": True}}, {"zero.precision": "bf16"}),
     "fp16.loss_scale": (
@@ -255,8 +257,8 @@ def test_train_batch_size_checked_and_derived():
         ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
          'DeepSpeed zero_optimization.offload_param.device = "nvme" is not allowed: zeropp offloads to CPU memory only'),
         ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
-         "DeepSpeed zero_optimization.mics_shard_size is not allowed: MiCS is not implemented"),
-        ({"amp": {"enabled": True}}, "DeepSpeed amp is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16"),
+         "DeepSpeed zero_optimization.mics_shard_size = 8 is not allowed: MiCS is not implemented"),
+        ({"amp": {"enabled": True}}, 'DeepSpeed amp = {"enabled": true} is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16'),
         ({"optimizer": {"type": "Lamb"}},
          'DeepSpeed optimizer.type = "Lamb" is not allowed; expected "Adam", "AdamW" or "SGD" (in any case)'),
         ({"scheduler": {"type": "OneCycle"}},
@@ -270,7 +272,7 @@ def test_train_batch_size_checked_and_derived():
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
          "DeepSpeed zero_optimization.offload_optimizer.ratio = 0.3 is not allowed: partial offload is not implemented"),
         ({"zero_optimization": {"stage": 4}}, "DeepSpeed zero_optimization.stage = 4 is not allowed; expected one of 0, 1, 2, 3"),
-        ({"pipeline": {"stages": 2}}, "DeepSpeed pipeline is not allowed: zeropp has no pipeline parallelism"),
+        ({"pipeline": {"stages": 2}}, 'DeepSpeed pipeline = {"stages": 2} is not allowed: zeropp has no pipeline parallelism'),
     ],
 )  # fmt: skip
 def test_refused_keys_say_why_in_one_line(ds, message):

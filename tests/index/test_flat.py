@@ -8,7 +8,7 @@ import math
 import pytest
 
 from zeropp.errors import ConfigError
-from zeropp.index.flat import FlatLayout
+from zeropp.index.flat import FlatLayout, secondary_range
 from zeropp.index.ranks import Layout
 
 SHAPE_SETS = [
@@ -158,3 +158,25 @@ def test_mesh_groups_derive_from_the_data_parallel_groups():
     assert (layout.data_parallel_size, layout.data_parallel_per_node) == (8, 4)
     assert layout.intra_node_groups() == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert layout.inter_node_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+@pytest.mark.parametrize("alignment", [1, 32])
+def test_a_32_element_parameter_with_hpz_16_at_world_2048(alignment):
+    """DeepSpeed's failing shape (a 32-element parameter, hpZ 16, 2048 ranks on 256 nodes of 8): here the
+    unit pads to world x alignment, so every rank has an equal, aligned shard and every hpZ secondary
+    piece an equal slice; together they hold the parameter exactly once."""
+    layout = Layout(2048, 256)
+    size = layout.hpz_group_size(16)
+    assert size == 16 and all(len(group) == 16 for group in layout.hpz_groups(size))
+    flat = FlatLayout(((32,), (1,)), world=2048, alignment=alignment)  # a bias-like 1-element one behind it
+    assert flat.padded_numel == max(1, math.ceil(33 / (2048 * alignment))) * 2048 * alignment
+    shards = [flat.shard_range(rank) for rank in range(2048)]
+    assert all(stop - start == flat.shard_numel >= 1 and start % alignment == 0 for start, stop in shards)
+    pieces = [secondary_range(flat.padded_numel, size, rank) for rank in range(size)]
+    assert pieces[0][0] == 0 and pieces[-1][1] == flat.padded_numel
+    assert all(a[1] == b[0] and a[1] - a[0] == b[1] - b[0] for a, b in itertools.pairwise(pieces))
+    # each secondary piece is the union of the primary shards of the ranks it stands for
+    per_piece = 2048 // size
+    assert all(pieces[i] == (shards[i * per_piece][0], shards[(i + 1) * per_piece - 1][1]) for i in range(size))
+    held = [min(stop, 33) - max(start, 0) for start, stop in pieces if start < 33]
+    assert sum(held) == 33 and flat.param_range(0) == (0, 32)

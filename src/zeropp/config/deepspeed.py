@@ -1,46 +1,49 @@
 """A DeepSpeed JSON config read as zeropp config keys (``zeropp train --deepspeed``, ``zeropp.zero_config_from_deepspeed``).
 
-:func:`translate` maps each key to the zeropp key it sets (``deepspeed_keys.MAPPED`` lists them) and returns
-them as dotted overrides for ``load_config``. Rules:
+:func:`translate` gives each key what its row in :mod:`zeropp.config.deepspeed_keys` says, under any of
+DeepSpeed's names for it, and returns the zeropp keys set as dotted overrides for ``load_config``. Rules:
 
-- A block the file has means what it means in DeepSpeed, defaults included: a ``zero_optimization``
-  block without ``stage`` is stage 0, without the ZeRO++ keys plain ZeRO; an ``fp16`` block brings
-  DeepSpeed's loss-scale defaults (2^16, window 1000, hysteresis 2); an ``optimizer`` block Adam's
-  (betas 0.9, 0.999, eps 1e-8, weight decay 0); a ``scheduler`` block its own.
-- A block the file leaves out, and every ``"auto"`` value, keeps zeropp's setting (its default, the
-  ``--config`` file or a flag), as the Hugging Face integration fills ``"auto"`` from its trainer;
-  the bucket sizes' ``"auto"`` come from the model's hidden size h: ``reduce_bucket_size`` h²,
+- A block the file has means what it means in DeepSpeed, defaults included (a ``zero_optimization`` block
+  without ``stage`` is stage 0 and plain ZeRO; ``fp16`` brings DeepSpeed's loss-scale defaults, ``optimizer``
+  Adam's). A block the file leaves out, and every ``"auto"``, keeps zeropp's setting (its default, the
+  ``--config`` file or a flag), as the Hugging Face integration fills ``"auto"`` from its trainer; the
+  bucket sizes' ``"auto"`` come from the model's hidden size h: ``reduce_bucket_size`` h²,
   ``stage3_prefetch_bucket_size`` 0.9·h², ``stage3_param_persistence_threshold`` 10·h.
-- DeepSpeed's bucket sizes count the elements of a whole collective, zeropp's one rank's part:
-  they are divided by the data-parallel world size.
-- Keys that change nothing here (``deepspeed_keys.NOTED``) are accepted and listed in one note; keys zeropp
-  cannot honour are refused in one line saying why (``deepspeed_keys.REFUSED``, and values such as an NVMe
-  offload); any other key is refused with the keys allowed there.
+- DeepSpeed's bucket sizes count a whole collective's elements, zeropp's one rank's: divided by the world size.
+- Keys that change nothing here (``NOTED``; ZeRO++ and parameter offload below stage 3, which DeepSpeed
+  ignores too) are listed in one note; keys zeropp cannot honour are refused in one line saying why
+  (``REFUSED``, and values such as an NVMe offload); any other key with the keys allowed there.
+- Every error names the key as the file wrote it; one that zeropp's own checks raise later (a range, hpZ's
+  node layout) names the zeropp key it set too (:meth:`Translation.worded`).
 - ``train_batch_size`` must equal micro-batch × accumulation steps × world size; one of the three
   missing is derived from the others as DeepSpeed does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zeropp.config.deepspeed_keys import AUTO, DEEPSPEED_DEFAULTS, DTYPES, NOTED, OPTIMIZERS, REFUSED, SCHEDULES
+from zeropp.config import deepspeed_keys as tables
+from zeropp.config.deepspeed_keys import AUTO
 from zeropp.config.sections import Config, ZeroConfig, load_config
 from zeropp.errors import ConfigError
 
 
 @dataclass
 class Translation:
-    """What a DeepSpeed config sets: zeropp overrides (dotted keys), the keys noted, the "auto" values
-    resolved, and the train_batch_size to check the final config against."""
+    """What a DeepSpeed config sets: zeropp overrides (dotted keys), the file's key and value behind each
+    (`sources`), the keys noted, the "auto" values resolved, and the train_batch_size to check the final
+    config against."""
 
     overrides: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, tuple[str, Any]] = field(default_factory=dict)
     noted: list[str] = field(default_factory=list)
     resolved: dict[str, Any] = field(default_factory=dict)
     train_batch_size: int | None = None
@@ -64,9 +67,23 @@ class Translation:
     def config(self, base: Config | Mapping[str, Any] | None = None) -> Config:
         """The Config these overrides give on top of `base` (a Config, a dict, or the defaults)."""
         source = dataclasses.asdict(base) if isinstance(base, Config) else base
-        config = load_config(source, self.overrides)
+        with self.worded():
+            config = load_config(source, self.overrides)
         self.check_batch(config)
         return config
+
+    @contextlib.contextmanager
+    def worded(self) -> Iterator[None]:
+        """Reword a ConfigError about a zeropp key this file set to the value it has from the file: it
+        names the file's key and value, then the zeropp key, then what is allowed."""
+        try:
+            yield
+        except ConfigError as error:
+            if error.key not in self.sources or self.overrides.get(error.key) != error.value:
+                raise
+            written, value = self.sources[error.key]
+            why = str(error).removeprefix(f"{error.key} = {error.value!r} ")
+            raise ConfigError(f"DeepSpeed {written} = {_shown(value)} (zeropp's {error.key}) {why}") from None
 
 
 def read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -120,30 +137,66 @@ def zero_config(
 
 class _Reader:
     def __init__(self, data: dict[str, Any], world_size: int, hidden_size: int | None, base: Config) -> None:
-        self.data, self.world, self.hidden, self.base = data, world_size, hidden_size, base
+        self.world, self.hidden, self.base = world_size, hidden_size, base
+        self.written: dict[str, str] = {}  # a key's path in the tables' names -> as the file wrote it
+        self.data = self.canonical("", data)
         self.out = Translation(world_size=world_size)
+
+    def canonical(self, where: str, block: dict[str, Any]) -> dict[str, Any]:
+        """`block` with DeepSpeed's other names for a key (ALIASES) renamed to the tables' (recorded in `written`)."""
+        out: dict[str, Any] = {}
+        for key, value in block.items():
+            path, written = f"{where}.{key}".lstrip("."), f"{self.name(where)}.{key}".lstrip(".")
+            name = tables.ALIASES.get(path, path)
+            short = name.rpartition(".")[2]
+            if short in out:
+                raise ConfigError(f"DeepSpeed {written} and {self.name(name)} are one key; expected one of them")
+            if name != path:
+                self.written[name] = written
+            out[short] = self.canonical(name, value) if name in tables.BLOCKS and isinstance(value, dict) else value
+        return out
+
+    def name(self, path: str) -> str:
+        """`path` as the file wrote it (an alias where it used one)."""
+        for prefix in sorted(self.written, key=len, reverse=True):
+            if path == prefix or path.startswith(prefix + "."):
+                return self.written[prefix] + path[len(prefix) :]
+        return path
+
+    def refuse(self, path: str, value: Any, expected: str) -> ConfigError:
+        return ConfigError(f"DeepSpeed {self.name(path)} = {_shown(value)} is not allowed; expected {expected}")
 
     # -- values ----------------------------------------------------------------------------------
 
-    def set(self, dotted: str, value: Any) -> None:
+    def set(self, dotted: str, value: Any, source: str) -> None:
+        """Set zeropp key `dotted` from DeepSpeed key `source` (remembered where the file has it)."""
         self.out.overrides[dotted] = value
+        given = self.value_at(source)
+        if given is not None:
+            self.out.sources[dotted] = (self.name(source), given)
+
+    def value_at(self, path: str) -> Any:
+        node: Any = self.data
+        for name in path.split("."):
+            node = node.get(name) if isinstance(node, dict) else None
+        return node
 
     def integer(self, key: str, value: Any, minimum: int = 0) -> int:
         """DeepSpeed writes sizes as 5e8: an integral float is an integer."""
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise _refuse(key, value, f"an integer >= {minimum}")
+            raise self.refuse(key, value, f"an integer >= {minimum}")
         return value
 
     def number(self, key: str, value: Any) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-            raise _refuse(key, value, "a number >= 0")
+            raise self.refuse(key, value, "a number >= 0")
         return float(value)
 
     def boolean(self, key: str, value: Any) -> bool:
         if not isinstance(value, bool):
-            raise _refuse(key, value, "true or false")
+            raise self.refuse(key, value, "true or false")
         return value
 
     def block(self, *path: str) -> dict[str, Any]:
@@ -151,49 +204,50 @@ class _Reader:
         for name in path:
             value = value.get(name, {})
         if not isinstance(value, dict):
-            raise _refuse(".".join(path), value, "a JSON object")
+            raise self.refuse(".".join(path), value, "a JSON object")
         return value
 
     def auto_size(self, key: str, factor: float, power: int) -> int:
         if self.hidden is None:
-            raise ConfigError(f"DeepSpeed {key} = \"auto\" needs the model's hidden size; pass hidden_size")
+            raise ConfigError(f"DeepSpeed {self.name(key)} = \"auto\" needs the model's hidden size; pass hidden_size")
         value = int(factor * self.hidden**power)
-        self.out.resolved[key] = value
+        self.out.resolved[self.name(key)] = value
         return value
 
-    def check_keys(self, where: str, block: Mapping[str, Any], allowed: set[str], noted: tuple[str, ...] = ()) -> None:
-        """Refuse REFUSED and unknown keys of `block`; note the NOTED ones."""
-        prefix = f"{where}." if where else ""
-        noted = noted or NOTED.get(where, ())
-        for key in block:
-            name = prefix + key
-            if name in REFUSED:
-                raise ConfigError(f"DeepSpeed {name} is not allowed: {REFUSED[name]}")
-            if key in noted:
-                self.out.noted.append(name)
-            elif key not in allowed:
-                known = ", ".join(sorted(allowed | set(noted)))
-                raise ConfigError(f"DeepSpeed key {name!r} is not known to zeropp; allowed here: {known}")
+    def note(self, path: str, why: str = "") -> None:
+        self.out.noted.append(self.name(path) + (f" ({why})" if why else ""))
 
-    def refuse_unless(self, key: str, value: Any, harmless: Any, why: str) -> None:
-        if value not in (harmless, AUTO):
-            raise ConfigError(f"DeepSpeed {key} = {json.dumps(value, default=str)} is not allowed: {why}")
+    def check_keys(self, where: str, block: Mapping[str, Any], only: set[str] | None = None) -> None:
+        """Every key of `block` by its row in the tables: refused ones (unless their value changes nothing) in one line,
+        noted ones named in the note, unknown ones (or, with `only`, read keys outside it) with the keys allowed."""
+        for key, value in block.items():
+            path = f"{where}.{key}".lstrip(".")
+            kind = (tables.row(path) or ("unknown",))[0]
+            if kind == "refused":
+                why, harmless = tables.REFUSED[path]
+                if harmless is tables.NEVER or not (value in (harmless, AUTO) or harmless == tables.OFF and _off(value)):
+                    raise ConfigError(f"DeepSpeed {self.name(path)} = {_shown(value)} is not allowed: {why}")
+                if harmless == tables.OFF:
+                    self.note(path)
+            elif kind == "noted":
+                self.note(path)
+            elif kind == "unknown" or only is not None and key not in only:
+                allowed = sorted(only | set(tables.NOTED.get(where, ()))) if only is not None else tables.keys_under(where)
+                raise ConfigError(
+                    f"DeepSpeed key {self.name(path)!r} is not known to zeropp; allowed here: {', '.join(allowed)}"
+                )
 
     # -- blocks, in this order (the scheduler reads the optimizer's lr) ------------------------------
 
     def run(self) -> Translation:
         handlers: dict[str, Callable[[], None]] = {
             "zero_optimization": self.zero, "fp16": self.precision, "bf16": self.precision,
-            "bfloat16": self.precision, "optimizer": self.optimizer, "scheduler": self.scheduler,
+            "optimizer": self.optimizer, "scheduler": self.scheduler,
             "gradient_clipping": self.clipping, "communication_data_type": self.grad_dtype,
             "data_types": self.grad_dtype, "train_batch_size": self.batch, "train_micro_batch_size_per_gpu": self.batch,
             "gradient_accumulation_steps": self.batch, "activation_checkpointing": self.activation_checkpointing,
-            "sequence_parallel_size": self.sequence_parallel,
         }  # fmt: skip
-        for key in self.data:
-            if key in REFUSED:
-                raise ConfigError(f"DeepSpeed {key} is not allowed: {REFUSED[key]}")
-        self.check_keys("", self.data, set(handlers))
+        self.check_keys("", self.data)
         done: list[Callable[[], None]] = []
         for key, handler in handlers.items():
             if key in self.data and handler not in done:
@@ -203,110 +257,120 @@ class _Reader:
 
     def zero(self) -> None:
         given = self.block("zero_optimization")
-        mapped = {*DEEPSPEED_DEFAULTS["zero_optimization"], "stage3_prefetch_bucket_size", "offload_optimizer",
-                  "offload_param", "cpu_offload"}  # fmt: skip
-        self.check_keys("zero_optimization", given, mapped)
-        values = {**DEEPSPEED_DEFAULTS["zero_optimization"], **given}
+        self.check_keys("zero_optimization", given)
+        values = {**tables.DEEPSPEED_DEFAULTS["zero_optimization"], **given}
         key = "zero_optimization."
+        stage = self.base.zero.stage
         if values["stage"] != AUTO:
             stage = self.integer(key + "stage", values["stage"])
             if stage > 3:
-                raise _refuse(key + "stage", stage, "one of 0, 1, 2, 3")
-            self.set("zero.stage", stage)
+                raise self.refuse(key + "stage", stage, "one of 0, 1, 2, 3")
+            self.set("zero.stage", stage, key + "stage")
         for ds, ours in (("reduce_bucket_size", "reduce_bucket_numel"), ("allgather_bucket_size", "allgather_bucket_numel")):
             value = values[ds]
             if value == AUTO and ds == "allgather_bucket_size":  # the HF integration leaves it: zeropp's
                 continue
             size = self.auto_size(key + ds, 1.0, 2) if value == AUTO else self.integer(key + ds, value, 1)
-            self.set(f"zero.{ours}", max(1, size // self.world))
+            self.set(f"zero.{ours}", max(1, size // self.world), key + ds)
         ds = "stage3_prefetch_bucket_size"
         if ds in given:
             size = self.auto_size(key + ds, 0.9, 2) if given[ds] == AUTO else self.integer(key + ds, given[ds])
             if size == 0:
-                self.set("zero.prefetch", 0)
+                self.set("zero.prefetch", 0, key + ds)
             else:
-                self.out.noted.append(f"{key}{ds} (zero.prefetch counts units ahead)")
+                self.note(key + ds, "zero.prefetch counts units ahead")
         ds = "stage3_param_persistence_threshold"
         value = values[ds]
-        self.set("zero.persistence_threshold", self.auto_size(key + ds, 10, 1) if value == AUTO else self.integer(key + ds, value))
-        self.set("zero.quantized_weights", self.boolean(key + "zero_quantized_weights", values["zero_quantized_weights"]))
-        self.set("zero.quantized_gradients", self.boolean(key + "zero_quantized_gradients", values["zero_quantized_gradients"]))
-        hpz = self.integer(key + "zero_hpz_partition_size", values["zero_hpz_partition_size"])
-        self.set("zero.hpz_partition_size", max(1, hpz))  # DeepSpeed's 0 is off, as 1
-        if self.boolean(key + "cpu_offload", values.get("cpu_offload", False)):  # the former name
-            self.set("zero.offload_optimizer", "cpu")
+        threshold = self.auto_size(key + ds, 10, 1) if value == AUTO else self.integer(key + ds, value)
+        self.set("zero.persistence_threshold", threshold, key + ds)
+        zeropp = {
+            "zero_quantized_weights": ("zero.quantized_weights", self.boolean, False),
+            "zero_hpz_partition_size": ("zero.hpz_partition_size", self.integer, 1),
+            "zero_quantized_gradients": ("zero.quantized_gradients", self.boolean, False),
+        }
+        for ds, (ours, read, off) in zeropp.items():
+            value = read(key + ds, values[ds])
+            value = max(1, value) if ds == "zero_hpz_partition_size" else value  # DeepSpeed's 0 is off, as 1
+            if stage < 3 and value != off:  # DeepSpeed reads ZeRO++ at stage 3 only
+                self.note(key + ds, f"stage {stage}: ZeRO++ works at stage 3")
+                value = off
+            self.set(ours, value, key + ds)
+        for ds, ours in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_params")):  # former names
+            if self.boolean(key + ds, values.get(ds, False)):
+                self.offload_device(key + ds, ours, "cpu", stage)
         for ds, ours in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_params")):
-            self.offload(ds, ours)
+            if ds in given:
+                self.offload(ds, ours, stage)
 
-    def offload(self, ds: str, ours: str) -> None:
+    def offload(self, ds: str, ours: str, stage: int) -> None:
         where = f"zero_optimization.{ds}"
-        if ds not in self.block("zero_optimization"):
-            return
         block = self.block("zero_optimization", ds)
-        self.check_keys(where, block, {"device", "ratio"}, NOTED["offload"])
-        self.refuse_unless(f"{where}.ratio", block.get("ratio", 1), 1, "partial offload is not implemented")
+        self.check_keys(where, block)
         device = block.get("device", "none")
         if device == "nvme":
-            raise ConfigError(f'DeepSpeed {where}.device = "nvme" is not allowed: zeropp offloads to CPU memory only')
+            raise ConfigError(f'DeepSpeed {self.name(where)}.device = "nvme" is not allowed: zeropp offloads to CPU memory only')
         if device not in ("cpu", "none"):
-            raise _refuse(f"{where}.device", device, '"cpu" or "none"')
-        self.set(f"zero.{ours}", device)
+            raise self.refuse(f"{where}.device", device, '"cpu" or "none"')
+        self.offload_device(f"{where}.device", ours, device, stage)
+
+    def offload_device(self, path: str, ours: str, device: str, stage: int) -> None:
+        if ours == "offload_params" and stage < 3 and device != "none":  # DeepSpeed offloads parameters at stage 3 only
+            self.note(path, f"stage {stage}: parameters are offloaded at stage 3")
+            device = "none"
+        self.set(f"zero.{ours}", device, path)
 
     def precision(self) -> None:
         enabled = {}
-        present = [name for name in ("fp16", "bf16", "bfloat16") if name in self.data]
+        present = [name for name in ("fp16", "bf16") if name in self.data]
         for name in present:
             block = self.block(name)
+            self.check_keys(name, block)
             if name == "fp16":
-                self.check_keys(name, block, {"enabled", *DEEPSPEED_DEFAULTS["fp16"], "fp16_master_weights_and_grads"})
-                self.loss_scale({**DEEPSPEED_DEFAULTS["fp16"], **block})
-            else:
-                self.check_keys(name, block, {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"},
-                                NOTED["bf16"])  # fmt: skip
-            for key in ("fp16_master_weights_and_grads", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
-                self.refuse_unless(f"{name}.{key}", block.get(key, False), False, "zeropp keeps fp32 master weights")
+                self.loss_scale({**tables.DEEPSPEED_DEFAULTS["fp16"], **block})
             if block.get("enabled", False) != AUTO:
-                enabled["fp16" if name == "fp16" else "bf16"] = self.boolean(f"{name}.enabled", block.get("enabled", False))
+                enabled[name] = self.boolean(f"{name}.enabled", block.get("enabled", False))
         on = [kind for kind, value in enabled.items() if value]
         if len(on) > 1:
-            raise ConfigError("DeepSpeed fp16.enabled and bf16.enabled are both true; expected at most one")
+            raise ConfigError(f"DeepSpeed fp16.enabled and {self.name('bf16')}.enabled are both true; expected at most one")
         if on:
-            self.set("zero.precision", on[0])
+            self.set("zero.precision", on[0], f"{on[0]}.enabled")
         elif len(enabled) == len(present):  # every block says false: DeepSpeed trains in fp32
-            self.set("zero.precision", "fp32")
+            self.set("zero.precision", "fp32", f"{present[0]}.enabled")
 
     def loss_scale(self, fp16: dict[str, Any]) -> None:
         """Set even when fp16 is off (zeropp ignores it then), so a later --precision fp16 uses it."""
         prefix, key = "zero.loss_scale.", "fp16."
         static = self.number(key + "loss_scale", fp16["loss_scale"])
         power = self.integer(key + "initial_scale_power", fp16["initial_scale_power"])
-        self.set(prefix + "initial_scale", static if static > 0 else float(2**power))
+        initial = key + ("loss_scale" if static > 0 else "initial_scale_power")
+        self.set(prefix + "initial_scale", static if static > 0 else float(2**power), initial)
         if static > 0:  # DeepSpeed's static scale: overflowing steps are skipped, the scale stays
-            self.set(prefix + "growth_factor", 1.0)
-        self.set(prefix + "growth_interval", self.integer(key + "loss_scale_window", fp16["loss_scale_window"], 1))
-        self.set(prefix + "hysteresis", self.integer(key + "hysteresis", fp16["hysteresis"], 1))
+            self.set(prefix + "growth_factor", 1.0, key + "loss_scale")
+        window = self.integer(key + "loss_scale_window", fp16["loss_scale_window"], 1)
+        self.set(prefix + "growth_interval", window, key + "loss_scale_window")
+        self.set(prefix + "hysteresis", self.integer(key + "hysteresis", fp16["hysteresis"], 1), key + "hysteresis")
         consecutive = self.boolean(key + "consecutive_hysteresis", fp16["consecutive_hysteresis"])
-        self.set(prefix + "consecutive_hysteresis", consecutive)
+        self.set(prefix + "consecutive_hysteresis", consecutive, key + "consecutive_hysteresis")
         floor = static if static > 0 else self.number(key + "min_loss_scale", fp16["min_loss_scale"])
-        self.set(prefix + "min_scale", floor)  # a static scale is its own floor: it never backs off
+        self.set(prefix + "min_scale", floor, key + ("loss_scale" if static > 0 else "min_loss_scale"))  # a static scale never backs off
 
     def grad_dtype(self) -> None:
         values = {"communication_data_type": self.data.get("communication_data_type", AUTO)}
         if "data_types" in self.data:
-            self.check_keys("data_types", self.block("data_types"), {"grad_accum_dtype"})
+            self.check_keys("data_types", self.block("data_types"))
             values["data_types.grad_accum_dtype"] = self.block("data_types").get("grad_accum_dtype", AUTO)
         for key, value in values.items():
             if value == AUTO:
                 continue
-            if value not in DTYPES:
-                raise _refuse(key, value, ", ".join(f'"{d}"' for d in DTYPES))
-            self.set("zero.grad_dtype", DTYPES[value])
+            if value not in tables.DTYPES:
+                raise self.refuse(key, value, ", ".join(f'"{d}"' for d in tables.DTYPES))
+            self.set("zero.grad_dtype", tables.DTYPES[value], key)
 
     def clipping(self) -> None:
         value = self.data["gradient_clipping"]
         if value != AUTO:
             norm = self.number("gradient_clipping", value)
-            self.set("zero.max_grad_norm", norm if norm > 0 else None)
+            self.set("zero.max_grad_norm", norm if norm > 0 else None, "gradient_clipping")
 
     def batch(self) -> None:
         """train_batch_size = micro x accumulation x world: "auto" takes zeropp's value; one absent is
@@ -335,94 +399,82 @@ class _Reader:
         for key, ours, value in ((keys[1], "train.micro_batch_size", micro),
                                  (keys[2], "zero.gradient_accumulation_steps", steps)):  # fmt: skip
             if value is not None and self.data.get(key) != AUTO:
-                self.set(ours, value)
+                self.set(ours, value, key)
 
     def optimizer(self) -> None:
         block = self.block("optimizer")
-        self.check_keys("optimizer", block, {"type", "params"})
+        self.check_keys("optimizer", block)
         kind = str(block.get("type", "")).lower()
-        if kind not in OPTIMIZERS:
-            raise _refuse("optimizer.type", block.get("type"), '"Adam", "AdamW" or "SGD" (in any case)')
+        if kind not in tables.OPTIMIZERS:
+            raise self.refuse("optimizer.type", block.get("type"), '"Adam", "AdamW" or "SGD" (in any case)')
         params = self.block("optimizer", "params")
         adam = kind != "sgd"
-        allowed = {"lr", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode", "betas", "eps"} if adam else {
-            "lr", "weight_decay", "momentum", "nesterov", "dampening"}  # fmt: skip
-        self.check_keys("optimizer.params", params, allowed)
+        read = {"lr", "weight_decay", *(("adam_w_mode", "betas", "eps") if adam else ("momentum",))}
+        self.check_keys("optimizer.params", params, read)
         where = "optimizer.params."
-        self.refuse_unless(where + "amsgrad", params.get("amsgrad", False), False, "AMSGrad is not supported")
-        self.refuse_unless(where + "bias_correction", params.get("bias_correction", True), True, "Adam here corrects its bias")
-        self.refuse_unless(where + "nesterov", params.get("nesterov", False), False, "Nesterov momentum is not supported")
-        self.refuse_unless(where + "dampening", params.get("dampening", 0), 0, "SGD's dampening is not supported")
         adam_w = self.boolean(where + "adam_w_mode", params.get("adam_w_mode", True)) or kind == "adamw"
-        self.set("optim.optimizer", "adam" if adam and not adam_w else OPTIMIZERS[kind])
-        values = {**DEEPSPEED_DEFAULTS["optimizer.params"], **params}
+        self.set("optim.optimizer", "adam" if adam and not adam_w else tables.OPTIMIZERS[kind], "optimizer.type")
+        values = {**tables.DEEPSPEED_DEFAULTS["optimizer.params"], **params}
         for key in ("lr", "weight_decay", *(("eps",) if adam else ("momentum",))):
             if values.get(key, AUTO) != AUTO:
-                self.set(f"optim.{key}", self.number(where + key, values[key]))
+                self.set(f"optim.{key}", self.number(where + key, values[key]), where + key)
         betas = values["betas"]
         if adam and betas != AUTO:
             if not (isinstance(betas, list) and len(betas) == 2):
-                raise _refuse(where + "betas", betas, "a list of two numbers")
+                raise self.refuse(where + "betas", betas, "a list of two numbers")
             for i, beta in enumerate(betas):
-                self.set(f"optim.beta{i + 1}", self.number(f"{where}betas[{i}]", beta))
+                self.set(f"optim.beta{i + 1}", self.number(f"{where}betas[{i}]", beta), where + "betas")
 
     def scheduler(self) -> None:
         block = self.block("scheduler")
-        self.check_keys("scheduler", block, {"type", "params"})
+        self.check_keys("scheduler", block)
         kind = block.get("type")
-        if kind not in SCHEDULES:
-            raise _refuse("scheduler.type", kind, ", ".join(f'"{k}"' for k in SCHEDULES))
+        if kind not in tables.SCHEDULES:
+            raise self.refuse("scheduler.type", kind, ", ".join(f'"{k}"' for k in tables.SCHEDULES))
         given = self.block("scheduler", "params")
-        allowed = {*DEEPSPEED_DEFAULTS[kind], "last_batch_iteration"} | ({"warmup_max_lr"} if kind == "WarmupLR" else set())
-        self.check_keys("scheduler.params", given, allowed | ({"total_num_steps"} if kind != "WarmupLR" else set()))
-        params = {**DEEPSPEED_DEFAULTS[kind], **given}
+        read = {*tables.DEEPSPEED_DEFAULTS[kind], *(("warmup_max_lr",) if kind == "WarmupLR" else ("total_num_steps",))}
+        self.check_keys("scheduler.params", given, read)
+        params = {**tables.DEEPSPEED_DEFAULTS[kind], **given}
         key = "scheduler.params."
-        self.refuse_unless(key + "last_batch_iteration", params.get("last_batch_iteration", -1), -1,
-                           "zeropp resumes a schedule from its checkpoint's step")  # fmt: skip
-        self.set("optim.schedule", SCHEDULES[kind])
+        self.set("optim.schedule", tables.SCHEDULES[kind], "scheduler.type")
         if params["warmup_num_steps"] != AUTO:
-            self.set("optim.warmup_steps", self.integer(key + "warmup_num_steps", params["warmup_num_steps"], 1))
+            steps = self.integer(key + "warmup_num_steps", params["warmup_num_steps"], 1)
+            self.set("optim.warmup_steps", steps, key + "warmup_num_steps")
         if params["warmup_type"] not in ("log", "linear"):
-            raise _refuse(key + "warmup_type", params["warmup_type"], '"log" or "linear"')
-        self.set("optim.warmup_type", params["warmup_type"])
+            raise self.refuse(key + "warmup_type", params["warmup_type"], '"log" or "linear"')
+        self.set("optim.warmup_type", params["warmup_type"], key + "warmup_type")
         if params.get("total_num_steps", AUTO) != AUTO:
-            self.set("optim.decay_steps", self.integer(key + "total_num_steps", params["total_num_steps"], 1))
+            total = self.integer(key + "total_num_steps", params["total_num_steps"], 1)
+            self.set("optim.decay_steps", total, key + "total_num_steps")
         if kind == "WarmupCosineLR":  # ratios of the optimizer's lr
             for ds, ours in (("warmup_min_ratio", "warmup_start_ratio"), ("cos_min_ratio", "min_lr_ratio")):
                 if params[ds] != AUTO:
-                    self.set(f"optim.{ours}", self.number(key + ds, params[ds]))
+                    self.set(f"optim.{ours}", self.number(key + ds, params[ds]), key + ds)
             return
         peak = params.get("warmup_max_lr", AUTO)  # WarmupLR without it: the optimizer's lr, as in DeepSpeed
         if peak == AUTO:
             peak = self.out.overrides.get("optim.lr", self.base.optim.lr)
         peak = self.number(key + "warmup_max_lr", peak)
-        self.set("optim.lr", peak)
+        self.set("optim.lr", peak, key + "warmup_max_lr")
         low = params["warmup_min_lr"]
         ratio = 0.0 if low == AUTO else self.number(key + "warmup_min_lr", low) / peak  # "auto": 0, as HF sets it
         if ratio > 1:
-            raise _refuse(key + "warmup_min_lr", low, f"at most warmup_max_lr ({peak:g})")
-        self.set("optim.warmup_start_ratio", ratio)
+            raise self.refuse(key + "warmup_min_lr", low, f"at most warmup_max_lr ({peak:g})")
+        self.set("optim.warmup_start_ratio", ratio, key + "warmup_min_lr")
         if kind == "WarmupDecayLR":  # decays back to warmup_min_lr
-            self.set("optim.min_lr_ratio", ratio)
+            self.set("optim.min_lr_ratio", ratio, key + "warmup_min_lr")
 
     def activation_checkpointing(self) -> None:
         """DeepSpeed's block configures deepspeed.checkpointing, which a model calls per layer; zeropp
         checkpoints every block itself, so the block turns that on and its switches map one to one."""
         block = self.block("activation_checkpointing")
-        features = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-        self.check_keys("activation_checkpointing", block, set(features))
-        self.set("zero.activation_checkpointing", True)
-        for key in features:
+        self.check_keys("activation_checkpointing", block)
+        self.set("zero.activation_checkpointing", True, "activation_checkpointing")
+        for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
             value = block.get(key, False)
             if value != AUTO:
-                self.set(f"zero.{key}", self.boolean(f"activation_checkpointing.{key}", value))
-
-    def sequence_parallel(self) -> None:
-        size = self.data["sequence_parallel_size"]
-        self.refuse_unless(
-            "sequence_parallel_size", size, 1,
-            "zeropp has no Ulysses sequence parallelism (topology.sequence_parallel is Megatron's, inside tensor parallelism)",
-        )  # fmt: skip
+                path = f"activation_checkpointing.{key}"
+                self.set(f"zero.{key}", self.boolean(path, value), path)
 
 
 def _check_total(total: int, micro: int, steps: int, world: int) -> None:
@@ -433,5 +485,12 @@ def _check_total(total: int, micro: int, steps: int, world: int) -> None:
         )
 
 
-def _refuse(key: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"DeepSpeed {key} = {json.dumps(value, default=str)} is not allowed; expected {expected}")
+def _off(value: Any) -> bool:
+    """A block that turns its feature off (``{"enabled": false}``)."""
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def _shown(value: Any) -> str:
+    """A value as the file writes it, cut to one short line."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:56] + " ..."

@@ -1,10 +1,16 @@
-"""What zeropp does with each DeepSpeed config key: the zeropp key it sets (MAPPED), accepted
-without effect (NOTED), refused and why (REFUSED), and DeepSpeed's defaults inside a block.
+"""What zeropp does with each DeepSpeed 0.19 config key, as data: the zeropp key it sets (MAPPED),
+accepted without effect (NOTED), refused and why (REFUSED), the other names DeepSpeed takes for a key
+(ALIASES), and DeepSpeed's defaults inside a block.
 
-Read by zeropp.config.deepspeed; README "Coming from DeepSpeed" summarizes these tables.
+A key is a dotted path as the file nests it (``zero_optimization.offload_param.device``); a NOTED or
+REFUSED path covers everything under it. Read by zeropp.config.deepspeed; :func:`markdown` renders the
+table docs/deepspeed.md carries.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 AUTO = "auto"
 
@@ -15,12 +21,13 @@ MAPPED = {
     "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_numel (/ world size)",
     "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch = 0 when 0 (else noted: zeropp prefetches units)",
     "zero_optimization.stage3_param_persistence_threshold": "zero.persistence_threshold (per unit)",
-    "zero_optimization.zero_quantized_weights": "zero.quantized_weights",
-    "zero_optimization.zero_hpz_partition_size": "zero.hpz_partition_size",
-    "zero_optimization.zero_quantized_gradients": "zero.quantized_gradients",
+    "zero_optimization.zero_quantized_weights": "zero.quantized_weights (stage 3; noted below it, as DeepSpeed ignores it)",
+    "zero_optimization.zero_hpz_partition_size": "zero.hpz_partition_size (stage 3; noted below it)",
+    "zero_optimization.zero_quantized_gradients": "zero.quantized_gradients (stage 3; noted below it)",
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
-    "zero_optimization.offload_param.device": "zero.offload_params",
-    "zero_optimization.cpu_offload": "zero.offload_optimizer",
+    "zero_optimization.offload_param.device": "zero.offload_params (stage 3; noted below it, as DeepSpeed ignores it)",
+    "zero_optimization.cpu_offload": "zero.offload_optimizer = cpu when true",
+    "zero_optimization.cpu_offload_param": "zero.offload_params = cpu when true (stage 3)",
     "fp16.enabled": "zero.precision",
     "bf16.enabled": "zero.precision",
     "fp16.loss_scale": "zero.loss_scale.initial_scale; when > 0 also min_scale (the same), growth_factor 1: static",
@@ -56,44 +63,98 @@ MAPPED = {
     "scheduler.params.cos_min_ratio": "optim.min_lr_ratio",
 }
 
-# accepted, change nothing here: block -> keys (values that would change something are REFUSED)
+# the blocks read key by key (every other block is one row: noted or refused whole)
+BLOCKS = (
+    "", "zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "fp16",
+    "bf16", "optimizer", "optimizer.params", "scheduler", "scheduler.params", "activation_checkpointing", "data_types",
+)  # fmt: skip
+
+# accepted, change nothing here: block -> its keys (values that would change something are REFUSED)
 NOTED = {
     "": (
-        "wall_clock_breakdown", "steps_per_print", "dump_state", "memory_breakdown", "prescale_gradients",
-        "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "tensorboard",
-        "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "checkpoint", "aio",
+        # logging, monitors, profilers, timers: zeropp reports its own (--metrics-jsonl, the summary)
+        "wall_clock_breakdown", "steps_per_print", "dump_state", "memory_breakdown", "tensorboard", "wandb",
+        "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers", "log_level",
+        # not DeepSpeed 0.19 keys (DeepSpeed ignores them too), seen in public configs
+        "monitor_config", "comms_config", "cuda_visible_devices",
+        # the averaging of gradients: zeropp averages once, in the reduction
+        "prescale_gradients", "gradient_predivide_factor",
+        # DeepSpeed's own optimizers, checkpoint writer, I/O, launcher-side tools
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint", "aio", "autotuning",
+        "compile", "disable_allgather", "disable_python_gc", "dataloader_drop_last", "managed_gradient_accumulation",
+        "seq_parallel_communication_data_type", "use_data_before_expert_parallelism",
     ),
     "zero_optimization": (
         "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions", "sub_group_size",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "round_robin_gradients",
-        "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights", "memory_efficient_linear",
-        "use_multi_rank_bucket_allreduce", "zero_quantized_nontrainable_weights", "log_trace_cache_warnings",
-        "cpu_offload_use_pin_memory", "legacy_stage1",
+        "stage3_gather_fp16_weights_on_model_save", "stage3_model_persistence_threshold",
+        "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+        "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
+        "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "zero_quantized_nontrainable_weights",
+        "log_trace_cache_warnings", "cpu_offload_use_pin_memory", "legacy_stage1", "compute_grad_norm",
+        "parameter_alignment", "pipeline_loading_checkpoint", "override_module_apply", "enable_sanity_checks",
+        "save_muon_momentum_buffer_in_memory", "leaf_module",
     ),
-    "offload": ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "nvme_path"),
+    "zero_optimization.offload_optimizer": (
+        "pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write", "cpuadam_cores_perc",
+    ),
+    "zero_optimization.offload_param": ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"),
     "fp16": ("auto_cast",),
-    "bf16": ("immediate_grad_update", "check_grad_overflow"),
+    # DeepSpeed's bf16 has no loss scaling; fp16's keys written in a bf16 block change nothing here
+    "bf16": ("immediate_grad_update", "check_grad_overflow", "loss_scale", "initial_scale_power", "loss_scale_window",
+             "hysteresis", "consecutive_hysteresis", "min_loss_scale", "auto_cast"),
+    "optimizer": ("legacy_fusion",),
     "optimizer.params": ("torch_adam", "fused"),
     "activation_checkpointing": ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
-}
+}  # fmt: skip
+COMMENT = "_"  # a top-level key starting with it is a comment (``"_comment"``): noted
 
-# refused whatever their value (keys refused only for some values: _Reader.refuse_unless)
-REFUSED = {
-    "amp": "NVIDIA Apex AMP is not supported; use bf16 or fp16",
-    "pipeline": "zeropp has no pipeline parallelism",
-    "elasticity": "elastic batch sizes are not supported",
-    "sparse_attention": "DeepSpeed's sparse attention kernels are not part of zeropp",
-    "curriculum_learning": "curriculum learning is not implemented",
-    "data_efficiency": "DeepSpeed's data-efficiency library is not part of zeropp",
-    "compression_training": "DeepSpeed's compression library is not part of zeropp",
-    "autotuning": "the DeepSpeed autotuner is not part of zeropp",
-    "tensor_parallel": "DeepSpeed's AutoTP block is not read; use --tensor-parallel (topology.tensor_parallel_size)",
-    "zero_optimization.mics_shard_size": "MiCS is not implemented",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS is not implemented",
-    "zero_optimization.zenflow": "ZenFlow is not implemented",
-    "zero_optimization.offload_param.ratio": "partial parameter offload is not implemented",
-}
+NEVER = object()  # REFUSED whatever the value
+OFF = {"enabled": False}  # a block whose "enabled" is false changes nothing
+
+# path -> (why zeropp refuses it, the value that changes nothing and is accepted: NEVER for none)
+REFUSED: dict[str, tuple[str, Any]] = {
+    "amp": ("NVIDIA Apex AMP is not supported; use bf16 or fp16", OFF),
+    "torch_autocast": ("zeropp casts by zero.precision, not torch.autocast; use bf16 or fp16", OFF),
+    "fp8": ("zeropp trains in fp32, bf16 or fp16", OFF),
+    "pipeline": ("zeropp has no pipeline parallelism", NEVER),
+    "elasticity": ("elastic batch sizes are not supported", OFF),
+    "sparse_attention": ("DeepSpeed's sparse attention kernels are not part of zeropp", NEVER),
+    "curriculum_learning": ("curriculum learning is not implemented", OFF),
+    "data_efficiency": ("DeepSpeed's data-efficiency library is not part of zeropp", OFF),
+    "compression_training": ("DeepSpeed's compression library is not part of zeropp", NEVER),
+    "weight_quantization": ("DeepSpeed's post-training weight quantization is not part of zeropp", NEVER),
+    "hybrid_engine": ("DeepSpeed-Chat's hybrid engine is not part of zeropp", OFF),
+    "nebula": ("Nebula checkpointing is not supported", OFF),
+    "expert_parallel": ("zeropp has no mixture-of-experts parallelism", NEVER),
+    "tensor_parallel": ("DeepSpeed's AutoTP block is not read; use --tensor-parallel (topology.tensor_parallel_size)",
+                        NEVER),
+    "sequence_parallel_size": ("zeropp has no Ulysses sequence parallelism (topology.sequence_parallel is "
+                               "Megatron's, inside tensor parallelism)", 1),
+    "gradient_allreduce_op": ("zeropp averages gradients over the ranks", "mean"),
+    "zero_optimization.mics_shard_size": ("MiCS is not implemented", -1),
+    "zero_optimization.mics_hierarchical_params_gather": ("MiCS is not implemented", False),
+    "zero_optimization.zenflow": ("ZenFlow is not implemented", None),
+    "zero_optimization.offload_optimizer.ratio": ("partial offload is not implemented", 1),
+    "zero_optimization.offload_optimizer.super_offload": ("SuperOffload is not implemented", False),
+    "fp16.fp16_master_weights_and_grads": ("zeropp keeps fp32 master weights", False),
+    "bf16.bf16_master_weights_and_grads": ("zeropp keeps fp32 master weights", False),
+    "bf16.bf16_optimizer_states": ("zeropp keeps fp32 master weights", False),
+    "optimizer.params.amsgrad": ("AMSGrad is not supported", False),
+    "optimizer.params.bias_correction": ("Adam here corrects its bias", True),
+    "optimizer.params.nesterov": ("Nesterov momentum is not supported", False),
+    "optimizer.params.dampening": ("SGD's dampening is not supported", 0),
+    "scheduler.params.last_batch_iteration": ("zeropp resumes a schedule from its checkpoint's step", -1),
+}  # fmt: skip
+
+# another name DeepSpeed accepts -> the key as the tables write it
+ALIASES = {
+    "bfloat16": "bf16",
+    **{f"zero_optimization.{name}": f"zero_optimization.stage3_{name}" for name in (
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "allgather_sequential")},
+}  # fmt: skip
 
 DEEPSPEED_DEFAULTS = {  # inside a block the file has, a key it leaves out means this in DeepSpeed
     "zero_optimization": {
@@ -112,3 +173,50 @@ DEEPSPEED_DEFAULTS = {  # inside a block the file has, a key it leaves out means
 SCHEDULES = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "warmup_cosine"}
 OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}  # DeepSpeed's Adam is AdamW unless adam_w_mode false
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
+
+
+def parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def row(path: str) -> tuple[str, str] | None:
+    """What zeropp does with DeepSpeed key `path` (tables' spelling): ("mapped", its zeropp key),
+    ("noted", ""), ("refused", why), ("block", "") for a block read key by key; None: no row."""
+    if path in MAPPED:
+        return "mapped", MAPPED[path]
+    if path in BLOCKS:
+        return "block", ""
+    for prefix in _ancestors(path):
+        if prefix in REFUSED:
+            return "refused", REFUSED[prefix][0]
+        if prefix.rpartition(".")[2] in NOTED.get(parent(prefix), ()) or prefix.startswith(COMMENT):
+            return "noted", ""
+    return None
+
+
+def keys_under(block: str) -> list[str]:
+    """The keys a block may hold (the tables' spelling), for an unknown key's error."""
+    paths = [*MAPPED, *BLOCKS, *REFUSED, *(f"{block}.{key}".lstrip(".") for key in NOTED.get(block, ()))]
+    return sorted({path.rpartition(".")[2] for path in paths if path and parent(path) == block})
+
+
+def _ancestors(path: str) -> list[str]:
+    names = path.split(".")
+    return [".".join(names[: i + 1]) for i in range(len(names))]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+def markdown() -> str:
+    """The key table of docs/deepspeed.md: every row of these tables, in key order."""
+    lines = ["| DeepSpeed key | zeropp |", "| --- | --- |"]
+    rows = {**{p: f"sets {m}" for p, m in MAPPED.items()},
+            **{f"{b}.{k}".lstrip("."): "accepted, no effect" for b, keys in NOTED.items() for k in keys},
+            **{p: "refused: " + why + ("" if ok is NEVER else f" (accepted: `{_json(ok)}`)")
+               for p, (why, ok) in REFUSED.items()},
+            **{p: f"as `{name}`" for p, name in ALIASES.items()},
+            f"{COMMENT}*": "a comment: accepted, no effect"}  # fmt: skip
+    lines += [f"| `{path}` | {text} |" for path, text in sorted(rows.items())]
+    return "\n".join(lines) + "\n"

@@ -58,7 +58,7 @@ def name_key(prefix: str, key: str, name: Callable[[str], str] | None) -> str:
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"{key} = {value!r} is not allowed; expected {allowed}")
+        raise ConfigError(f"{key} = {value!r} is not allowed; expected {allowed}", key, value)
 
 
 def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:

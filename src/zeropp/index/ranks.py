@@ -86,16 +86,51 @@ class Layout:
         """hpZ's secondary group size for ``zero.hpz_partition_size`` (0: one node's data-parallel
         ranks), 1 when hpZ is off. A group as large as the data-parallel group would be the primary
         partition again (more memory, no fewer bytes), so that is off too. A group never straddles
-        part of a node: it is whole nodes or divides one node's ranks."""
-        world, per_node = self.data_parallel_size, self.data_parallel_per_node
-        size = partition_size or per_node
-        if partition_size < 0 or world % size or not (per_node % size == 0 or size % per_node == 0):
+        part of a node: it is whole nodes or divides one node's ranks. On one node a size that fits
+        no such group is off too (:meth:`hpz_note` says so): hpZ saves inter-node traffic only."""
+        world = self.data_parallel_size
+        if partition_size < 0:
             raise ConfigError(
-                f"zero.hpz_partition_size = {partition_size!r} is not allowed; expected 1 (off), 0 (the "
-                f"{per_node} ranks of one node) or a divisor or multiple of the {per_node} ranks per node "
-                f"that divides the world size {world}"
-            )
+                f"zero.hpz_partition_size = {partition_size!r} is not allowed; expected an integer >= 0",
+                "zero.hpz_partition_size", partition_size,
+            )  # fmt: skip
+        size = partition_size or self.data_parallel_per_node
+        if size not in self.hpz_sizes():
+            if self.nodes > 1:
+                raise ConfigError(self._hpz_misfit(partition_size), "zero.hpz_partition_size", partition_size)
+            size = world
         return 1 if size == world else size
+
+    def hpz_sizes(self) -> list[int]:
+        """The group sizes hpZ can use: the divisors of one node's data-parallel ranks and the whole
+        nodes that divide the data-parallel world (the world itself is the primary partition)."""
+        per_node, world = self.data_parallel_per_node, self.data_parallel_size
+        return [size for size in range(1, world + 1) if world % size == 0 and (per_node % size == 0 or size % per_node == 0)]
+
+    def hpz_note(self, partition_size: int) -> str | None:
+        """One line when hpZ was asked for (a size other than 0 and 1) and is off here."""
+        if partition_size in (0, 1) or self.hpz_group_size(partition_size) > 1:
+            return None
+        world = self.data_parallel_size
+        if self.nodes == 1:
+            why = f"all {world} data-parallel ranks are on one node, where it saves no inter-node traffic"
+        else:
+            why = f"a group of all {world} data-parallel ranks is the primary partition; {self._hpz_fit(partition_size)} would work"
+        return f"zero.hpz_partition_size = {partition_size}: hpZ is off, {why}"
+
+    def _hpz_fit(self, partition_size: int) -> int:
+        """The largest useful hpZ group size up to `partition_size`."""
+        return max(size for size in self.hpz_sizes()[:-1] if size <= partition_size)
+
+    def _hpz_misfit(self, partition_size: int) -> str:
+        """Why `partition_size` fits no hpZ group here, with the node size zeropp sees and what would fit."""
+        per_node, world = self.data_parallel_per_node, self.data_parallel_size
+        return (
+            f"zero.hpz_partition_size = {partition_size!r} is not allowed; zeropp sees {self.nodes} nodes of {per_node} "
+            f"data-parallel ranks ({world} in all), and an hpZ group divides a node's ranks or is whole nodes dividing "
+            f"all {world}: expected one of {', '.join(map(str, self.hpz_sizes()[:-1]))} (0: one node); "
+            f"{self._hpz_fit(partition_size)} would work"
+        )
 
     def hpz_groups(self, size: int) -> RankGroups:
         """Every data-parallel group cut into consecutive runs of `size` ranks (hpZ's secondary groups)."""
