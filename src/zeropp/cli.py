@@ -330,8 +330,8 @@ def _export(checkpoint: Path, out: Path) -> int:
 
 
 def _import_deepspeed(source: Path, out_dir: Path) -> int:
-    from zeropp.checkpoint.deepspeed_import import import_deepspeed
     from zeropp.checkpoint.deepspeed_files import DeepSpeedCheckpointError
+    from zeropp.checkpoint.deepspeed_import import import_deepspeed
 
     try:
         done = import_deepspeed(source, out_dir)

@@ -126,8 +126,8 @@ def _scaler(saved: dict[str, Any]) -> dict[str, Any]:
     scaler = {"scale": float(saved.get("cur_scale", 1.0)), "clean_steps": 0}
     if saved.get("dynamic"):
         scaler["clean_steps"] = int(saved["cur_iter"] - saved["last_overflow_iter"] - 1)
-        if "cur_hys" in saved:
-            scaler["hysteresis"] = int(saved["cur_hys"])
+        if "cur_hysteresis" in saved:
+            scaler["hysteresis"] = int(saved["cur_hysteresis"])
     return scaler
 
 
