@@ -307,7 +307,8 @@ def _stage3_params(
 def _fixed(
     model: dict[str, Any], stage: int, others: list[dict[str, Any]], masters: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Buffers and frozen parameters, whole; and the module's names that stage-3 files do not resolve."""
+    """Buffers and frozen parameters, whole (floating ones in fp32); and the module's names that
+    stage-3 files do not resolve."""
     module, buffers = model["module"], set(model["buffer_names"])
     fixed = {name: t.clone() for name, t in module.items() if name in buffers}
     frozen = model.get("frozen_param_shapes") or {}
@@ -316,7 +317,10 @@ def _fixed(
         pieces = [f[name].reshape(-1) for f in fragments] if stage == 3 else [fragments[0][name].reshape(-1)]
         fixed[name] = torch.cat(pieces)[: math.prod(shape)].view(shape).clone()
     known = set(masters) | set(fixed) | set(model.get("shared_params") or {})
-    return fixed, sorted(name for name in module if name not in known)
+    if stage < 3:  # frozen parameters DeepSpeed did not list (stage 1): the module's own values, whole
+        fixed.update({name: t.clone() for name, t in module.items() if name not in known})
+    untied = sorted(name for name in module if name not in known | set(fixed))
+    return {name: t.float() if t.is_floating_point() else t for name, t in fixed.items()}, untied  # fp32, as zero_to_fp32
 
 
 def _precision(config: dict[str, Any]) -> str:
