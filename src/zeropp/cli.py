@@ -1,4 +1,4 @@
-"""Command line: zeropp train, export, estimate, cluster and bench.
+"""Command line: zeropp train, export, import-deepspeed, estimate, cluster and bench.
 
 zeropp train trains the embedded GPT on the embedded corpus, or a Hugging Face causal LM
 (--hf-model DIR, --hf-config FILE) on your own text (--data PATH, --tokenizer DIR); local paths only.
@@ -116,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file, or the Hugging Face folder, to write")
+    imported = commands.add_parser(
+        "import-deepspeed",
+        help="write a DeepSpeed ZeRO checkpoint as a zeropp checkpoint (--resume, export)",
+        description="Read a DeepSpeed ZeRO stage 1/2/3 checkpoint (the save_checkpoint folder, whose 'latest' names the "
+        "tag, or a global_stepN folder; any data-parallel size; fp32, bf16 or fp16) and write its fp32 masters, "
+        "optimizer states, step and loss scaler as OUT_DIR/step-N, which zeropp train --resume (any world size) "
+        "and zeropp export read. Nothing is written when the checkpoint is refused.",
+    )
+    imported.add_argument("source", type=Path, metavar="DS_CHECKPOINT_DIR", help="DeepSpeed's checkpoint folder or tag folder")
+    imported.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the zeropp checkpoint folder to write step-N into")
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
     benchmarks = available()
@@ -147,6 +157,8 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
+    if args.command == "import-deepspeed":
+        return _import_deepspeed(args.source, args.out_dir)
     if args.command == "bench":
         return importlib.import_module(f"zeropp.tools.bench.{args.what}").main(args.options)
     if is_rank():
@@ -319,6 +331,25 @@ def _export(checkpoint: Path, out: Path) -> int:
         return 2
     what = "a Hugging Face folder for from_pretrained" if folder else "safetensors"
     print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, {what})")
+    return 0
+
+
+def _import_deepspeed(source: Path, out_dir: Path) -> int:
+    from zeropp.checkpoint.deepspeed_files import DeepSpeedCheckpointError
+    from zeropp.checkpoint.deepspeed_import import import_deepspeed
+
+    try:
+        done = import_deepspeed(source, out_dir)
+    except (DeepSpeedCheckpointError, CheckpointError) as error:
+        print(f"zeropp: error: {error}", file=sys.stderr)
+        return 2
+    for note in done.notes:
+        print(f"zeropp: note: {note}")
+    ds = done.source
+    print(
+        f"wrote {done.path}: {len(ds.masters)} parameters, {ds.optimizer} states of step {ds.step} "
+        f"(DeepSpeed ZeRO stage {ds.stage}, {ds.world_size} data-parallel ranks, {ds.precision})"
+    )
     return 0
 
 

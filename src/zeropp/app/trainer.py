@@ -58,7 +58,8 @@ def checkpoint_to_resume(config: Config) -> Path | None:
     """The checkpoint to start from: checkpoint.resume's path, the latest one for 'auto', or none.
 
     Refuses a missing or damaged checkpoint, or one saved with another model config (a different
-    n_head, say, can hold tensors of the same shapes).
+    n_head, say, can hold tensors of the same shapes). An imported checkpoint (zeropp import-deepspeed)
+    holds no run config: its parameter names and shapes are checked when it is loaded.
     """
     resume = config.checkpoint.resume
     if resume is None:
@@ -66,7 +67,10 @@ def checkpoint_to_resume(config: Config) -> Path | None:
     path = Path(resume) if resume != "auto" else find_latest(config.checkpoint.checkpoint_dir)
     if path is None:
         return None
-    saved = read_meta(path)["extra"].get("config", {}).get("model", {})
+    run_config = read_meta(path)["extra"].get("config")
+    if run_config is None:
+        return path
+    saved = run_config.get("model", {})
     ours = dataclasses.asdict(config.model)
     for key in sorted(ours):
         if saved.get(key) != ours[key]:

@@ -6,7 +6,9 @@
 - :mod:`~zeropp.checkpoint.dcp`: DCP sharded checkpoints on top of it: save, atomic publish,
   sha256 per file, load with resharding, export;
 - :mod:`~zeropp.checkpoint.pretrained`: safetensors files and Hugging Face folders read slice by
-  slice into the shards.
+  slice into the shards;
+- :mod:`~zeropp.checkpoint.deepspeed_files`, :mod:`~zeropp.checkpoint.deepspeed_import`: a DeepSpeed
+  ZeRO checkpoint read without unpickling code, and written as a zeropp checkpoint.
 """
 
 from zeropp.checkpoint.dcp import (
@@ -17,13 +19,17 @@ from zeropp.checkpoint.dcp import (
     read_meta,
     save_checkpoint,
 )
+from zeropp.checkpoint.deepspeed_files import DeepSpeedCheckpointError
+from zeropp.checkpoint.deepspeed_import import import_deepspeed
 from zeropp.checkpoint.pretrained import PretrainedError, load_pretrained
 
 __all__ = [
     "CheckpointError",
+    "DeepSpeedCheckpointError",
     "PretrainedError",
     "export_checkpoint",
     "find_latest",
+    "import_deepspeed",
     "load_checkpoint",
     "load_pretrained",
     "read_meta",

@@ -157,19 +157,24 @@ def save_checkpoint(
         engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
         raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
     if rank == 0:
-        meta = {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}}
-        meta["files"] = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
-        (partial / META).write_text(json.dumps(meta, indent=1))
-        if final.exists():  # the same step saved again (e.g. after a restart): replace it
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(directory)
+        publish(partial, final, {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}})
         if keep_last:
             published = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
             for old in published[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
     return final
+
+
+def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Add zeropp.json (`meta` with the sha256 of every file written) to `partial` and rename it to
+    `final`, replacing a checkpoint of the same step (one process)."""
+    meta["files"] = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+    (partial / META).write_text(json.dumps(meta, indent=1))
+    if final.exists():  # the same step saved again (e.g. after a restart): replace it
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
 
 
 def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
@@ -260,7 +265,7 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
         "aliases": layout.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-        "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
+        "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
         "scaler": engine.scaler.state_dict(),
         "global_step": engine.global_step,
     }
@@ -425,11 +430,11 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, torch.Tensor):
         return value.item()
     return value
