@@ -15,8 +15,10 @@ runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zerop
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from zeropp.runtime.activation_checkpointing import (
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
+from zeropp.zero.disk import DiskTier, check_free_space, rank_folder
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, repeated_blocks
@@ -50,7 +53,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.stepping import step_batches
+from zeropp.zero.stepping import step_batches, steps_unit_by_unit
 from zeropp.zero.unit import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -100,6 +103,7 @@ class ZeroEngine:
         self.units = self._build_units(model, unit_modules, init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
+        self.disk = self._build_disk_tier(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
         if self.config.compile:
@@ -180,7 +184,7 @@ class ZeroEngine:
             qgz_chunks=qgz.pipeline_chunks,
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
-            master_device=torch.device("cpu") if config.offload.optimizer == "cpu" else None,
+            master_device=torch.device("cpu") if config.offload.optimizer != "none" else None,
             compute_shard_device=torch.device("cpu") if config.offload.params == "cpu" else None,
             grad_arena=self.gradient_buffers,
         )
@@ -354,7 +358,7 @@ class ZeroEngine:
         is per-parameter (:func:`zeropp.zero.stepping.step_batches`): the fp32 gradient and the
         optimizer's temporaries then exist for one unit at a time, not the whole shard."""
         copies: dict[int, torch.Tensor] = {}
-        if self.config.offload.optimizer != "none":
+        if self.config.offload.optimizer == "cpu":
             # offloaded masters: every unit's copy to the host is issued before any is waited for
             copies = {
                 id(unit): unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True)
@@ -363,7 +367,8 @@ class ZeroEngine:
             if self.topology.device.type == "cuda":
                 # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
                 torch.cuda.current_stream(self.topology.device).synchronize()
-        for batch in step_batches(self.optimizer, self.units):
+        batches = step_batches(self.optimizer, self.units)
+        for batch in batches if self.disk is None else self._streamed(batches):
             for unit in batch:
                 grad = copies.pop(id(unit), None)
                 if grad is None:  # the reduced buffer itself where it is fp32: its last use
@@ -377,6 +382,33 @@ class ZeroEngine:
             for unit in batch:
                 unit.master.grad = None
                 unit.publish_master()
+
+    def _build_disk_tier(self, masters: list[nn.Parameter]) -> DiskTier | None:
+        """offload_optimizer = "nvme": the masters and optimizer states in files (zeropp.zero.disk)."""
+        offload = self.config.offload
+        if offload.optimizer != "nvme":
+            return None
+        if not steps_unit_by_unit(self.optimizer):
+            raise ConfigError(
+                f"zero.offload_optimizer = 'nvme' streams the optimizer unit by unit, which "
+                f"{type(self.optimizer).__name__} may not allow; expected one of torch's per-parameter optimizers "
+                "(SGD, Adam, AdamW, ...)"
+            )
+        folder = rank_folder(offload.path, self.topology.rank)
+        check_free_space(folder, 12 * sum(master.numel() for master in masters))  # fp32 master, Adam's 2 moments
+        tier = DiskTier(masters, self.optimizer, folder, offload.buffer_count)
+        weakref.finalize(self, tier.close)
+        return tier
+
+    def _streamed(self, batches: list) -> Iterator:
+        """The units of each batch with their states read from the disk tier (and written back after)."""
+        index = {id(unit): i for i, unit in enumerate(self.units)}
+        for indices in self.disk.streamed([[index[id(u)] for u in batch] for batch in batches]):
+            yield [self.units[i] for i in indices]
+
+    def _states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
+        """The masters and optimizer states in memory for a state-dict read (or write: `changes`)."""
+        return contextlib.nullcontext() if self.disk is None else self.disk.resident(changes)
 
     # -- modes, state, measurement ---------------------------------------------------------------
 
@@ -396,7 +428,8 @@ class ZeroEngine:
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
-        return layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
+        with self._states_resident():
+            return layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
@@ -405,12 +438,14 @@ class ZeroEngine:
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
-        layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
+        with self._states_resident(changes=True):
+            layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
         with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
-            return layout.full_state_dict(self.units, self.module)
+            with self._states_resident():
+                return layout.full_state_dict(self.units, self.module)
 
     # See [Note: MD arenas]: with MD the gradient arena counts whole
     def model_state_bytes(self) -> int:

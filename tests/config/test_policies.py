@@ -37,7 +37,9 @@ FLAT = {
     "gradient_error_beta": 0.5,
     "gradient_error_reset_steps": 7,
     "quantized_gradients_until": 0.5,
-    "offload_optimizer": "cpu",
+    "offload_optimizer": "nvme",
+    "offload_path": "/tmp",
+    "offload_buffer_count": 3,
     "offload_params": "cpu",
     "activation_checkpointing": True,
     "partition_activations": True,
@@ -57,7 +59,7 @@ GROUPED = dict(
         error_reset_steps=7,
         until=0.5,
     ),
-    offload=OffloadPolicy(optimizer="cpu", params="cpu"),
+    offload=OffloadPolicy(optimizer="nvme", params="cpu", path="/tmp", buffer_count=3),
     activations=ActivationCheckpointPolicy(enabled=True, partition_activations=True, cpu_checkpointing=True),
 )
 

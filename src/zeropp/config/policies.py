@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -125,20 +126,39 @@ class QuantizedGradients:
 class OffloadPolicy:
     """ZeRO-Offload: what lives and steps in host memory."""
 
-    FLAT: ClassVar[dict[str, str]] = {"optimizer": "offload_optimizer", "params": "offload_params"}
+    FLAT: ClassVar[dict[str, str]] = {
+        "optimizer": "offload_optimizer",
+        "params": "offload_params",
+        "path": "offload_path",
+        "buffer_count": "offload_buffer_count",
+    }
 
-    optimizer: Literal["none", "cpu"] = setting(
-        "none", "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there"
+    optimizer: Literal["none", "cpu", "nvme"] = setting(
+        "none",
+        "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there; "
+        "nvme keeps them in files under offload_path and streams them through host memory unit by unit",
     )
     params: Literal["none", "cpu"] = setting(
         "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
     )
+    path: str | None = setting(None, "offload_optimizer = nvme: the folder (on a fast disk) for each rank's files")
+    buffer_count: int = setting(
+        2, "offload_optimizer = nvme: units whose states are read ahead of the optimizer (1: no overlap)"
+    )
 
     def validate(self, name: Name, stage: int) -> None:
         check_choices(self, "", name)
+        nvme = self.optimizer == "nvme"
+        require(self.path is not None or not nvme, name("path"), self.path, f"a folder when {name('optimizer')} is 'nvme'")
+        require(self.path is None or nvme, name("path"), self.path, f"unset unless {name('optimizer')} is 'nvme'")
+        require(self.buffer_count >= 1, name("buffer_count"), self.buffer_count, "an integer >= 1")
+        if nvme:  # before any rank starts: the folder the files go to
+            folder = os.path.expanduser(self.path)
+            require(os.path.isdir(folder), name("path"), self.path, "an existing folder (the disk tier's files go there)")
+            require(os.access(folder, os.W_OK), name("path"), self.path, "a folder this user can write to")
         if self.params != "none":
             require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
-            require(self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is 'cpu' too")
+            require(self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is offloaded too")
 
 
 @dataclass

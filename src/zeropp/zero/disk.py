@@ -1,0 +1,155 @@
+"""ZeRO-Infinity's disk tier for the optimizer: each rank's fp32 master shards and optimizer states
+live in files, and the optimizer step streams them through host memory unit by unit.
+
+A unit's states are one file, ``unit-NNNN.bin`` in the rank's folder: its master, then each
+per-element optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``) in key order. Swapped out, the
+tensors keep their identity (the optimizer's state is keyed by the master parameter) and shape, but
+their storage is resized to nothing; swapped in, the storage is allocated again and read back. The
+scalar states (Adam's ``step``) stay in memory.
+
+[Note: the disk tier's ring] During the step (:meth:`DiskTier.streamed`) one I/O thread reads
+``depth`` units ahead of the optimizer and writes each unit back (then frees it) once the optimizer
+and the publication of its weights are done with it. The reads and the writes share the one thread,
+in order, so at most ``depth + 1`` units' states are in host memory at once: ``(depth + 1) x (4 + S)
+x largest unit`` bytes for S bytes of optimizer state per parameter (8 for Adam), whatever the
+model's size. With depth 1 nothing overlaps (read, step, write); from depth 2 the next unit's read
+runs while the optimizer steps the current one. The files are scratch, not checkpoints: a checkpoint
+reads the states through the engine's state API, which swaps them in (:meth:`DiskTier.resident`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zeropp.errors import ConfigError
+
+
+class DiskTier:
+    """The masters `masters` (one per unit) and their optimizer states, kept in files under `folder`."""
+
+    def __init__(self, masters: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, folder: Path, depth: int):
+        self.masters = list(masters)
+        self.optimizer = optimizer
+        self.folder = folder
+        self.depth = depth
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._files = [os.open(folder / f"unit-{i:04d}.bin", os.O_RDWR | os.O_CREAT, 0o600) for i in range(len(masters))]
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-disk")
+        self._resident = [True] * len(masters)
+        for index in range(len(masters)):
+            self._write_out(index)
+
+    def tensors(self, index: int) -> list[torch.Tensor]:
+        """The unit's master, then its per-element optimizer states in key order."""
+        master = self.masters[index]
+        state = self.optimizer.state.get(master, {})
+        per_element = [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].dim() > 0]
+        return [master.data, *per_element]
+
+    def _write_out(self, index: int) -> None:
+        """Write the unit's states to its file and free their memory."""
+        offset = 0
+        for tensor in self.tensors(index):
+            buffer = _bytes_of(tensor)
+            written = os.pwritev(self._files[index], [buffer], offset)
+            if written != len(buffer):
+                raise OSError(f"wrote {written} of {len(buffer)} bytes to {self.folder}")
+            offset += len(buffer)
+            tensor.untyped_storage().resize_(0)
+        self.bytes_written += offset
+        self._resident[index] = False
+
+    def _read_in(self, index: int) -> None:
+        offset = 0
+        for tensor in self.tensors(index):
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            buffer = _bytes_of(tensor)
+            read = os.preadv(self._files[index], [buffer], offset)
+            if read != len(buffer):
+                raise OSError(f"read {read} of {len(buffer)} bytes from {self.folder} (a damaged offload file)")
+            offset += len(buffer)
+        self.bytes_read += offset
+        self._resident[index] = True
+
+    def streamed(self, batches: Sequence[Sequence[int]]) -> Iterator[Sequence[int]]:
+        """Yield each batch of unit indices once its states are in memory; write it back (and free
+        it) when the caller asks for the next one. See [Note: the disk tier's ring]."""
+        reads: dict[int, Future] = {}
+
+        def read_ahead(position: int) -> None:
+            if position < len(batches):
+                reads[position] = self._io.submit(lambda: [self._read_in(i) for i in batches[position]])
+
+        for position in range(self.depth):
+            read_ahead(position)
+        writes: list[Future] = []
+        for position, batch in enumerate(batches):
+            reads.pop(position).result()
+            yield batch
+            writes.append(self._io.submit(lambda batch=batch: [self._write_out(i) for i in batch]))
+            read_ahead(position + self.depth)
+        for write in writes:
+            write.result()
+
+    @contextlib.contextmanager
+    def resident(self, changes: bool = False) -> Iterator[None]:
+        """Every unit's states in memory for the block (checkpoints, state dicts: host memory of the
+        whole shard's states); written back at exit where `changes`, else only freed."""
+        for index in range(len(self.masters)):
+            self._read_in(index)
+        try:
+            yield
+        finally:
+            for index in range(len(self.masters)):
+                if changes:
+                    self._write_out(index)
+                else:
+                    for tensor in self.tensors(index):
+                        tensor.untyped_storage().resize_(0)
+                    self._resident[index] = False
+
+    def close(self) -> None:
+        """Remove the files (a clean exit; a crashed run's folder is cleared by the next start)."""
+        self._io.shutdown(wait=True)
+        for fd in self._files:
+            os.close(fd)
+        self._files = []
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place, for as long as the tensor lives (not
+    through ``numpy()``, which would make its storage impossible to resize, hence to free)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def rank_folder(path: str, rank: int) -> Path:
+    """This rank's scratch folder under `path` (checked by the config), emptied of what a crashed run
+    left there."""
+    folder = Path(path).expanduser() / "zeropp-offload" / f"rank-{rank}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """One line before training when the offload folder cannot hold this rank's states."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ConfigError(
+            f"zero.offload_path: {folder} has {free / 2**30:.2f} GiB free, this rank's optimizer states need "
+            f"{needed / 2**30:.2f} GiB",
+            "zero.offload_path",
+            str(folder),
+        )

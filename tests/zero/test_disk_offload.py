@@ -1,0 +1,146 @@
+"""The disk tier (offload_optimizer = "nvme"): the masters and optimizer states in files, streamed
+unit by unit through a ring of host buffers, train bit for bit like the run without offload, resume
+exactly, hold at most depth + 1 units' states in memory, and refuse a bad folder in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import ADAM_EPS, global_batch, loss_of, make_model, rows
+
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
+from zeropp.zero.disk import DiskTier, rank_folder
+
+STEPS = 3
+
+
+def train(stage: int, offload: dict, *, simulated_nodes: int = 1, resume_at: int | None = None) -> dict:
+    from zeropp import ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(nodes=simulated_nodes))
+    world, rank = topology.world_size, topology.rank
+    config = ZeroConfig(stage=stage, gradient_accumulation_steps=2, max_grad_norm=0.05, **offload)
+
+    def build():
+        torch.manual_seed(0)
+        return ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2, eps=ADAM_EPS), config, topology)
+
+    engine = build()
+    io = []
+    for step in range(STEPS):
+        if step == resume_at:  # a new engine from this one's state, as a resume does
+            saved = engine.sharded_state_dict()
+            engine = build()
+            engine.load_sharded_state_dict(saved)
+        before = (engine.disk.bytes_read, engine.disk.bytes_written) if engine.disk else (0, 0)
+        for micro in range(2):
+            x, y = rows(global_batch("gpt", step, micro, world), rank)
+            engine.backward(loss_of("gpt", engine, x, y))
+        engine.step()
+        if engine.disk:
+            io.append((engine.disk.bytes_read - before[0], engine.disk.bytes_written - before[1]))
+    return dict(state=engine.full_state_dict(), io=io, psi_shard=sum(u.master.numel() for u in engine.units),
+                resident_bytes=engine.model_state_bytes())  # fmt: skip
+
+
+def nvme(path, **more) -> dict:
+    return dict(offload_optimizer="nvme", offload_path=str(path), **more)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
+    off = run_ranks(train, world, stage=stage, offload={})
+    disk = run_ranks(train, world, stage=stage, offload=nvme(tmp_path))
+    for plain, streamed in zip(off, disk, strict=True):
+        for key, tensor in plain["state"].items():
+            assert torch.equal(tensor, streamed["state"][key]), key
+        per_step = 12 * streamed["psi_shard"]  # fp32 master + Adam's two moments, every unit read and written
+        assert streamed["io"][1:] == [(per_step, per_step)] * (STEPS - 1)
+        assert streamed["io"][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
+    assert not any((tmp_path / "zeropp-offload").glob("rank-*/*.bin"))  # removed with the engine
+
+
+def test_disk_tier_world4_two_nodes_with_depth_1_and_resume(tmp_path):
+    off = run_ranks(train, 4, nodes=2, simulated_nodes=2, stage=3, offload={})
+    disk = run_ranks(
+        train, 4, nodes=2, simulated_nodes=2, stage=3, offload=nvme(tmp_path, offload_buffer_count=1), resume_at=1
+    )
+    for plain, streamed in zip(off, disk, strict=True):
+        for key, tensor in plain["state"].items():
+            assert torch.equal(tensor, streamed["state"][key]), key
+
+
+def test_the_ring_holds_at_most_depth_plus_one_units(tmp_path):
+    for depth in (1, 2, 3):
+        masters = [torch.nn.Parameter(torch.randn(1000 + i)) for i in range(6)]
+        optimizer = torch.optim.AdamW(masters, lr=0.1)
+        tier = DiskTier(masters, optimizer, rank_folder(str(tmp_path), depth), depth)
+        assert all(m.untyped_storage().nbytes() == 0 for m in masters)
+        seen = []
+        for [index] in tier.streamed([[i] for i in range(6)]):
+            seen.append(index)
+            assert masters[index].untyped_storage().nbytes() == 4 * masters[index].numel()
+            resident = sum(m.untyped_storage().nbytes() > 0 for m in masters)
+            assert 1 <= resident <= depth + 1, (depth, index, resident)
+            masters[index].grad = torch.ones_like(masters[index])
+            optimizer.step()
+            masters[index].grad = None
+        assert seen == list(range(6))
+        assert all(m.untyped_storage().nbytes() == 0 for m in masters)
+        with tier.resident():
+            assert all(optimizer.state[m]["exp_avg"].untyped_storage().nbytes() > 0 for m in masters)
+        tier.close()
+        assert not (tmp_path / "zeropp-offload" / f"rank-{depth}").exists()
+
+
+def test_a_crashed_runs_files_are_cleared_at_the_next_start(tmp_path):
+    stale = tmp_path / "zeropp-offload" / "rank-0"
+    stale.mkdir(parents=True)
+    (stale / "unit-0000.bin").write_bytes(b"left by a run that died")
+    assert rank_folder(str(tmp_path), 0) == stale and not any(stale.iterdir())
+
+
+def test_bad_folders_and_settings_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"zero.offload_path = '.*missing' is not allowed; expected an existing folder"):
+        ZeroConfig(**nvme(tmp_path / "missing")).validate()
+    with pytest.raises(ConfigError, match="zero.offload_path = None is not allowed; expected a folder when zero.offload_optimizer is 'nvme'"):
+        ZeroConfig(offload_optimizer="nvme").validate()
+    with pytest.raises(ConfigError, match="zero.offload_path = .* expected unset unless zero.offload_optimizer is 'nvme'"):
+        ZeroConfig(offload_optimizer="cpu", offload_path=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match="zero.offload_buffer_count = 0"):
+        ZeroConfig(offload_optimizer="nvme", offload_path=str(tmp_path), offload_buffer_count=0).validate()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_a_folder_too_small_is_one_line_before_training(tmp_path):
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        result = run_ranks(_build_on, 1, path=str(small))
+        assert result == ["zero.offload_path:"], result
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def _build_on(path: str) -> str:
+    from zeropp import ZeroEngine
+    from zeropp.topology import init_topology
+
+    try:
+        ZeroEngine(make_model("gpt"), torch.optim.AdamW, {}, ZeroConfig(stage=3, **nvme(path)), init_topology())
+    except ConfigError as error:
+        message = str(error)
+        assert "\n" not in message and "GiB free, this rank's optimizer states need" in message, message
+        return message.split(" ")[0]
+    return "trained"
