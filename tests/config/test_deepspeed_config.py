@@ -48,6 +48,12 @@ TABLE = {
     "zero_optimization.offload_optimizer.device": (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
         {"zero.offload_optimizer": "cpu"}),
+    "zero_optimization.offload_optimizer.nvme_path": (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+        {"zero.offload_optimizer": "nvme", "zero.offload_path": "/tmp"}),
+    "zero_optimization.offload_optimizer.buffer_count": (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 3}}},
+        {"zero.offload_buffer_count": 3}),
     "zero_optimization.offload_param.device": (
         {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "cpu"}}}, {"zero.offload_params": "cpu"}),
     "zero_optimization.cpu_offload": ({"zero_optimization": {"cpu_offload": True}}, {"zero.offload_optimizer": "cpu"}),
@@ -255,7 +261,8 @@ def test_train_batch_size_checked_and_derived():
     ("ds", "message"),
     [
         ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-         'DeepSpeed zero_optimization.offload_param.device = "nvme" is not allowed: zeropp offloads to CPU memory only'),
+         'DeepSpeed zero_optimization.offload_param.device = "nvme" is not allowed: zeropp does not keep parameters on disk '
+         'yet (offload_optimizer.device "nvme" puts the optimizer states there; offload_param.device "cpu" works)'),
         ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
          "DeepSpeed zero_optimization.mics_shard_size = 8 is not allowed: MiCS is not implemented"),
         ({"amp": {"enabled": True}}, 'DeepSpeed amp = {"enabled": true} is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16'),
@@ -450,3 +457,16 @@ def test_deepspeed_batch_sizes_count_data_parallel_ranks_under_tensor_parallelis
     config.write_text(json.dumps({**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
     with pytest.raises(ConfigError, match=r"expected micro-batch 4 x gradient accumulation 1 x 2 ranks = 8"):
         _train_config(build_parser().parse_args(argv), argv)
+
+
+def test_nvme_offload_of_the_optimizer_maps_to_the_disk_tier(tmp_path):
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
+          "buffer_count": 4, "pipeline_read": True}}}  # fmt: skip
+    translation = translate(ds, world_size=1)
+    zero = translation.config(Config()).zero
+    assert (zero.offload.optimizer, zero.offload.path, zero.offload.buffer_count) == ("nvme", str(tmp_path), 4)
+    assert "zero_optimization.offload_optimizer.pipeline_read" in translation.note()
+    cpu = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme"}}}
+    translation = translate(cpu, world_size=1)
+    assert translation.config(Config()).zero.offload.path is None
+    assert 'zero_optimization.offload_optimizer.nvme_path (device "cpu")' in translation.note()

@@ -307,10 +307,19 @@ class _Reader:
         block = self.block("zero_optimization", ds)
         self.check_keys(where, block)
         device = block.get("device", "none")
-        if device == "nvme":
-            raise ConfigError(f'DeepSpeed {self.name(where)}.device = "nvme" is not allowed: zeropp offloads to CPU memory only')
-        if device not in ("cpu", "none"):
-            raise self.refuse(f"{where}.device", device, '"cpu" or "none"')
+        if device == "nvme" and ours == "offload_params":
+            raise ConfigError(
+                f'DeepSpeed {self.name(where)}.device = "nvme" is not allowed: zeropp does not keep parameters on disk yet '
+                '(offload_optimizer.device "nvme" puts the optimizer states there; offload_param.device "cpu" works)'
+            )
+        if device not in ("cpu", "none", "nvme"):
+            raise self.refuse(f"{where}.device", device, '"cpu", "nvme" or "none"')
+        for key, flat in (("nvme_path", "offload_path"), ("buffer_count", "offload_buffer_count")):
+            if ours == "offload_optimizer" and key in block:
+                if device == "nvme":
+                    self.set(f"zero.{flat}", block[key], f"{where}.{key}")
+                else:  # DeepSpeed reads them for nvme only
+                    self.note(f"{where}.{key}", f'device "{device}"')
         self.offload_device(f"{where}.device", ours, device, stage)
 
     def offload_device(self, path: str, ours: str, device: str, stage: int) -> None:
