@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import free_port, run_ranks
+from launcher import run_ranks
+
+from examples import readme_shows, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -153,21 +155,15 @@ def test_save_model_loads_with_from_pretrained(tmp_path):
 
 
 def test_the_example_runs_under_torchrun(tmp_path):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "hf_trainer.py"), str(tmp_path / "out"),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_example("hf_trainer.py", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrote" in done.stdout
     assert (tmp_path / "out" / "final" / "config.json").is_file()
 
 
 def test_the_readme_shows_the_example():
-    readme = (ROOT / "README.md").read_text()
-    example = (ROOT / "examples" / "hf_trainer.py").read_text()
-    code = example[example.index("import ") :]
-    assert f"```python\n{code}```" in readme
+    assert readme_shows("hf_trainer.py")
+
 
 
 def test_importing_zeropp_imports_no_transformers():
