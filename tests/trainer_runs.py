@@ -23,9 +23,8 @@ def tiny_llama():
     return hf_model("hf-llama")
 
 
-def training_args(out: str, world: int, **overrides):
-    import transformers
-
+def training_settings(out: str, world: int, **overrides) -> dict:
+    """TrainingArguments' keywords (also SFTConfig's) for a short exact run of GLOBAL_BATCH rows per step."""
     settings = dict(
         output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=2,
         max_steps=STEPS, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.1,
@@ -33,8 +32,13 @@ def training_args(out: str, world: int, **overrides):
         report_to="none", use_cpu=True, dataloader_drop_last=True, train_sampling_strategy="sequential",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
-    settings.update(overrides)
-    return transformers.TrainingArguments(**settings)
+    return {**settings, **overrides}
+
+
+def training_args(out: str, world: int, **overrides):
+    import transformers
+
+    return transformers.TrainingArguments(**training_settings(out, world, **overrides))
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
