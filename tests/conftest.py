@@ -25,7 +25,7 @@ import pytest
 import torch
 
 DISTRIBUTED_NAMES = frozenset({"run_ranks"})
-CLI_NAMES = frozenset({"run_cli", "subprocess", "Popen"})
+CLI_NAMES = frozenset({"run_cli", "run_example", "subprocess", "Popen"})  # run_example: tests/examples.py
 PROCESS_TIERS = ("distributed", "cli", "cluster", "gpu")
 
 

@@ -12,52 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import free_port, run_ranks
+from launcher import run_ranks
+from trainer_runs import PROBE, STEPS, TOLERANCE, max_difference, rows, tiny_llama, training_args
+
+from examples import readme_shows, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]
-GLOBAL_BATCH = 4
-STEPS = 4
-TOLERANCE = 1e-5
 # Ranks are spawned, not forked: accelerate raises the rank's thread count, and an OpenMP pool that the
 # pytest process started before a fork deadlocks the child's first parallel region (seen in the full suite).
 SPAWN = "spawn"
-PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
-
-
-def _rows(n: int = 48, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(0))
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
-
-def _model():
-    from models import hf_model
-
-    torch.manual_seed(0)
-    return hf_model("hf-llama")
-
-
-def _args(out: str, world: int, **overrides):
-    import transformers
-
-    settings = dict(
-        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=2,
-        max_steps=STEPS, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.1,
-        optim="adamw_torch", adam_epsilon=1e-4, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, dataloader_drop_last=True, train_sampling_strategy="sequential",
-        seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    settings.update(overrides)
-    return transformers.TrainingArguments(**settings)
 
 
 def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.Tensor]:
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(_model(), _args(out, world, **overrides), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=stage))
+    trainer = ZeroTrainer(tiny_llama(), training_args(out, world, **overrides), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=stage))
     trainer.train()
     return {"state": trainer.engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
 
@@ -69,17 +42,12 @@ def _world_one_run(out: str) -> dict:
 def _plain_and_zero(out: str) -> tuple[dict, dict]:
     import transformers
 
-    model = _model()
-    plain = transformers.Trainer(model, _args(out + "/plain", 1), train_dataset=_rows())
+    model = tiny_llama()
+    plain = transformers.Trainer(model, training_args(out + "/plain", 1), train_dataset=rows())
     plain.train()
     reference = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     reference["losses"] = [e["loss"] for e in plain.state.log_history if "loss" in e]
     return reference, _zero_run(out + "/zero", 1, 3)
-
-
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +60,9 @@ def test_world_one_equals_the_plain_trainer(tmp_path):
     """Stage 3, fp32, accumulation 2, warm-up + linear decay, decay / no-decay groups, clipping."""
     reference, zero = run_ranks(_plain_and_zero, 1, start=SPAWN, out=str(tmp_path))[0]
     assert len(zero["losses"]) == STEPS and zero["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
-    assert _close(zero["state"], reference["state"]) < TOLERANCE
-    start = _model().state_dict()
-    assert _close(zero["state"], start) > 1e-3  # it trained
+    assert max_difference(zero["state"], reference["state"]) < TOLERANCE
+    start = tiny_llama().state_dict()
+    assert max_difference(zero["state"], start) > 1e-3  # it trained
 
 
 def _stages(out: str, ranks: int) -> list[dict]:
@@ -107,7 +75,7 @@ def test_more_ranks_equal_world_one(world_one, world, nodes, tmp_path):
     results = run_ranks(_stages, world, start=SPAWN, nodes=nodes, out=str(tmp_path), ranks=world)
     for rank_result in results:
         for run in rank_result:
-            assert _close(run["state"], world_one["state"]) < TOLERANCE
+            assert max_difference(run["state"], world_one["state"]) < TOLERANCE
             assert run["losses"] == pytest.approx(world_one["losses"], abs=TOLERANCE)
 
 
@@ -116,8 +84,8 @@ def _resume(out: str) -> tuple[dict, dict, list[str]]:
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    args = _args(f"{out}/straight", 2, max_steps=6, save_strategy="no")
-    trainer = ZeroTrainer(_model(), args, train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    args = training_args(f"{out}/straight", 2, max_steps=6, save_strategy="no")
+    trainer = ZeroTrainer(tiny_llama(), args, train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
     trainer.train(resume_from_checkpoint=f"{out}/straight/checkpoint-3")
     files = sorted(p.name for p in Path(f"{out}/straight/checkpoint-3").iterdir())
     return straight["state"], trainer.engine.full_state_dict(), files
@@ -135,7 +103,7 @@ def _save(out: str) -> torch.Tensor:
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(_model(), _args(out, 2, max_steps=2), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    trainer = ZeroTrainer(tiny_llama(), training_args(out, 2, max_steps=2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
     trainer.train()
     trainer.save_model(f"{out}/final")
     trainer.engine.eval()
@@ -153,21 +121,15 @@ def test_save_model_loads_with_from_pretrained(tmp_path):
 
 
 def test_the_example_runs_under_torchrun(tmp_path):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "hf_trainer.py"), str(tmp_path / "out"),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_example("hf_trainer.py", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrote" in done.stdout
     assert (tmp_path / "out" / "final" / "config.json").is_file()
 
 
 def test_the_readme_shows_the_example():
-    readme = (ROOT / "README.md").read_text()
-    example = (ROOT / "examples" / "hf_trainer.py").read_text()
-    code = example[example.index("import ") :]
-    assert f"```python\n{code}```" in readme
+    assert readme_shows("hf_trainer.py")
+
 
 
 def test_importing_zeropp_imports_no_transformers():
@@ -181,7 +143,7 @@ def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
     """"auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
     from zeropp.integrations.transformers import TrainerError, resolve_zero_config
 
-    args = _args(str(tmp_path), 1, bf16=True)
+    args = training_args(str(tmp_path), 1, bf16=True)
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
     zero = resolve_zero_config(ds, args, world_size=2, hidden_size=32)
     assert (zero.stage, zero.gradient_accumulation_steps, zero.max_grad_norm, zero.precision) == (2, 2, 0.5, "bf16")
@@ -201,9 +163,9 @@ def _from_args_deepspeed(out: str) -> tuple[int, bool, float]:
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
     Path(f"{out}/ds.json").write_text(json.dumps(ds))
-    trainer = ZeroTrainer(_model(), _args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=_rows())
+    trainer = ZeroTrainer(tiny_llama(), training_args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=rows())
     trainer.train()
-    same = _close(trainer.engine.full_state_dict(), _zero_run(f"{out}/b", 2, 2)["state"])
+    same = max_difference(trainer.engine.full_state_dict(), _zero_run(f"{out}/b", 2, 2)["state"])
     return trainer.engine.config.stage, trainer.is_deepspeed_enabled, same
 
 

@@ -21,148 +21,41 @@ overrides, each small:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
-from zeropp.checkpoint.dcp import find_latest, load_checkpoint, save_checkpoint
-from zeropp.config import deepspeed
-from zeropp.config.sections import ZeroConfig, load_config
+from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
-from zeropp.errors import ZeroppError
+from zeropp.integrations import settings
+from zeropp.integrations.loop import EngineModule, EngineOptimizer, build_engine, load_engine_state, save_engine_state
+from zeropp.integrations.settings import IntegrationError, ZeroSource
 from zeropp.topology import Topology, init_topology
 
-logger = logging.getLogger(__name__)
-
-ZEROPP_DIR = "zeropp"  # checkpoint-N/zeropp/step-0000000N: the sharded training state
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own name for it
-FROM_ARGS = ("gradient_accumulation_steps", "max_grad_norm", "precision")  # ZeroConfig keys TrainingArguments set
 
 
-class TrainerError(ZeroppError, ValueError):
-    """A ZeroTrainer setting zeropp cannot honour (one line)."""
-
-
-class EngineModule(nn.Module):
-    """What the Trainer's loop calls ``model``: forward through the engine. It has no parameters or
-    submodules of its own, so accelerate finds nothing to wrap and ``zero_grad`` nothing to clear."""
-
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.engine = engine  # not an nn.Module: not registered as a submodule
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> EngineModule:
-        self.training = mode
-        self.engine.train(mode)
-        return self
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The engine clears its gradients at each optimizer step."""
-
-
-class EngineOptimizer(torch.optim.Optimizer):
-    """The engine's optimizer as the Trainer sees it: ``step`` is ``engine.step`` (clipping, loss
-    scale, the optimizer on the fp32 shards); groups and state are the engine optimizer's, so a
-    scheduler built on this sets the rates the engine steps with."""
-
-    def __init__(self, engine: ZeroEngine) -> None:  # no Optimizer.__init__: the engine's optimizer holds everything
-        self.engine = engine
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.engine.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.engine.optimizer.param_groups = groups
-
-    @property
-    def state(self) -> Any:
-        return self.engine.optimizer.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.engine.optimizer.state = state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.engine.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.engine.optimizer.defaults = defaults
-
-    def step(self, closure: Any = None) -> None:
-        engine = self.engine
-        if engine.micro_step % engine.config.gradient_accumulation_steps:
-            raise TrainerError(
-                f"the Trainer stepped after {engine.micro_step} micro-batches, not a multiple of gradient_accumulation_steps "
-                f"{engine.config.gradient_accumulation_steps}: make the batches per epoch a multiple of it (dataloader_drop_last)"
-            )
-        engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The engine clears its gradients at each optimizer step."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.engine.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.optimizer.load_state_dict(state_dict)
+TrainerError = IntegrationError  # a ZeroTrainer setting zeropp cannot honour (one line)
 
 
 def resolve_zero_config(
-    source: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None,
-    args: transformers.TrainingArguments,
-    world_size: int,
-    hidden_size: int | None = None,
+    source: ZeroSource, args: transformers.TrainingArguments, world_size: int, hidden_size: int | None = None
 ) -> ZeroConfig:
-    """The engine's ZeroConfig: `source` (a ZeroConfig; a dict of zeropp ``zero`` keys; a DeepSpeed
-    JSON path or a dict with ``zero_optimization``) with accumulation, clipping and precision from
-    `args`. A value that `source` sets explicitly and `args` contradicts is refused in one line."""
+    """The engine's ZeroConfig: `source` (see :func:`zeropp.integrations.settings.resolve_zero_config`)
+    with accumulation, clipping and precision from `args`, and a DeepSpeed micro-batch size that must
+    be `args`' per-device batch size."""
     wanted = {
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "max_grad_norm": args.max_grad_norm or None,  # the Trainer's 0 is no clipping
         "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
     }
-    defaults = ZeroConfig()
-    if source is None:
-        zero, where = defaults, "zero_config"
-    elif isinstance(source, ZeroConfig):
-        zero, where = source, "zero_config"
-    elif isinstance(source, Mapping) and "zero_optimization" not in source:
-        zero, where = load_config({"zero": dict(source)}).zero, "zero_config"
-    else:  # a DeepSpeed config: "auto" and the keys it leaves out take the TrainingArguments' values
-        base = load_config(
-            None,
-            {"train.micro_batch_size": args.per_device_train_batch_size, **{f"zero.{k}": v for k, v in wanted.items()}},
-        )
-        translation = deepspeed.translate(source, world_size=world_size, hidden_size=hidden_size, base=base)
-        config = translation.config(base)
-        if config.train.micro_batch_size != args.per_device_train_batch_size:
-            raise TrainerError(
-                f"the DeepSpeed config's train_micro_batch_size_per_gpu {config.train.micro_batch_size} is not "
-                f"per_device_train_batch_size {args.per_device_train_batch_size}; make them agree or write \"auto\""
-            )
-        if any(key in deepspeed.read(source) for key in ("optimizer", "scheduler")):
-            logger.warning("ZeroTrainer: the DeepSpeed config's optimizer and scheduler are replaced by the TrainingArguments'")
-        defaults, zero, where = base.zero, config.zero, "the DeepSpeed config"
-    for key, value in wanted.items():
-        mine = getattr(zero, key)
-        if mine != value and mine != getattr(defaults, key):
-            raise TrainerError(f"{where} sets {key} {mine!r} but the TrainingArguments say {value!r}; make them agree")
-    return dataclasses.replace(zero, **wanted)
+    return settings.resolve_zero_config(
+        source, wanted, owner="the TrainingArguments", world_size=world_size, hidden_size=hidden_size,
+        micro_batch_size=args.per_device_train_batch_size,
+    )  # fmt: skip
 
 
 class ZeroTrainer(transformers.Trainer):
@@ -178,7 +71,7 @@ class ZeroTrainer(transformers.Trainer):
         model: nn.Module | None = None,
         args: transformers.TrainingArguments | None = None,
         *rest: Any,
-        zero_config: ZeroConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+        zero_config: ZeroSource = None,
         topology: Topology | None = None,
         **kwargs: Any,
     ) -> None:
@@ -218,16 +111,14 @@ class ZeroTrainer(transformers.Trainer):
         if decay and not issubclass(cls, torch.optim.AdamW):
             raise TrainerError(f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only")
         decayed = set(self.get_decay_parameter_names(model))
-        decayed_ids = {id(p) for name, p in model.named_parameters() if name in decayed}
         kwargs = {**kwargs, "weight_decay": 0.0} if issubclass(cls, torch.optim.AdamW) else dict(kwargs)
         config = resolve_zero_config(
             self.zero_source, args, self.topology.world_size, getattr(getattr(model, "config", None), "hidden_size", None)
         )
-        engine = ZeroEngine(model, lambda masters: cls(masters, **kwargs), None, config, self.topology, seed=args.seed)
-        if decay:
-            masks = decay_masks(engine, decayed_ids)
-            engine.optimizer.register_step_pre_hook(lambda optimizer, *_: decoupled_decay(optimizer, masks, decay))
-        return engine
+        return build_engine(
+            model, lambda masters: cls(masters, **kwargs), config, self.topology, seed=args.seed, decay=decay,
+            decayed=[p for name, p in model.named_parameters() if name in decayed],
+        )  # fmt: skip
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
@@ -268,7 +159,7 @@ class ZeroTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """A zeropp sharded checkpoint (weights, optimizer, loss scale) in ``output_dir/zeropp/``, and
         the scheduler's state (collective)."""
-        save_checkpoint(self.engine, Path(output_dir) / ZEROPP_DIR, self.state.global_step)
+        save_engine_state(self.engine, output_dir, self.state.global_step)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -278,10 +169,7 @@ class ZeroTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        found = find_latest(Path(checkpoint) / ZEROPP_DIR)
-        if found is None:
-            raise TrainerError(f"{checkpoint!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one ZeroTrainer saved")
-        load_checkpoint(self.engine, found)
+        load_engine_state(self.engine, checkpoint)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -297,30 +185,3 @@ class ZeroTrainer(transformers.Trainer):
         self._save(output_dir, state_dict=self.engine.full_state_dict())
         return None
 
-
-def decay_masks(engine: ZeroEngine, decayed: set[int]) -> dict[int, torch.Tensor]:
-    """Per master (by id): which of this rank's elements belong to a parameter the Trainer decays."""
-    masks = {}
-    for unit in engine.units:
-        start = 0 if unit.shard_world == 1 else unit.layout.shard_range(unit.groups.shard.rank)[0]
-        numel = unit.master.numel()
-        mask = torch.zeros(numel, dtype=torch.bool, device=unit.master.device)
-        for index, param in enumerate(unit.params):
-            if id(param) in decayed:
-                lo, hi = unit.layout.param_range(index)
-                lo, hi = max(lo - start, 0), min(hi - start, numel)
-                if lo < hi:
-                    mask[lo:hi] = True
-        masks[id(unit.master)] = mask
-    return masks
-
-
-@torch.no_grad()
-def decoupled_decay(optimizer: torch.optim.Optimizer, masks: dict[int, torch.Tensor], decay: float) -> None:
-    """AdamW's decoupled weight decay (``p *= 1 - lr * wd``, as torch's AdamW computes it) on the decayed
-    elements only, before the optimizer (built with weight_decay 0) steps."""
-    for group in optimizer.param_groups:
-        factor = 1 - group["lr"] * decay
-        for master in group["params"]:
-            if master.grad is not None:
-                master.copy_(torch.where(masks[id(master)], master * factor, master))

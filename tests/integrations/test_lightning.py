@@ -1,0 +1,223 @@
+"""``ZeroStrategy``: Lightning's Trainer on zeropp, ranks spawned by ``run_ranks`` (Lightning sees
+LOCAL_RANK and lets its launcher be; the strategy starts gloo), against plain Lightning in one process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import run_ranks
+
+from examples import readme_shows, run_example
+
+pytest.importorskip("lightning")
+
+ROOT = Path(__file__).resolve().parents[2]
+SPAWN = "spawn"  # as the Trainer tests: no forked child of a pytest process that started OpenMP
+GLOBAL_BATCH = 4
+SAMPLES = 24  # 6 global batches: 3 optimizer steps per epoch with accumulation 2
+TOLERANCE = 1e-5
+
+
+def _lightning_classes():
+    """The LightningModules, defined where lightning is imported (inside the rank)."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.linear(x))
+
+    def network() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 1))
+
+    class Regression(pl.LightningModule):
+        """Repeated blocks (units), a parameter of the LightningModule itself (the root unit), AdamW
+        with decay / no-decay groups and a warm-up schedule stepped per optimizer step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = network()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.mse_loss(self.net(x) * self.scale, y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            named = list(self.named_parameters())
+            groups = [
+                {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+                {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0},
+            ]
+            optimizer = torch.optim.AdamW(groups, lr=3e-2, eps=1e-4)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class MetaRegression(Regression):
+        """The network built in ``configure_model`` (on the meta device under ZeroStrategy)."""
+
+        def __init__(self) -> None:
+            pl.LightningModule.__init__(self)
+            self.net = None
+            self.losses = []
+            self.built_on = None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                self.net = network()
+                self.built_on = self.net[0].weight.device.type
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+    return Regression, MetaRegression
+
+
+def _data(devices: int):
+    """This rank's share of every global batch, in order (Lightning's own sampler would shuffle)."""
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    mine = range(int(os.environ.get("RANK", 0)), SAMPLES, devices)
+    return DataLoader(Subset(TensorDataset(x, y), mine), batch_size=GLOBAL_BATCH // devices)
+
+
+def _trainer(out: str, devices: int, strategy, **overrides):
+    import lightning
+
+    settings = dict(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, accumulate_grad_batches=2,
+        gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=out,
+    )  # fmt: skip
+    settings.update(overrides)
+    return lightning.Trainer(**settings)
+
+
+def _fit(out: str, devices: int, strategy, meta: bool = False, **overrides) -> dict:
+    import lightning
+
+    lightning.seed_everything(0, verbose=False)
+    regression, meta_regression = _lightning_classes()
+    module = meta_regression() if meta else regression()
+    trainer = _trainer(out, devices, strategy, **overrides)
+    trainer.fit(module, _data(devices))
+    if hasattr(trainer.strategy, "engine"):
+        state = trainer.strategy.full_state_dict()
+    else:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    losses = torch.tensor(module.losses)
+    if devices > 1:  # the global batch's loss: the ranks' mean
+        torch.distributed.all_reduce(losses)
+        losses /= devices
+    return {"state": state, "losses": losses, "built_on": getattr(module, "built_on", None)}
+
+
+def _stages(out: str) -> list[dict]:
+    from zeropp.integrations.lightning import ZeroStrategy
+
+    return [_fit(f"{out}/stage{stage}", 2, ZeroStrategy({"stage": stage})) for stage in (3, 1, 2)]
+
+
+def _plain(out: str) -> dict:
+    return _fit(out, 1, "auto")
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_two_ranks_equal_plain_lightning_in_one_process(tmp_path):
+    """Stages 3, 1, 2 at world 2 (fp32, accumulation 2, clipping, AdamW groups, warm-up) end with the
+    weights of plain Lightning in one process on the same global batches."""
+    (reference,) = run_ranks(_plain, 1, start=SPAWN, out=str(tmp_path / "plain"))
+    for rank_runs in run_ranks(_stages, 2, start=SPAWN, out=str(tmp_path)):
+        for run in rank_runs:
+            assert _close(run["state"], reference["state"]) < TOLERANCE
+            assert torch.allclose(run["losses"], reference["losses"], atol=TOLERANCE, rtol=0)
+    regression, _ = _lightning_classes()
+    torch.manual_seed(0)
+    assert _close(reference["state"], regression().state_dict()) > 1e-3  # it trained
+
+
+def _meta(out: str, devices: int) -> dict:
+    from zeropp.integrations.lightning import ZeroStrategy
+
+    return _fit(f"{out}/{devices}", devices, ZeroStrategy({"stage": 3}), meta=True)
+
+
+def test_configure_model_on_meta_is_materialized_by_the_engine(tmp_path):
+    """A network built in configure_model lands on the meta device; the engine materializes it under
+    seed_everything's seed, the same at world 1 and 2, and the runs agree."""
+    (one,) = run_ranks(_meta, 1, start=SPAWN, out=str(tmp_path), devices=1)
+    for run in run_ranks(_meta, 2, start=SPAWN, out=str(tmp_path), devices=2):
+        assert run["built_on"] == one["built_on"] == "meta"
+        assert _close(run["state"], one["state"]) < TOLERANCE
+        assert torch.allclose(run["losses"], one["losses"], atol=TOLERANCE, rtol=0)
+
+
+def _resume(out: str) -> tuple[dict, dict, list[str], str]:
+    import lightning
+
+    from zeropp.integrations.lightning import ZeroStrategy
+
+    straight = _fit(f"{out}/straight", 2, ZeroStrategy(), max_steps=-1, max_epochs=2)
+    regression, _ = _lightning_classes()
+    lightning.seed_everything(0, verbose=False)
+    first = _trainer(f"{out}/first", 2, "zeropp", max_steps=-1, max_epochs=1)
+    first.fit(regression(), _data(2))
+    first.save_checkpoint(f"{out}/epoch1.ckpt")
+    resumed = _trainer(f"{out}/resumed", 2, "zeropp", max_steps=-1, max_epochs=2)
+    resumed.fit(regression(), _data(2), ckpt_path=f"{out}/epoch1.ckpt")
+    files = sorted(p.name for p in Path(f"{out}/epoch1.ckpt").iterdir())
+    return straight["state"], resumed.strategy.full_state_dict(), files, type(resumed.strategy).__name__
+
+
+def test_save_and_resume_is_bit_identical(tmp_path):
+    """An epoch, ``trainer.save_checkpoint``, a fresh Trainer (``strategy="zeropp"`` by name) resumed
+    with ``ckpt_path=``: the second epoch ends bit-identical to a straight two-epoch run."""
+    straight, resumed, files, strategy = run_ranks(_resume, 2, start=SPAWN, out=str(tmp_path))[0]
+    assert strategy == "ZeroStrategy"
+    assert files == ["lightning.ckpt", "zeropp"]
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_precision_flags_outside_the_engines_are_refused():
+    import lightning
+
+    from zeropp.integrations.lightning import ZeroStrategy
+    from zeropp.integrations.settings import IntegrationError
+
+    with pytest.raises(IntegrationError, match="precision '16-true': ZeroStrategy takes '32-true', 'bf16-mixed', 'bf16-true'"):
+        lightning.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="16-true", logger=False)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, strategy="zeropp_stage_2", precision="bf16-true", logger=False)
+    assert trainer.strategy.zero_source == {"stage": 2} and trainer.strategy.precision_plugin.precision == "bf16-true"
+
+
+def test_the_example_runs_under_torchrun(tmp_path):
+    done = run_example("lightning_zeropp.py", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrote" in done.stdout
+    assert (tmp_path / "out" / "last.ckpt" / "zeropp").is_dir()
+
+
+def test_the_readme_shows_the_example():
+    assert readme_shows("lightning_zeropp.py")
