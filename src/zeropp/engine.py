@@ -100,10 +100,11 @@ class ZeroEngine:
         self._check_tensor_parallel(model)
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
+        self.disk = self._disk_tier(model)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
-        self.disk = self._build_disk_tier(masters)
+        self._check_disk_tier_optimizer()
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
         if self.config.compile:
@@ -219,6 +220,8 @@ class ZeroEngine:
             # alive would hold two whole units at once instead of one.
             del flat, views
             built.extend([unit] if unit is not None else [])
+            if unit is not None and self.disk is not None:  # to its file before the next unit is built
+                self.disk.add(unit.master)
         return built
 
     # -- forward ---------------------------------------------------------------------------------
@@ -383,22 +386,30 @@ class ZeroEngine:
                 unit.master.grad = None
                 unit.publish_master()
 
-    def _build_disk_tier(self, masters: list[nn.Parameter]) -> DiskTier | None:
-        """offload_optimizer = "nvme": the masters and optimizer states in files (zeropp.zero.disk)."""
+    def _disk_tier(self, model: nn.Module) -> DiskTier | None:
+        """offload_optimizer = "nvme": the masters and optimizer states in files (zeropp.zero.disk),
+        its folder checked for room before any unit is built."""
         offload = self.config.offload
         if offload.optimizer != "nvme":
             return None
+        folder = rank_folder(offload.path, self.topology.rank)
+        ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        check_free_space(folder, 12 * trainable // ranks)  # the fp32 master, Adam's two moments
+        tier = DiskTier(folder, offload.buffer_count)
+        weakref.finalize(self, tier.close)
+        return tier
+
+    def _check_disk_tier_optimizer(self) -> None:
+        if self.disk is None:
+            return
         if not steps_unit_by_unit(self.optimizer):
             raise ConfigError(
                 f"zero.offload_optimizer = 'nvme' streams the optimizer unit by unit, which "
                 f"{type(self.optimizer).__name__} may not allow; expected one of torch's per-parameter optimizers "
                 "(SGD, Adam, AdamW, ...)"
             )
-        folder = rank_folder(offload.path, self.topology.rank)
-        check_free_space(folder, 12 * sum(master.numel() for master in masters))  # fp32 master, Adam's 2 moments
-        tier = DiskTier(masters, self.optimizer, folder, offload.buffer_count)
-        weakref.finalize(self, tier.close)
-        return tier
+        self.disk.optimizer = self.optimizer
 
     def _streamed(self, batches: list) -> Iterator:
         """The units of each batch with their states read from the disk tier (and written back after)."""

@@ -80,8 +80,10 @@ def test_disk_tier_world4_two_nodes_with_depth_1_and_resume(tmp_path):
 def test_the_ring_holds_at_most_depth_plus_one_units(tmp_path):
     for depth in (1, 2, 3):
         masters = [torch.nn.Parameter(torch.randn(1000 + i)) for i in range(6)]
-        optimizer = torch.optim.AdamW(masters, lr=0.1)
-        tier = DiskTier(masters, optimizer, rank_folder(str(tmp_path), depth), depth)
+        tier = DiskTier(rank_folder(str(tmp_path), depth), depth)
+        for master in masters:
+            tier.add(master)
+        optimizer = tier.optimizer = torch.optim.AdamW(masters, lr=0.1)
         assert all(m.untyped_storage().nbytes() == 0 for m in masters)
         seen = []
         for [index] in tier.streamed([[i] for i in range(6)]):

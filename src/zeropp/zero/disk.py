@@ -34,25 +34,29 @@ from zeropp.errors import ConfigError
 
 
 class DiskTier:
-    """The masters `masters` (one per unit) and their optimizer states, kept in files under `folder`."""
+    """The masters (one per unit, each handed to :meth:`add` as its unit is built and written out at
+    once) and their optimizer states (once :attr:`optimizer` is set), kept in files under `folder`."""
 
-    def __init__(self, masters: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, folder: Path, depth: int):
-        self.masters = list(masters)
-        self.optimizer = optimizer
+    def __init__(self, folder: Path, depth: int) -> None:
         self.folder = folder
         self.depth = depth
+        self.masters: list[nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
         self.bytes_read = 0
         self.bytes_written = 0
-        self._files = [os.open(folder / f"unit-{i:04d}.bin", os.O_RDWR | os.O_CREAT, 0o600) for i in range(len(masters))]
+        self._files: list[int] = []
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-disk")
-        self._resident = [True] * len(masters)
-        for index in range(len(masters)):
-            self._write_out(index)
+
+    def add(self, master: nn.Parameter) -> None:
+        """Take a unit's master (before the optimizer is built on it): written out, its memory freed."""
+        self._files.append(os.open(self.folder / f"unit-{len(self.masters):04d}.bin", os.O_RDWR | os.O_CREAT, 0o600))
+        self.masters.append(master)
+        self._write_out(len(self.masters) - 1)
 
     def tensors(self, index: int) -> list[torch.Tensor]:
         """The unit's master, then its per-element optimizer states in key order."""
         master = self.masters[index]
-        state = self.optimizer.state.get(master, {})
+        state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
         per_element = [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].dim() > 0]
         return [master.data, *per_element]
 
@@ -67,7 +71,6 @@ class DiskTier:
             offset += len(buffer)
             tensor.untyped_storage().resize_(0)
         self.bytes_written += offset
-        self._resident[index] = False
 
     def _read_in(self, index: int) -> None:
         offset = 0
@@ -79,7 +82,6 @@ class DiskTier:
                 raise OSError(f"read {read} of {len(buffer)} bytes from {self.folder} (a damaged offload file)")
             offset += len(buffer)
         self.bytes_read += offset
-        self._resident[index] = True
 
     def streamed(self, batches: Sequence[Sequence[int]]) -> Iterator[Sequence[int]]:
         """Yield each batch of unit indices once its states are in memory; write it back (and free
@@ -116,7 +118,6 @@ class DiskTier:
                 else:
                     for tensor in self.tensors(index):
                         tensor.untyped_storage().resize_(0)
-                    self._resident[index] = False
 
     def close(self) -> None:
         """Remove the files (a clean exit; a crashed run's folder is cleared by the next start)."""
@@ -144,7 +145,7 @@ def rank_folder(path: str, rank: int) -> Path:
 
 
 def check_free_space(folder: Path, needed: int) -> None:
-    """One line before training when the offload folder cannot hold this rank's states."""
+    """One line before any unit is built when the offload folder cannot hold this rank's states."""
     free = shutil.disk_usage(folder).free
     if free < needed:
         raise ConfigError(
