@@ -68,6 +68,8 @@ class RunSummary:
     # model construction and engine set-up (and loading), and during the training steps
     init_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
     step_peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
+    # the disk tier (offload_optimizer = "nvme"): (bytes read, bytes written) per optimizer step, by rank
+    disk_bytes_per_step_per_rank: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     # zeropp.app.metrics: tokens_per_s over the world size; 6N + 12LdT; MFU over the device's bf16 peak
     # (None where unknown, e.g. CPU); (step, loss) of every validation; what was trained
     tokens_per_s_per_rank: float = 0.0

@@ -101,6 +101,8 @@ class RankRecord:
     inter_node_bytes_per_step: float
     init_peak_memory_bytes: float
     step_peak_memory_bytes: float
+    disk_read_bytes_per_step: float  # the disk tier (offload_optimizer = "nvme"); 0 without it
+    disk_written_bytes_per_step: float
 
 
 class TrainingStopped(ZeroppError, RuntimeError):
@@ -347,6 +349,8 @@ class Trainer:
             step_bytes["inter"],
             self.init_peak_memory,
             self.step_peak_memory,
+            engine.disk.bytes_read / steps if engine.disk else 0.0,
+            engine.disk.bytes_written / steps if engine.disk else 0.0,
         )
         fields = len(dataclasses.fields(RankRecord))
         rows = self.per_rank([*dataclasses.astuple(record), *(ledger.total(op=o, phase=p, link=k) / steps for o, p, k in entries)])
@@ -418,6 +422,7 @@ class Trainer:
             checkpoints=self.checkpoints,
             init_peak_memory_bytes_per_rank=[int(r.init_peak_memory_bytes) for r in rows],
             step_peak_memory_bytes_per_rank=[int(r.step_peak_memory_bytes) for r in rows],
+            disk_bytes_per_step_per_rank=[(r.disk_read_bytes_per_step, r.disk_written_bytes_per_step) for r in rows],
             tokens_per_s_per_rank=tokens_per_s / topo.world_size,
             flops_per_token=self.flops_per_token,
             mfu=self.mfu(tokens_per_s / topo.world_size),

@@ -42,7 +42,7 @@ class DiskTier:
         self.depth = depth
         self.masters: list[nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
-        self.bytes_read = 0
+        self.bytes_read = 0  # since the optimizer was attached: the steps', checkpoints' and state dicts' I/O
         self.bytes_written = 0
         self._files: list[int] = []
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-disk")
@@ -70,7 +70,7 @@ class DiskTier:
                 raise OSError(f"wrote {written} of {len(buffer)} bytes to {self.folder}")
             offset += len(buffer)
             tensor.untyped_storage().resize_(0)
-        self.bytes_written += offset
+        self.bytes_written += offset if self.optimizer is not None else 0  # construction's writes aside
 
     def _read_in(self, index: int) -> None:
         offset = 0

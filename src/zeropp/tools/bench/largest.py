@@ -1,15 +1,17 @@
 """``zeropp bench largest``: the deepest GPT of one width that constructs and trains two steps within a memory limit.
 
 For each variant (zeropp with the model built on the meta device, built whole on every rank, with
-the optimizer offloaded; FSDP2 with meta-device init; DeepSpeed ZeRO-3 with ``zero.Init``), depths
+the optimizer offloaded to host memory, with the optimizer on disk (``--offload-path``, the disk
+tier); FSDP2 with meta-device init; DeepSpeed ZeRO-3 with ``zero.Init``), depths
 are tried from ``--depths`` in increasing order inside a memory cgroup limited to ``--limit-gib``
 (cgroup v1, root), so that running out of memory kills the attempt and nothing else on the machine;
 the deepest depth that succeeds is the answer, and the first failure's cause is recorded (out of
-memory, timeout, or the error's last line) with the cgroup's peak usage. fp32, AdamW, ZeRO-3
-without ZeRO++, one sequence of ``--block-size`` tokens per rank.
+memory, timeout, or the error's last line) with the cgroup's peak usage, and for the disk tier the
+bytes it read and wrote per step. AdamW, ZeRO-3 without ZeRO++, one sequence of ``--block-size``
+tokens per rank, zeropp in ``--precision`` (fp32 by default; the peers in fp32).
 
     zeropp bench largest [--world 4] [--d-model 2048] [--depths 8 12 16 20 24 28] [--limit-gib 20]
-                         [--out results/bench_largest.json]
+                         [--precision fp32] [--offload-path results/offload] [--out results/bench_largest.json]
 """
 
 from __future__ import annotations
@@ -18,21 +20,25 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from zeropp.app.models.gpt import gpt_config
+from zeropp.app.summary import RunSummary
 from zeropp.config.sections import ModelConfig
 from zeropp.tools.bench.memory import VARIANTS
 from zeropp.tools.bench.memory_peers import PEERS, worker_command, worker_env
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS
 
 CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
+ZEROPP_VARIANTS = {**VARIANTS, "zeropp meta + nvme offload": ["--offload-optimizer", "nvme"]}
 
 
 def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> list[str]:
@@ -42,13 +48,16 @@ def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> l
     return [sys.executable, "-m", "zeropp.cli", "train", *size, "--n-head", str(args.d_model // 64),
             "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
             "--stage", "3", *ZEROPP_OFF_FLAGS, "--nproc-per-node", str(world), "--nodes", "1",
-            *VARIANTS[variant]]  # fmt: skip
+            "--precision", args.precision, *ZEROPP_VARIANTS[variant],
+            *(["--offload-path", str(args.offload_path)] if "nvme" in ZEROPP_VARIANTS[variant] else [])]  # fmt: skip
 
 
 def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> dict[str, Any]:
     """Whether `variant` constructs and trains two steps at `depth` inside the memory limit, and if
     not why: ``out of memory`` (the cgroup's OOM killer fired), ``timeout`` or ``error: <last line>``;
-    with the cgroup's peak usage and the wall time."""
+    with the cgroup's peak usage and the wall time, and for zeropp the median step time and the disk
+    tier's bytes read and written per step (rank 0)."""
+    summary_path = Path(tempfile.mkdtemp()) / "summary.json"
     kills_before = oom_kills()
     (CGROUP / "memory.max_usage_in_bytes").write_text("0")
     start = time.perf_counter()
@@ -58,7 +67,8 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
 
     try:
         run = subprocess.run(
-            command(variant, world, depth, args), env={**worker_env(world), "OMP_NUM_THREADS": "1"},
+            command(variant, world, depth, args) + (["--summary-json", str(summary_path)] if variant not in PEERS else []),
+            env={**worker_env(world), "OMP_NUM_THREADS": "1"},
             preexec_fn=enter_cgroup, capture_output=True, text=True, timeout=args.timeout_s, start_new_session=True,
         )  # fmt: skip
         failure = None if run.returncode == 0 else "error: " + (run.stderr.strip().splitlines() or ["?"])[-1][:200]
@@ -67,11 +77,20 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
         failure = "timeout"
     if failure is not None and oom_kills() > kills_before:
         failure = "out of memory"
-    return {
+    result = {
         "outcome": failure or "trains",
         "seconds": round(time.perf_counter() - start, 1),
         "peak_gib": round(int((CGROUP / "memory.max_usage_in_bytes").read_text()) / 2**30, 2),
     }
+    if failure is None and summary_path.exists():
+        summary = RunSummary.from_json(summary_path.read_text())
+        result["median_step_s"] = round(summary.median_step_time_s, 2)
+        if summary.disk_bytes_per_step_per_rank:
+            result["disk_read_gib_per_step"], result["disk_written_gib_per_step"] = (
+                round(b / 2**30, 3) for b in summary.disk_bytes_per_step_per_rank[0]
+            )
+    shutil.rmtree(summary_path.parent, ignore_errors=True)
+    return result
 
 
 def oom_kills() -> int:
@@ -94,9 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--depths", type=int, nargs="+", default=[8, 12, 16, 20, 24, 28])
     parser.add_argument("--limit-gib", type=float, default=20.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
-    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *PEERS], default=[*VARIANTS, *PEERS])
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="zeropp's compute dtype")
+    parser.add_argument("--offload-path", type=Path, default=Path("results/offload"), help="the disk tier's folder")
+    parser.add_argument("--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *PEERS], default=[*ZEROPP_VARIANTS, *PEERS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_largest.json"))
     args = parser.parse_args(argv)
+    args.offload_path.mkdir(parents=True, exist_ok=True)
     if not Path("/sys/fs/cgroup/memory").is_dir() or os.geteuid() != 0:
         print("zeropp bench largest: error: needs root and the cgroup v1 memory controller", file=sys.stderr)
         return 2
@@ -109,14 +131,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             params = gpt_config(ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)).param_count
             result = {"depth": depth, "params": params, **attempt(variant, args.world, depth, args)}
             tried.append(result)
+            disk = (f", disk {result['disk_read_gib_per_step']:.2f} GiB read / {result['disk_written_gib_per_step']:.2f} "
+                    "GiB written per step") if "disk_read_gib_per_step" in result else ""  # fmt: skip
             print(f"{variant}: depth {depth} ({params / 1e9:.2f}B parameters): {result['outcome']} "
-                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB)", flush=True)  # fmt: skip
+                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB{disk})", flush=True)  # fmt: skip
             if result["outcome"] != "trains":
                 break
             largest = {"depth": depth, "params": params}
         rows.append({"variant": variant, "largest": largest, "attempts": tried})
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"world": args.world, "limit_gib": args.limit_gib, "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"world": args.world, "limit_gib": args.limit_gib, "precision": args.precision,
+                                        "rows": rows}, indent=2))  # fmt: skip
     return 0
 
 
