@@ -12,6 +12,7 @@ from launcher import run_ranks
 from models import ADAM_EPS, global_batch, loss_of, make_model, rows
 
 from zeropp.config.sections import ZeroConfig
+from zeropp.costs.memory import analytic_model_state_bytes, disk_tier_ring_bytes
 from zeropp.errors import ConfigError
 from zeropp.zero.disk import DiskTier, rank_folder
 
@@ -46,7 +47,7 @@ def train(stage: int, offload: dict, *, simulated_nodes: int = 1, resume_at: int
         if engine.disk:
             io.append((engine.disk.bytes_read - before[0], engine.disk.bytes_written - before[1]))
     return dict(state=engine.full_state_dict(), io=io, psi_shard=sum(u.master.numel() for u in engine.units),
-                resident_bytes=engine.model_state_bytes())  # fmt: skip
+                resident_bytes=engine.measured_model_state_bytes, psi=engine.param_count)  # fmt: skip
 
 
 def nvme(path, **more) -> dict:
@@ -64,6 +65,11 @@ def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
         per_step = 12 * streamed["psi_shard"]  # fp32 master + Adam's two moments, every unit read and written
         assert streamed["io"][1:] == [(per_step, per_step)] * (STEPS - 1)
         assert streamed["io"][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
+        if stage == 3:  # in memory when the step starts: the fp32 parameters' and the gradients' shards
+            kept = analytic_model_state_bytes(streamed["psi"], world, 3, "fp32", optimizer_on_disk=True, where="device")
+            assert streamed["resident_bytes"] == pytest.approx(kept, rel=0.02)
+            disk = analytic_model_state_bytes(streamed["psi"], world, 3, "fp32", optimizer_on_disk=True, where="disk")
+            assert per_step == pytest.approx(disk, rel=0.02)
     assert not any((tmp_path / "zeropp-offload").glob("rank-*/*.bin"))  # removed with the engine
 
 
@@ -86,11 +92,14 @@ def test_the_ring_holds_at_most_depth_plus_one_units(tmp_path):
         optimizer = tier.optimizer = torch.optim.AdamW(masters, lr=0.1)
         assert all(m.untyped_storage().nbytes() == 0 for m in masters)
         seen = []
+        ring = disk_tier_ring_bytes(max(m.numel() for m in masters), depth)
         for [index] in tier.streamed([[i] for i in range(6)]):
             seen.append(index)
             assert masters[index].untyped_storage().nbytes() == 4 * masters[index].numel()
             resident = sum(m.untyped_storage().nbytes() > 0 for m in masters)
             assert 1 <= resident <= depth + 1, (depth, index, resident)
+            held = sum(t.untyped_storage().nbytes() for i in range(6) for t in tier.tensors(i))
+            assert held <= ring, (depth, index, held, ring)
             masters[index].grad = torch.ones_like(masters[index])
             optimizer.step()
             masters[index].grad = None

@@ -59,12 +59,16 @@ def analytic_model_state_bytes(
     *,
     offload_optimizer: bool = False,
     offload_params: bool = False,
-    where: Literal["all", "device", "host"] = "all",
+    optimizer_on_disk: bool = False,
+    where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int] | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
-    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes.
+    (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
+    disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
+    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
     `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on."""
+    offload_optimizer = offload_optimizer or optimizer_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
     master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
@@ -74,10 +78,17 @@ def analytic_model_state_bytes(
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
     secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
-    host = (states if offload_optimizer else 0) + (params if offload_params else 0)
+    disk = states if optimizer_on_disk else 0
+    host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
-    return {"all": total, "device": total - host, "host": host}[where]
+    return {"all": total, "device": total - host - disk, "host": host, "disk": disk}[where]
+
+
+def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8) -> int:
+    """Host bytes the disk tier's ring holds at most during a step: ``depth + 1`` units' fp32 master and
+    optimizer state, `largest_unit` parameters each on this rank (See [Note: the disk tier's ring])."""
+    return (depth + 1) * (4 + optimizer_bytes) * largest_unit
 
 
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:

@@ -7,14 +7,7 @@ tensors keep their identity (the optimizer's state is keyed by the master parame
 their storage is resized to nothing; swapped in, the storage is allocated again and read back. The
 scalar states (Adam's ``step``) stay in memory.
 
-[Note: the disk tier's ring] During the step (:meth:`DiskTier.streamed`) one I/O thread reads
-``depth`` units ahead of the optimizer and writes each unit back (then frees it) once the optimizer
-and the publication of its weights are done with it. The reads and the writes share the one thread,
-in order, so at most ``depth + 1`` units' states are in host memory at once: ``(depth + 1) x (4 + S)
-x largest unit`` bytes for S bytes of optimizer state per parameter (8 for Adam), whatever the
-model's size. With depth 1 nothing overlaps (read, step, write); from depth 2 the next unit's read
-runs while the optimizer steps the current one. The files are scratch, not checkpoints: a checkpoint
-reads the states through the engine's state API, which swaps them in (:meth:`DiskTier.resident`).
+The ring that bounds host memory and overlaps the I/O: see [Note: the disk tier's ring] (docs/design.md).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
     if failure is None and summary_path.exists():
         summary = RunSummary.from_json(summary_path.read_text())
         result["median_step_s"] = round(summary.median_step_time_s, 2)
-        if summary.disk_bytes_per_step_per_rank:
+        if any(any(io) for io in summary.disk_bytes_per_step_per_rank):
             result["disk_read_gib_per_step"], result["disk_written_gib_per_step"] = (
                 round(b / 2**30, 3) for b in summary.disk_bytes_per_step_per_rank[0]
             )
