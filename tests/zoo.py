@@ -13,6 +13,7 @@ VOCAB, SEQ, PER_RANK = 128, 8, 2
 LLAMA_LIKE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
+OPTIM = dict(lr=1e-2, eps=1e-3, weight_decay=0.01)  # eps: models.ADAM_EPS, larger: some gradients here are ~1e-4
 MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
 
 # architecture -> (config class, causal LM class, config keywords)
@@ -63,16 +64,20 @@ def zoo_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def zoo_reference(name: str, steps: int, world: int, optim_kwargs: dict) -> dict[str, torch.Tensor]:
-    """One process: each step the mean of the `world` chunks' mean losses."""
+def zoo_reference(name: str, steps: int, world: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """One process: each step the mean of the `world` chunks' mean losses; the final state and each
+    step's chunk losses (rank r's is chunk r's)."""
     model = zoo_model(name)
-    optimizer = torch.optim.AdamW(model.parameters(), **optim_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
+    losses = []
     for step in range(steps):
         optimizer.zero_grad()
         chunks = zoo_batch(step, world).chunk(world)
-        (sum(zoo_loss(model, chunk) for chunk in chunks) / world).backward()
+        chunk_losses = [zoo_loss(model, chunk) for chunk in chunks]
+        (sum(chunk_losses) / world).backward()
         optimizer.step()
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        losses.append([loss.item() for loss in chunk_losses])
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, losses
 
 
 def train_zoo(
@@ -85,7 +90,7 @@ def train_zoo(
     folders: dict[str, str] | None = None,
 ) -> dict[str, dict]:
     """On each rank: every architecture of `names` trained `steps` steps at each of `stages` (dp x `tp`,
-    `zero`: more ZeroConfig keys), compared with `references` ({name: state}, :func:`zoo_reference`);
+    `zero`: more ZeroConfig keys), compared with `references` ({name: state}, :func:`zoo_reference`'s);
     the first step's tensor-parallel ledger and :func:`~zeropp.costs.tensor_parallel.plan_step_transfers`'s
     bytes. `folders`: {name: a safetensors folder}: the model built on the meta device and its weights
     loaded with ``load_pretrained`` instead (what this rank read, against its shards)."""
@@ -106,9 +111,8 @@ def train_zoo(
             folder = (folders or {}).get(name)
             with torch.device("meta") if folder else torch.device("cpu"):
                 model = zoo_model(name)
-            optim = dict(lr=1e-2, eps=1e-4, weight_decay=0.01)
             config = ZeroConfig(stage=stage, **(zero or {}))
-            engine = ZeroEngine(parallelize(model, topology), torch.optim.AdamW, optim, config, topology)
+            engine = ZeroEngine(parallelize(model, topology), torch.optim.AdamW, OPTIM, config, topology)
             if folder:
                 counted.clear()
                 load_pretrained(engine, folder)

@@ -57,9 +57,14 @@ def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(_model(), _args(out, world, **overrides), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=stage))
+    trainer = ZeroTrainer(
+        _model(), _args(out, world, **overrides), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=stage)
+    )
     trainer.train()
-    return {"state": trainer.engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+    return {
+        "state": trainer.engine.full_state_dict(),
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }
 
 
 def _world_one_run(out: str) -> dict:
@@ -135,7 +140,9 @@ def _save(out: str) -> torch.Tensor:
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(_model(), _args(out, 2, max_steps=2), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    trainer = ZeroTrainer(
+        _model(), _args(out, 2, max_steps=2), train_dataset=_rows(), zero_config=zeropp.ZeroConfig(stage=3)
+    )
     trainer.train()
     trainer.save_model(f"{out}/final")
     trainer.engine.eval()
@@ -178,11 +185,15 @@ def test_importing_zeropp_imports_no_transformers():
 
 
 def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
-    """"auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
+    """ "auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
     from zeropp.integrations.transformers import TrainerError, resolve_zero_config
 
     args = _args(str(tmp_path), 1, bf16=True)
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     zero = resolve_zero_config(ds, args, world_size=2, hidden_size=32)
     assert (zero.stage, zero.gradient_accumulation_steps, zero.max_grad_norm, zero.precision) == (2, 2, 0.5, "bf16")
     assert resolve_zero_config({"stage": 1, "quantized_weights": False}, args, 1).stage == 1
@@ -199,7 +210,11 @@ def _from_args_deepspeed(out: str) -> tuple[int, bool, float]:
 
     from zeropp.integrations.transformers import ZeroTrainer
 
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     Path(f"{out}/ds.json").write_text(json.dumps(ds))
     trainer = ZeroTrainer(_model(), _args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=_rows())
     trainer.train()
