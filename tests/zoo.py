@@ -64,15 +64,18 @@ def zoo_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def zoo_reference(name: str, steps: int, world: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+def zoo_reference(
+    name: str, steps: int, world: int, model: nn.Module | None = None, batch=None
+) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """One process: each step the mean of the `world` chunks' mean losses; the final state and each
-    step's chunk losses (rank r's is chunk r's)."""
-    model = zoo_model(name)
+    step's chunk losses (rank r's is chunk r's). `model`, `batch`: other than `name`'s and :func:`zoo_batch`."""
+    model = zoo_model(name) if model is None else model
+    batch = zoo_batch if batch is None else batch
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
-        chunks = zoo_batch(step, world).chunk(world)
+        chunks = batch(step, world).chunk(world)
         chunk_losses = [zoo_loss(model, chunk) for chunk in chunks]
         (sum(chunk_losses) / world).backward()
         optimizer.step()

@@ -78,10 +78,12 @@ class QuantizedGradients:
     block_size: int = setting(256, "qgZ: gradients per quantization block")
     pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
     intra_node_bits: Literal[4, 8] | None = setting(
-        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
+        None,
+        "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits",
     )
     hadamard: bool = setting(
-        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
+        False,
+        "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)",
     )
     error_feedback: Literal["off", "loco"] = setting(
         "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
@@ -105,7 +107,10 @@ class QuantizedGradients:
         check_choices(self, "", name)
         require(0 <= self.error_beta < 1, name("error_beta"), self.error_beta, "a number in [0, 1)")
         require(
-            self.error_reset_steps >= 0, name("error_reset_steps"), self.error_reset_steps, "an integer >= 0 (0: never reset)"
+            self.error_reset_steps >= 0,
+            name("error_reset_steps"),
+            self.error_reset_steps,
+            "an integer >= 0 (0: never reset)",
         )
         require(0 < self.until <= 1, name("until"), self.until, "a fraction of the run's steps in (0, 1]")
         if self.hadamard:
@@ -138,7 +143,9 @@ class OffloadPolicy:
         check_choices(self, "", name)
         if self.params != "none":
             require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
-            require(self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is 'cpu' too")
+            require(
+                self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is 'cpu' too"
+            )
 
 
 @dataclass
@@ -155,11 +162,13 @@ class ActivationCheckpointPolicy:
         False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
     )
     partition_activations: bool = setting(
-        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
-        "checkpointed input; an all-gather rebuilds it before recomputation"
+        False,
+        "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
+        "checkpointed input; an all-gather rebuilds it before recomputation",
     )
     cpu_checkpointing: bool = setting(
-        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
+        False,
+        "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead",
     )
 
     def validate(self, name: Name) -> None:

@@ -153,10 +153,12 @@ def resolve_zero_config(
         if config.train.micro_batch_size != args.per_device_train_batch_size:
             raise TrainerError(
                 f"the DeepSpeed config's train_micro_batch_size_per_gpu {config.train.micro_batch_size} is not "
-                f"per_device_train_batch_size {args.per_device_train_batch_size}; make them agree or write \"auto\""
+                f'per_device_train_batch_size {args.per_device_train_batch_size}; make them agree or write "auto"'
             )
         if any(key in deepspeed.read(source) for key in ("optimizer", "scheduler")):
-            logger.warning("ZeroTrainer: the DeepSpeed config's optimizer and scheduler are replaced by the TrainingArguments'")
+            logger.warning(
+                "ZeroTrainer: the DeepSpeed config's optimizer and scheduler are replaced by the TrainingArguments'"
+            )
         defaults, zero, where = base.zero, config.zero, "the DeepSpeed config"
     for key, value in wanted.items():
         mine = getattr(zero, key)
@@ -182,7 +184,9 @@ class ZeroTrainer(transformers.Trainer):
         topology: Topology | None = None,
         **kwargs: Any,
     ) -> None:
-        if args is not None and args.deepspeed:  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
+        if (
+            args is not None and args.deepspeed
+        ):  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
             zero_config = args.deepspeed if zero_config is None else zero_config
             args = dataclasses.replace(args, deepspeed=None)
         self.zero_source = zero_config
@@ -191,9 +195,13 @@ class ZeroTrainer(transformers.Trainer):
         self.engine_module: EngineModule | None = None
         super().__init__(model, args, *rest, **kwargs)
         if self.optimizer is not None or self.lr_scheduler is not None:
-            raise TrainerError("ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers")
+            raise TrainerError(
+                "ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers"
+            )
         if self.args.n_gpu > 1:
-            raise TrainerError(f"ZeroTrainer runs one device per process ({self.args.n_gpu} GPUs seen): launch with torchrun")
+            raise TrainerError(
+                f"ZeroTrainer runs one device per process ({self.args.n_gpu} GPUs seen): launch with torchrun"
+            )
 
     # -- the engine where Trainer would wrap the model ---------------------------------------------
 
@@ -212,16 +220,27 @@ class ZeroTrainer(transformers.Trainer):
     def _build_engine(self) -> ZeroEngine:
         args, model = self.args, self.model
         cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(args, model)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or {"params", "model", "optimizer_dict"} & set(kwargs):
-            raise TrainerError(f"optim {args.optim!r} is not an elementwise torch.optim optimizer; zeropp steps fp32 shards with one")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or {
+            "params",
+            "model",
+            "optimizer_dict",
+        } & set(kwargs):
+            raise TrainerError(
+                f"optim {args.optim!r} is not an elementwise torch.optim optimizer; zeropp steps fp32 shards with one"
+            )
         decay = args.weight_decay
         if decay and not issubclass(cls, torch.optim.AdamW):
-            raise TrainerError(f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only")
+            raise TrainerError(
+                f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only"
+            )
         decayed = set(self.get_decay_parameter_names(model))
         decayed_ids = {id(p) for name, p in model.named_parameters() if name in decayed}
         kwargs = {**kwargs, "weight_decay": 0.0} if issubclass(cls, torch.optim.AdamW) else dict(kwargs)
         config = resolve_zero_config(
-            self.zero_source, args, self.topology.world_size, getattr(getattr(model, "config", None), "hidden_size", None)
+            self.zero_source,
+            args,
+            self.topology.world_size,
+            getattr(getattr(model, "config", None), "hidden_size", None),
         )
         engine = ZeroEngine(model, lambda masters: cls(masters, **kwargs), None, config, self.topology, seed=args.seed)
         if decay:
@@ -230,7 +249,9 @@ class ZeroTrainer(transformers.Trainer):
         return engine
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
+        return (
+            self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
+        )
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -245,7 +266,9 @@ class ZeroTrainer(transformers.Trainer):
         del inputs
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         self.engine.backward(loss * self.args.gradient_accumulation_steps)
@@ -280,7 +303,9 @@ class ZeroTrainer(transformers.Trainer):
             return
         found = find_latest(Path(checkpoint) / ZEROPP_DIR)
         if found is None:
-            raise TrainerError(f"{checkpoint!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one ZeroTrainer saved")
+            raise TrainerError(
+                f"{checkpoint!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one ZeroTrainer saved"
+            )
         load_checkpoint(self.engine, found)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 

@@ -84,7 +84,7 @@ def hf_plan(model: nn.Module, tp: int) -> Plan:
     one-line ConfigErrors for a style zeropp has no translation of and for shapes tp ranks cannot share."""
     prefix = base_prefix(model)
     entries = {
-        prefix + pattern: _canonical(pattern, style) for pattern, style in model.config.base_model_tp_plan.items()
+        prefix + pattern: _canonical(prefix + pattern, style) for pattern, style in model.config.base_model_tp_plan.items()
     }
     _require_divisible(model, tp, entries)
     modules = dict(model.named_modules())

@@ -106,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for variant in args.variants:
         largest, tried = None, []
         for depth in sorted(args.depths):
-            params = gpt_config(ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)).param_count
+            params = gpt_config(
+                ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)
+            ).param_count
             result = {"depth": depth, "params": params, **attempt(variant, args.world, depth, args)}
             tried.append(result)
             print(f"{variant}: depth {depth} ({params / 1e9:.2f}B parameters): {result['outcome']} "
