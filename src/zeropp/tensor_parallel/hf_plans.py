@@ -22,7 +22,7 @@ A Hugging Face plan maps module (or parameter) patterns to style strings:
 
 Anything else (sequence parallelism, MLA, expert-parallel dispatch) is refused in one line naming the
 pattern and the style; zeropp's own sequence parallelism is :func:`~zeropp.tensor_parallel.plans.sequence_parallel_plan`.
-Entries matching no module are dropped, as transformers drops them.
+Entries matching no module are dropped, as transformers drops them. See [Note: translated plans].
 """
 
 from __future__ import annotations
