@@ -84,16 +84,22 @@ def hf_plan(model: nn.Module, tp: int) -> Plan:
     one-line ConfigErrors for a style zeropp has no translation of and for shapes tp ranks cannot share."""
     prefix = base_prefix(model)
     entries = {
-        prefix + pattern: _canonical(prefix + pattern, style) for pattern, style in model.config.base_model_tp_plan.items()
+        prefix + pattern: _canonical(prefix + pattern, style)
+        for pattern, style in model.config.base_model_tp_plan.items()
     }
     _require_divisible(model, tp, entries)
     modules = dict(model.named_modules())
     plan: Plan = {}
     for pattern, style in entries.items():
-        if style in STYLES and any(matches(name, pattern) for name in modules):
-            translated = STYLES[style]()
-            if translated is not None:
-                plan[pattern] = translated
+        if not any(matches(name, pattern) for name in modules):
+            continue
+        if style not in STYLES:  # a parameter's style on a whole module
+            raise ConfigError(
+                f"no translation of transformers' tensor-parallel style {style!r} for the module {pattern}"
+            )
+        translated = STYLES[style]()
+        if translated is not None:
+            plan[pattern] = translated
     for pattern, style in entries.items():  # parameter entries: their placement on their module's style
         owner, _, leaf = pattern.rpartition(".")
         owners = [m for name, m in modules.items() if matches(name, owner) and leaf in m._parameters]
