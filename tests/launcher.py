@@ -45,7 +45,14 @@ def launcher_env(launcher: str, rank: int, world: int, nodes: int, port: int) ->
 
 
 def _worker(
-    fn: Callable, rank: int, world: int, nodes: int, port: int, queue: mp.Queue, kwargs: dict, launcher: str = "torchrun"
+    fn: Callable,
+    rank: int,
+    world: int,
+    nodes: int,
+    port: int,
+    queue: mp.Queue,
+    kwargs: dict,
+    launcher: str = "torchrun",
 ) -> None:
     for name in TORCHRUN:
         os.environ.pop(name, None)

@@ -65,15 +65,30 @@ def hf_model(kind: str) -> nn.Module:
     if kind.startswith("hf-gpt2"):
         p = 0.5 if kind == "hf-gpt2-dropout" else 0.0  # the exactness tests: no randomness after init
         config = transformers.GPT2Config(
-            vocab_size=256, n_positions=GPT_TEST.block_size, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
-            eos_token_id=0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p,
+            vocab_size=256,
+            n_positions=GPT_TEST.block_size,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=p,
+            embd_pdrop=p,
+            attn_pdrop=p,
         )
         if p:  # eager attention's dropout is F.dropout, which tests can observe
             config._attn_implementation = "eager"
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=GPT_TEST.block_size, bos_token_id=0, eos_token_id=0,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=GPT_TEST.block_size,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.LlamaForCausalLM(config)
 

@@ -8,7 +8,9 @@ import ast
 import importlib.util
 from pathlib import Path
 
-PACKAGE = Path(importlib.util.find_spec("zeropp").origin).parent  # found, not imported: a broken import still fails here
+PACKAGE = Path(
+    importlib.util.find_spec("zeropp").origin
+).parent  # found, not imported: a broken import still fails here
 LAYERS = (
     "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel",
     "costs", "checkpoint", "engine", "integrations", "app", "tools", "cli",
@@ -77,7 +79,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(targets):
             theirs = layer_of(target)
             if own is not None and (theirs is None or theirs > own):
-                bad.append(f"{module} imports {target} (layer {LAYERS[own]} may not import {target.split('.')[1] if theirs is not None else 'the package root'})")
+                bad.append(
+                    f"{module} imports {target} (layer {LAYERS[own]} may not import {target.split('.')[1] if theirs is not None else 'the package root'})"
+                )
     return bad
 
 
@@ -138,9 +142,7 @@ def test_the_checks_fail_on_an_upward_import_and_a_cycle():
     """The checks can fail: a deliberate upward import and a two-module cycle are both caught."""
     graph = import_graph(MODULES)
     graph["zeropp.quant.spec"] = graph["zeropp.quant.spec"] | {"zeropp.engine"}
-    assert upward_imports(graph) == [
-        "zeropp.quant.spec imports zeropp.engine (layer quant may not import engine)"
-    ]
+    assert upward_imports(graph) == ["zeropp.quant.spec imports zeropp.engine (layer quant may not import engine)"]
     graph["zeropp.engine"] = graph["zeropp.engine"] | {"zeropp.quant.spec"}
     assert any({"zeropp.engine", "zeropp.quant.spec"} <= set(component) for component in cycles(graph))
 

@@ -34,4 +34,4 @@ def test_ci_uses_a_fresh_folder_and_the_readme_test_command_verbatim():
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"Run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
     assert command.startswith("pip install torch==2.13.0 ") and command in CI.splitlines()
-    assert "mktemp -d" in CI and "rm -rf \"$venv\"\n" not in CI.split("trap")[0]
+    assert "mktemp -d" in CI and 'rm -rf "$venv"\n' not in CI.split("trap")[0]

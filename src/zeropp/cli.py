@@ -68,6 +68,7 @@ SUBPROGRAMS = {
     "cluster": "run zeropp train on emulated nodes joined by shaped links, as root (zeropp cluster --help)",
 }
 
+
 def _train_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("config keys (override --config)")
     add_config_flags(group, stage3_defaults=ZEROPP_TRAIN_DEFAULTS)
@@ -97,10 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, help="TOML or JSON file of config keys (default: none)")
     train.add_argument("--summary-json", type=Path, help="also write the run summary as JSON here (default: none)")
     train.add_argument(
-        "--metrics-jsonl", type=Path, metavar="PATH", help="write every step's metrics here, one JSON object a line (default: none)"
+        "--metrics-jsonl",
+        type=Path,
+        metavar="PATH",
+        help="write every step's metrics here, one JSON object a line (default: none)",
     )
     train.add_argument(
-        "--plot", type=Path, metavar="PNG", help="at the end, write a PNG of the training and validation loss here (default: none)"
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="at the end, write a PNG of the training and validation loss here (default: none)",
     )
     train.add_argument(
         "--deepspeed", type=Path, metavar="DS_CONFIG.json",
@@ -124,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer states, step and loss scaler as OUT_DIR/step-N, which zeropp train --resume (any world size) "
         "and zeropp export read. Nothing is written when the checkpoint is refused.",
     )
-    imported.add_argument("source", type=Path, metavar="DS_CHECKPOINT_DIR", help="DeepSpeed's checkpoint folder or tag folder")
-    imported.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the zeropp checkpoint folder to write step-N into")
+    imported.add_argument(
+        "source", type=Path, metavar="DS_CHECKPOINT_DIR", help="DeepSpeed's checkpoint folder or tag folder"
+    )
+    imported.add_argument(
+        "out_dir", type=Path, metavar="OUT_DIR", help="the zeropp checkpoint folder to write step-N into"
+    )
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
     benchmarks = available()
@@ -195,7 +206,9 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         if is_rank():
             Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
         else:
-            layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size)
+            layout = Layout(
+                args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size
+            )
             layout.hpz_group_size(config.zero.hpz_partition_size)
             hpz_note = layout.hpz_note(config.zero.hpz_partition_size)  # hpZ asked for and off here
             if hpz_note:
@@ -302,7 +315,14 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
         if LAUNCHER_PID not in os.environ:
             print(f"zeropp: error: {str(error).removeprefix('zeropp: ')}", file=sys.stderr)
         status = PEER_LOST_STATUS
-    except (CheckpointError, CollectiveTimeout, ConfigError, TrainingStopped, MaterializeError, PretrainedError) as error:
+    except (
+        CheckpointError,
+        CollectiveTimeout,
+        ConfigError,
+        TrainingStopped,
+        MaterializeError,
+        PretrainedError,
+    ) as error:
         if not isinstance(error, (TrainingStopped, ModelMismatch)) or os.environ["RANK"] == "0":  # once if alike
             for line in str(error).removeprefix("zeropp: ").splitlines():  # one line a problem
                 print(f"zeropp: error: {line}", file=sys.stderr)

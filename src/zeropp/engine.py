@@ -48,7 +48,7 @@ from zeropp.zero.arena import Arena
 from zeropp.zero.disk import DiskTier, check_free_space, rank_folder
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
-from zeropp.zero.grouping import group_parameters, innermost_units, repeated_blocks
+from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
@@ -95,9 +95,13 @@ class ZeroEngine:
         self.hpz_group_size = self.groups.hpz_group_size
         self.module = model
         # gradient buffers (MD: one buffer, allocated after the first step); allocations counted per step
-        self.gradient_buffers = Arena(self.topology.device, pinned=False, contiguous=self.config.contiguous_memory_optimization)
+        self.gradient_buffers = Arena(
+            self.topology.device, pinned=False, contiguous=self.config.contiguous_memory_optimization
+        )
         self.last_gradient_allocations = 0
         self._check_tensor_parallel(model)
+        units = None if units is None else list(units)
+        refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
         self.disk = self._disk_tier(model)
@@ -210,8 +214,14 @@ class ZeroEngine:
             )
             unit = (
                 FlatUnit(
-                    module, params, self.comm, self.groups, self.policy, options,
-                    broadcast_initial=not meta, initial_flat=flat,
+                    module,
+                    params,
+                    self.comm,
+                    self.groups,
+                    self.policy,
+                    options,
+                    broadcast_initial=not meta,
+                    initial_flat=flat,
                 )  # fmt: skip
                 if params
                 else None

@@ -23,8 +23,6 @@ SUMMARY_KEYS = {
 }
 
 
-
-
 def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_path):
     out = tmp_path / "summary.json"
     result = run_cli(

@@ -12,8 +12,6 @@ from launcher import free_port
 TINY = ("train", "--preset", "tiny", "--steps", "1", "--nproc-per-node", "2")
 
 
-
-
 def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
@@ -95,7 +93,9 @@ def test_export_to_a_directory_or_a_full_disk(checkpoint, tmp_path, monkeypatch,
     one_line(run_cli("export", str(checkpoint), str(tmp_path)), "it is a directory")
 
     def disk_full(*args, **kwargs):  # what safetensors raises on ENOSPC: not an OSError
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     out = tmp_path / "model.safetensors"

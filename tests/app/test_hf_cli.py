@@ -33,8 +33,6 @@ PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1, 8, 2, 8, 1
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-
-
 def _write_inputs(folder: Path) -> None:
     """Tiny configs (vocab 256 fits the bytes), 40 documents of 60 words as text and JSONL, a WordLevel
     tokenizer trained on them (17 tokens, EOS included) saved as a Hugging Face tokenizer folder."""
@@ -294,7 +292,11 @@ def test_mfu_uses_6n_plus_attention_over_the_devices_bf16_peak(monkeypatch):
 
     assert flops_per_token(1000, 2, 32, 64) == 6 * 1000 + 12 * 2 * 32 * 64
     assert peak_flops(torch.device("cpu")) is None
-    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12)):
+    for name, peak in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops(torch.device("cuda", 0)) == peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")

@@ -16,8 +16,6 @@ from launcher import free_port
 LONG_RUN = ("train", "--preset", "tiny", "--steps", "100000", "--nproc-per-node", "2", "--eval-interval", "100000")
 
 
-
-
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
@@ -103,9 +101,18 @@ def test_environment_that_contradicts_the_flags_is_refused():
         ({"RANK": "0", "WORLD_SIZE": "1"}, "the environment sets RANK=0 WORLD_SIZE=1, a rank's variables"),
         ({"RANK": "0"}, "the environment sets RANK=0, a rank's variables"),
         ({"WORLD_SIZE": "abc"}, "the environment sets WORLD_SIZE=abc, a rank's variables"),
-        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, "torchrun's environment lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
         (
-            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0"},
+            "torchrun's environment lacks WORLD_SIZE, MASTER_ADDR, MASTER_PORT",
+        ),
+        (
+            {
+                "TORCHELASTIC_RUN_ID": "x",
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "1",
+            },
             "WORLD_SIZE=1 in the environment contradicts --nproc-per-node 2 x --nnodes 1 = 2 ranks",
         ),
     ]

@@ -23,8 +23,6 @@ from launcher import free_port, run_ranks
 TINY = ["train", "--preset", "tiny", "--nproc-per-node", "2", "--eval-batches", "1"]
 
 
-
-
 def tiny_run(*args: str) -> subprocess.CompletedProcess:
     return run_cli(*TINY, "--master-port", str(free_port()), *args)
 
@@ -136,9 +134,13 @@ def test_fp16_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(tmp_p
     summary = json.loads(out.read_text())
     assert 1 <= summary["skipped_steps"] < 6 and math.isfinite(summary["final_train_loss"])
     assert "skipped steps" in counted.stdout and "skipped" in counted.stdout
-    stopped = tiny_run("--steps", "12", "--precision", "fp16", "--initial-scale", "1e30", "--max-consecutive-skipped-steps", "3")
+    stopped = tiny_run(
+        "--steps", "12", "--precision", "fp16", "--initial-scale", "1e30", "--max-consecutive-skipped-steps", "3"
+    )
     assert stopped.returncode != 0
-    assert error_lines(stopped)[0].startswith("zeropp: error: step 3: 3 optimizer steps in a row skipped"), stopped.stderr
+    assert error_lines(stopped)[0].startswith("zeropp: error: step 3: 3 optimizer steps in a row skipped"), (
+        stopped.stderr
+    )
 
 
 # -- 2. one run per checkpoint folder ------------------------------------------------------------------

@@ -83,7 +83,8 @@ def _residuals_across_worlds(folder: Path) -> dict:
     with contextlib.redirect_stdout(note):
         other = Trainer(run_config(folder, 12, nodes=1, zero=zero, checkpoint=resume))
     norms = [
-        [float(r.abs().max()) for u in t.engine.units for r in u.error_feedback.residuals.values()] for t in (same, other)
+        [float(r.abs().max()) for u in t.engine.units for r in u.error_feedback.residuals.values()]
+        for t in (same, other)
     ]
     return dict(
         same_world_nonzero=bool(norms[0]) and min(norms[0]) > 0,
@@ -219,8 +220,6 @@ def test_killed_or_out_of_disk_save_leaves_previous_checkpoint_loadable(tmp_path
 
 
 # -- zeropp train: a killed rank, bad inputs -------------------------------------------------------------
-
-
 
 
 def _children(pid: int) -> list[int]:
@@ -366,5 +365,7 @@ def test_resuming_the_folder_of_checkpoints_names_its_newest(tmp_path):
     for step in (2, 10):
         (tmp_path / checkpoint_name(step)).mkdir()
         (tmp_path / checkpoint_name(step) / "zeropp.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="folder of checkpoints, not one; its newest is .*step.*10.*--resume auto"):
+    with pytest.raises(
+        CheckpointError, match="folder of checkpoints, not one; its newest is .*step.*10.*--resume auto"
+    ):
         read_meta(tmp_path)

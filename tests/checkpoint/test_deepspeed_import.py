@@ -112,7 +112,9 @@ def test_imported_masters_equal_zero_to_fp32_exactly(deepspeed_runs, imported):
         assert all(torch.equal(ours[k], theirs[k].float()) for k in theirs), name
         kind, stage, precision = CASES[name]
         deepspeed = meta["extra"]["deepspeed"]
-        assert (meta["step"], meta["stage"], meta["precision"], meta["world_size"]) == (STEPS, stage, precision, 2), name
+        assert (meta["step"], meta["stage"], meta["precision"], meta["world_size"]) == (STEPS, stage, precision, 2), (
+            name
+        )
         assert meta["optimizer"] == "torch.optim.adamw.AdamW" and meta["param_groups"][0]["lr"] == LR, name
         assert deepspeed["lr_scheduler"] == {"last_batch_iteration": STEPS - 1}, name
     scaler = consolidated_state(imported["gpt-stage2-fp16"])[0]["scaler"]
@@ -130,7 +132,9 @@ def zeropp_worker(paths: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for name, path in paths.items():
         kind = CASES[name][0]
-        engine = ZeroEngine(make_model(kind), torch.optim.AdamW, dict(lr=LR, eps=ADAM_EPS), ZeroConfig(stage=3), topology)
+        engine = ZeroEngine(
+            make_model(kind), torch.optim.AdamW, dict(lr=LR, eps=ADAM_EPS), ZeroConfig(stage=3), topology
+        )
         load_checkpoint(engine, path)
         for step in range(STEPS, 2 * STEPS):
             x, y = rows(global_batch(kind, step, 0, DATA_PARALLEL, PER_RANK), topology.rank, per_rank)
@@ -237,5 +241,7 @@ def test_cli_refusal_is_one_line_with_status_2(deepspeed_runs, tmp_path):
     (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     done = run_cli("import-deepspeed", str(source), str(tmp_path / "out"))
     assert done.returncode == 2 and done.stdout == "", done.stdout
-    assert done.stderr.count("\n") == 1 and "lacks zero_pp_rank_1_mp_rank_00_model_states.pt" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "lacks zero_pp_rank_1_mp_rank_00_model_states.pt" in done.stderr, (
+        done.stderr
+    )
     assert not (tmp_path / "out").exists()

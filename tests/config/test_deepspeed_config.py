@@ -122,7 +122,11 @@ def value_at(config: Config, dotted: str):
     """A key's value; zero's policy fields by their flat keys too (zero.weight_bits: zero.qwz.bits)."""
     node = config
     for name in dotted.split("."):
-        node = node.as_flat()[name] if isinstance(node, ZeroConfig) and name in ZeroConfig.FLAT_KEYS else getattr(node, name)
+        node = (
+            node.as_flat()[name]
+            if isinstance(node, ZeroConfig) and name in ZeroConfig.FLAT_KEYS
+            else getattr(node, name)
+        )
     return node
 
 
@@ -246,7 +250,9 @@ def test_train_batch_size_checked_and_derived():
     assert str(error.value) == (
         "DeepSpeed train_batch_size = 32 is not allowed; expected micro-batch 2 x gradient accumulation 2 x 4 ranks = 16"
     )
-    with pytest.raises(ConfigError, match=r"train_batch_size = 30 is not allowed; expected a multiple of micro-batch 4 x 4"):
+    with pytest.raises(
+        ConfigError, match=r"train_batch_size = 30 is not allowed; expected a multiple of micro-batch 4 x 4"
+    ):
         translate({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=4)
     base = Config()
     base.train.micro_batch_size = 8  # "auto" takes zeropp's value, then the total is checked
@@ -292,7 +298,9 @@ def test_unknown_key_is_refused_with_the_keys_allowed_there():
     with pytest.raises(ConfigError) as error:
         translate({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5}})
     text = str(error.value)
-    assert text.startswith("DeepSpeed key 'zero_optimization.stage3_prefetch_bucket' is not known to zeropp; allowed here:")
+    assert text.startswith(
+        "DeepSpeed key 'zero_optimization.stage3_prefetch_bucket' is not known to zeropp; allowed here:"
+    )
     assert "stage3_prefetch_bucket_size" in text and "overlap_comm" in text and "\n" not in text
 
 
@@ -450,11 +458,19 @@ def test_deepspeed_batch_sizes_count_data_parallel_ranks_under_tensor_parallelis
     from zeropp.cli import _train_config, build_parser
 
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({**ZERO3, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    config.write_text(
+        json.dumps(
+            {**ZERO3, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+        )
+    )
     argv = ["train", "--deepspeed", str(config), "--preset", "tiny", "--tensor-parallel", "2", "--stage", "2"]
     run, _ = _train_config(build_parser().parse_args(argv), argv)
     assert (run.train.micro_batch_size, run.zero.gradient_accumulation_steps) == (4, 1)
-    config.write_text(json.dumps({**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    config.write_text(
+        json.dumps(
+            {**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+        )
+    )
     with pytest.raises(ConfigError, match=r"expected micro-batch 4 x gradient accumulation 1 x 2 ranks = 8"):
         _train_config(build_parser().parse_args(argv), argv)
 

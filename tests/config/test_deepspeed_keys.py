@@ -38,7 +38,10 @@ DEEPSPEED_READERS = (
     "deepspeed.runtime.config", "deepspeed.runtime.precision_config", "deepspeed.profiling.config",
     "deepspeed.runtime.activation_checkpointing.config", "deepspeed.runtime.swap_tensor.aio_config",
 )  # fmt: skip
-DEEPSPEED_SECTIONS = {"deepspeed.runtime.data_pipeline.constants": "DATA_EFFICIENCY", "deepspeed.autotuning.constants": "AUTOTUNING"}
+DEEPSPEED_SECTIONS = {
+    "deepspeed.runtime.data_pipeline.constants": "DATA_EFFICIENCY",
+    "deepspeed.autotuning.constants": "AUTOTUNING",
+}
 
 
 def deepspeed_module(name: str):
@@ -78,7 +81,12 @@ def top_level_keys(module) -> set[str]:
             func = node.func
             if isinstance(func, ast.Attribute) and func.attr == "get" and is_dict(func.value):
                 keys.add(text(node.args[0]))
-            elif isinstance(func, ast.Name) and func.id.startswith("get_") and len(node.args) > 1 and is_dict(node.args[0]):
+            elif (
+                isinstance(func, ast.Name)
+                and func.id.startswith("get_")
+                and len(node.args) > 1
+                and is_dict(node.args[0])
+            ):
                 keys.add(text(node.args[1]))
         elif isinstance(node, ast.Compare) and len(node.comparators) == 1:
             target = node.comparators[0]
@@ -130,7 +138,9 @@ def test_deepspeeds_other_names_read_as_the_tables_names():
         "DeepSpeed zero_optimization.stage3_max_reuse_distance and zero_optimization.max_reuse_distance are one key; "
         "expected one of them"
     )
-    with pytest.raises(ConfigError, match=r"^DeepSpeed bfloat16.enabled = \"yes\" is not allowed; expected true or false$"):
+    with pytest.raises(
+        ConfigError, match=r"^DeepSpeed bfloat16.enabled = \"yes\" is not allowed; expected true or false$"
+    ):
         translate({"bfloat16": {"enabled": "yes"}})
 
 
@@ -206,11 +216,16 @@ def test_zeropp_train_names_the_files_key_and_notes_hpz_off_on_one_node(tmp_path
     config = tmp_path / "ds.json"
     argv = ["train", "--deepspeed", str(config), "--preset", "tiny", "--nproc-per-node", "4"]
     config.write_text('{"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}')
-    with pytest.raises(ConfigError, match=r"^DeepSpeed zero_optimization.zero_hpz_partition_size = 3 \(zeropp's "
-                                          r"zero.hpz_partition_size\) is not allowed; zeropp sees 2 nodes of 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^DeepSpeed zero_optimization.zero_hpz_partition_size = 3 \(zeropp's "
+        r"zero.hpz_partition_size\) is not allowed; zeropp sees 2 nodes of 2",
+    ):
         _train_config(build_parser().parse_args(argv), list(argv))
     config.write_text('{"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}')
     one_node = [*argv, "--nodes", "1"]
     run, _ = _train_config(build_parser().parse_args(one_node), list(one_node))
     assert run.zero.hpz_partition_size == 8
-    assert "zero.hpz_partition_size = 8: hpZ is off, all 4 data-parallel ranks are on one node" in capsys.readouterr().out
+    assert (
+        "zero.hpz_partition_size = 8: hpZ is off, all 4 data-parallel ranks are on one node" in capsys.readouterr().out
+    )

@@ -73,7 +73,9 @@ def _train(steps: int = 3) -> dict:
     import zeropp
 
     with zeropp.init_topology() as topology:
-        engine = zeropp.ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2), zeropp.ZeroConfig(stage=3), topology)
+        engine = zeropp.ZeroEngine(
+            make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2), zeropp.ZeroConfig(stage=3), topology
+        )
         for step in range(steps):
             x, y = rows(global_batch("gpt", step, 0, topology.world_size), topology.rank)
             engine.backward(loss_of("gpt", engine, x, y))

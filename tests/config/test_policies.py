@@ -87,7 +87,9 @@ def test_flat_keywords_and_grouped_policies_give_equal_configs():
 
 
 def test_the_readmes_flat_example_and_the_switches():
-    config = ZeroConfig(stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True, precision="bf16")
+    config = ZeroConfig(
+        stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True, precision="bf16"
+    )
     assert config == ZeroConfig(stage=3, **ZEROPP_SWITCHES, precision="bf16")
     assert (config.qwz.enabled, config.qgz.enabled, config.hpz_partition_size) == (True, True, 0)
 

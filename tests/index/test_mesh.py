@@ -96,4 +96,8 @@ def test_tensor_parallelism_takes_checkpoints_resume_init_from_and_low_precision
         "zero": {"precision": "bf16"},
     }
     config = load_config(source)
-    assert (config.topology.tensor_parallel_size, config.zero.precision, config.checkpoint.resume) == (2, "bf16", "auto")
+    assert (config.topology.tensor_parallel_size, config.zero.precision, config.checkpoint.resume) == (
+        2,
+        "bf16",
+        "auto",
+    )

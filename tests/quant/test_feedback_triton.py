@@ -29,13 +29,22 @@ def _steps(rows: int, columns: int, dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("beta", [0.0, 0.8])
 @pytest.mark.parametrize(
     ("bits", "block", "dtype"),
-    [(4, 64, torch.bfloat16), (4, 48, torch.float32), (4, 49, torch.float32), (8, 64, torch.float32), (8, 48, torch.bfloat16)],
+    [
+        (4, 64, torch.bfloat16),
+        (4, 48, torch.float32),
+        (4, 49, torch.float32),
+        (8, 64, torch.float32),
+        (8, 48, torch.bfloat16),
+    ],
 )
 def test_triton_residual_update_is_the_reference_bit_for_bit(bits, block, dtype, beta):
     """Three quantizations of the same slice (columns 37..37+203 of rows 400 wide: strided residual
     rows, a partial last block; block 49 makes int4 bytes straddle blocks): same codes, same scales,
     same residual."""
-    assert backend_of(tk).update_residual is feedback_triton.update_residual and backend_of(reference).update_residual is None
+    assert (
+        backend_of(tk).update_residual is feedback_triton.update_residual
+        and backend_of(reference).update_residual is None
+    )
     spec, start, width = QuantSpec(bits, block), 37, 400
     ours, theirs = ErrorFeedback(beta), ErrorFeedback(beta)
     for values in _steps(5, 203, dtype):

@@ -54,7 +54,9 @@ def _calls(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor | Quantiz
     results = {
         "quantize": q,
         "quantize-ordered": reference.quantize(x, spec, row_order=torch.arange(rows_).flip(0)),
-        "quantize-out": reference.quantize(x, spec, out=Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), n, spec)),
+        "quantize-out": reference.quantize(
+            x, spec, out=Quantized(torch.empty_like(q.data), torch.empty_like(q.scales), n, spec)
+        ),
         "dequantize": reference.dequantize(q, torch.float32),
         "dequantize-bf16": reference.dequantize(q, torch.bfloat16),
         "dequantize-out": reference.dequantize(q, torch.float32, out=torch.empty(rows_, n)),
@@ -70,7 +72,9 @@ def _calls(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor | Quantiz
 def _same(a: torch.Tensor | Quantized, b: torch.Tensor | Quantized) -> bool:
     if isinstance(a, Quantized):
         return _same(a.data, b.data) and _same(a.scales, b.scales)
-    return torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+    return torch.equal(
+        a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b
+    )
 
 
 CASES = list(itertools.product((4, 8), (256, 7, None), (1, 255, 1000), (1, 3, 4)))
@@ -101,7 +105,9 @@ def test_reused_scratch_gives_the_fresh_memory_results(bits, block, n, rows_):
 def test_results_never_live_in_scratch():
     spec, x = QuantSpec(4, 16), torch.randn(4, 300)
     kept = _returned(x, spec)
-    snapshot = {k: (v.data.clone(), v.scales.clone()) if isinstance(v, Quantized) else v.clone() for k, v in kept.items()}
+    snapshot = {
+        k: (v.data.clone(), v.scales.clone()) if isinstance(v, Quantized) else v.clone() for k, v in kept.items()
+    }
     _returned(torch.randn(4, 300) * 100, spec)  # every slot rewritten
     buffers = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in scratch._slots.buffers.values()]
     assert buffers, "the calls used no scratch memory"

@@ -239,7 +239,9 @@ def test_zero_r_with_sequence_parallelism_keeps_each_ranks_slice_and_trains_to_t
             assert [r.device_peak_bytes for r in records["AC"]] == [units * piece] * STEPS
             assert [r.allocations for r in records["AC+Pa"]] == [units * ACCUMULATION] * STEPS  # a copy per input
             assert [r.allocations for r in records["AC+Pa+cpu+MD"]] == [2 * units * ACCUMULATION] + [0] * (STEPS - 1)
-            assert {(r.device_peak_bytes, r.host_peak_bytes) for r in records["AC+Pa+cpu"]} == {(2 * piece, units * piece)}
+            assert {(r.device_peak_bytes, r.host_peak_bytes) for r in records["AC+Pa+cpu"]} == {
+                (2 * piece, units * piece)
+            }
 
 
 # without tensor parallelism: (name, ZeroConfig keys of the run, of the run it must equal, tolerance)

@@ -67,7 +67,9 @@ def test_reduction_queue_bounds_in_flight_and_starts_hops_in_issue_order():
 def _unit(policy: StagePolicy) -> FlatUnit:
     layout = Layout(1, 1)
     world = Group(None, (0,), 0)
-    topology = Topology(layout, 0, torch.device("cpu"), world, world, world, world, world, datetime.timedelta(seconds=5))
+    topology = Topology(
+        layout, 0, torch.device("cpu"), world, world, world, world, world, datetime.timedelta(seconds=5)
+    )
     module = nn.Linear(3, 2)
     options = UnitOptions(torch.device("cpu"), torch.float32, torch.float32, 1, 0, 1 << 20, 1 << 20)
     groups = ShardGroups(world, world, world)

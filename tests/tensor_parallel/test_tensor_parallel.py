@@ -255,7 +255,9 @@ def norm_gradient_ledger(stage: int, accumulation: int) -> dict:
         engine.backward(loss_of("gpt", engine, *rows(global_batch("gpt", 0, micro, 1), 0)))
     engine.step()
     ledger = engine.comm.ledger
-    return dict(calls=ledger.calls[("tp.all_reduce", "backward")], bytes=ledger.total(op="tp.all_reduce", phase="backward"))
+    return dict(
+        calls=ledger.calls[("tp.all_reduce", "backward")], bytes=ledger.total(op="tp.all_reduce", phase="backward")
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

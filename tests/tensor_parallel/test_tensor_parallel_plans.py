@@ -127,4 +127,3 @@ def test_the_sequence_length_check_reads_the_tokens_not_the_masks():
     for args, kwargs in [((tokens[:, :15],), {}), ((), {"input_ids": tokens[:, :15], "attention_mask": mask})]:
         with pytest.raises(ConfigError, match="a sequence of 15 tokens is not allowed"):
             _check_inputs(2, None, args, kwargs)
-

@@ -20,7 +20,9 @@ def save_tp_worker(root: str) -> dict:
 
     def config(name: str, **checkpoint):
         tp = {"tensor_parallel_size": 2}
-        return run_config(Path(root) / name, STEPS, nodes=2, micro_batch=2, zero={"stage": 3}, topology=tp, **checkpoint)
+        return run_config(
+            Path(root) / name, STEPS, nodes=2, micro_batch=2, zero={"stage": 3}, topology=tp, **checkpoint
+        )
 
     straight = Trainer(config("straight"))
     straight_losses = [straight.train_step(step) for step in range(STEPS)]
@@ -51,8 +53,15 @@ def load_worker(root: str, tp: int, micro_batch: int, stage: int) -> dict:
     checkpoint = {"resume": str(Path(root) / "saved" / f"step-{SAVED_AT:08d}")}
     topology = {"tensor_parallel_size": tp}
     trainer = Trainer(
-        run_config(Path(root) / f"tp{tp}", STEPS, nodes=1, micro_batch=micro_batch, zero={"stage": stage},
-                topology=topology, checkpoint=checkpoint)  # fmt: skip
+        run_config(
+            Path(root) / f"tp{tp}",
+            STEPS,
+            nodes=1,
+            micro_batch=micro_batch,
+            zero={"stage": stage},
+            topology=topology,
+            checkpoint=checkpoint,
+        )  # fmt: skip
     )
     loaded = weights_of(trainer)
     for step in range(trainer.start_step, STEPS):
@@ -89,7 +98,6 @@ def test_a_dp2_tp2_checkpoint_resumes_exactly_and_loads_on_other_meshes_and_expo
             # weights and Adam's moments resharded: training goes on as in the uninterrupted run
             error = max((result["final"][k] - reference["final"][k]).abs().max().item() for k in whole)
             assert error <= 1e-5, f"dp {world // tp} x tp {tp} continued {error:.3g} away from dp 2 x tp 2"
-
 
 
 def _older_format_is_refused_but_exports(path: Path, copy: Path, whole: dict[str, torch.Tensor]) -> None:

@@ -66,7 +66,9 @@ def test_estimate_activation_checkpoints_and_tensor_parallel_traffic(tp):
     assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") * 5 / 4
     assert plain.bytes_of("pa") == checkpointed.bytes_of("pa") == 0
     assert pa.bytes_of("pa") == 2 * gpt.n_layer * ring_bytes(4 * bsh, tp) == pa.bytes_of("tp") / 10
-    paper = run(activation_checkpointing=True, partition_activations=True, recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES)
+    paper = run(
+        activation_checkpointing=True, partition_activations=True, recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES
+    )
     assert paper.bytes_of("tp") == plain.bytes_of("tp") * 6 / 4 and paper.bytes_of("pa") == paper.bytes_of("tp") / 12
     assert plain.activation_checkpoint_bytes() == 0
     assert checkpointed.activation_checkpoint_bytes() == gpt.n_layer * bsh * 4
@@ -109,7 +111,9 @@ def test_estimate_sequence_parallel_traffic_and_checkpoints(tp):
     paper = run(**ac, recomputed_all_reduces=PAPER_RECOMPUTED_ALL_REDUCES)
     sent, norms = ring_bytes(4 * bsh, tp), 2 * (2 * layers + 1)
     ends = 2 * sent + norms * ring_bytes(4 * gpt.d_model, tp, 2)
-    assert plain.bytes_of("tp") == 2 * (layers * 8 * sent + ends) == megatron.bytes_of("tp") + 2 * ends  # 2 micro-batches
+    assert (
+        plain.bytes_of("tp") == 2 * (layers * 8 * sent + ends) == megatron.bytes_of("tp") + 2 * ends
+    )  # 2 micro-batches
     assert checkpointed.bytes_of("tp") == plain.bytes_of("tp") + 2 * layers * 3 * sent
     assert paper.bytes_of("tp") == plain.bytes_of("tp") + 2 * layers * 4 * sent
     assert pa.bytes_of("pa") == cpu.bytes_of("pa") == 0 and pa.bytes_of("tp") == checkpointed.bytes_of("tp")
@@ -340,7 +344,17 @@ def test_cli_tensor_parallel_and_zero_r(capsys, tmp_path):
     result = json.loads(out.read_text())
     assert result["unit_numels"] == gpt_unit_numels(ModelConfig(preset="small"), 2)
     assert result["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0 and result["tensor_parallel_bytes_per_step"] > 0
-    small = ["--preset", "small", "--world", "8", "--nodes", "2", "--tensor-parallel", "2", "--activation-checkpointing"]
+    small = [
+        "--preset",
+        "small",
+        "--world",
+        "8",
+        "--nodes",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--activation-checkpointing",
+    ]
     assert main([*small, "--sequence-parallel", "--json", str(out)]) == 0
     result, gpt = json.loads(out.read_text()), PRESETS["small"]
     assert result["activations"]["sequence_parallel"] and "tp.reduce_scatter" in result["ledger"]
@@ -387,7 +401,10 @@ def test_cli_tables(capsys, tmp_path):
         (["--world", "4", "--optimizer-state-bytes", "-1"], "--optimizer-state-bytes"),
         (["--world", "8", "--nodes", "2", "--tensor-parallel", "3"], "--tensor-parallel-size = 3"),
         (["--world", "8", "--tensor-parallel", "8"], "--tensor-parallel-size = 8 is not allowed with --n-head = 4"),
-        (["--world", "4", "--sequence-parallel"], "--sequence-parallel = True is not allowed; expected false unless --tensor-parallel-size > 1"),
+        (
+            ["--world", "4", "--sequence-parallel"],
+            "--sequence-parallel = True is not allowed; expected false unless --tensor-parallel-size > 1",
+        ),
         (
             ["--world", "4", "--partition-activations"],
             "--partition-activations = True is not allowed; expected false unless --activation-checkpointing",

@@ -71,7 +71,7 @@ CASES = {
     "zeropp": (dict(stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True), {}),
     "fp16-clipped": (
         dict(stage=3, precision="fp16", max_grad_norm=0.5),
-        {"engine.py:return bool(self._reduce_over_shards(local, \"max\").item())": 1.0},
+        {'engine.py:return bool(self._reduce_over_shards(local, "max").item())': 1.0},
     ),
     "stage2-accumulation": (dict(stage=2, gradient_accumulation_steps=2), {}),
 }

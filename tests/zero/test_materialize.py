@@ -43,7 +43,9 @@ def train_meta_built(simulated_nodes: int, kinds: list[str], tp: int = 1) -> dic
             model = parallelize(_meta_model(kind), topology)  # split weights: initialized whole, then cut
             engine = ZeroEngine(model, torch.optim.AdamW, optim_kwargs, ZeroConfig(stage=stage), topology, seed=SEED)
             start = engine.full_state_dict()
-            errors[f"{kind}-stage{stage}-initial"] = max((start[k] - initial[k].float()).abs().max().item() for k in initial)
+            errors[f"{kind}-stage{stage}-initial"] = max(
+                (start[k] - initial[k].float()).abs().max().item() for k in initial
+            )
             for step in range(STEPS):
                 x, y = rows(global_batch(kind, step, 0, world), rank)
                 engine.backward(loss_of(kind, engine, x, y))
@@ -123,7 +125,9 @@ def construction_memory(meta: bool, blocks: int, width: int) -> dict:
     meter = PeakMeter(topology.device)
     engine = build(width)
     broadcasts = engine.comm.ledger.calls.get(("broadcast", "other"), 0)
-    return dict(peak=meter.peak(), model_bytes=4 * blocks * width * width, broadcasts=broadcasts, units=len(engine.units))
+    return dict(
+        peak=meter.peak(), model_bytes=4 * blocks * width * width, broadcasts=broadcasts, units=len(engine.units)
+    )
 
 
 def test_no_rank_holds_the_whole_model_while_constructing():

@@ -172,10 +172,14 @@ def two_level_qgz_worker(simulated_nodes: int) -> dict:
             first = reduce(inputs[rank], dtype, intra_spec=intra_spec, feedback=feedback)
             if not torch.equal(first, two_level):
                 failures.append(f"{key}: error feedback's first reduction differs from the plain one")
-            repeated = [first] + [reduce(inputs[rank], dtype, intra_spec=intra_spec, feedback=feedback) for _ in range(7)]
+            repeated = [first] + [
+                reduce(inputs[rank], dtype, intra_spec=intra_spec, feedback=feedback) for _ in range(7)
+            ]
             mean_error = (torch.stack(repeated).mean(0) - exact).abs()
             if not (mean_error <= bound / 2).all() or mean_error.max() >= max(error.max(), 1e-30):
-                failures.append(f"{key}: mean of 8 fed-back reductions off by {mean_error.max():.3g} (one: {error.max():.3g})")
+                failures.append(
+                    f"{key}: mean of 8 fed-back reductions off by {mean_error.max():.3g} (one: {error.max():.3g})"
+                )
     return dict(failures=failures, ratios=ratios)
 
 

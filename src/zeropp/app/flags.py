@@ -28,7 +28,9 @@ METAVARS = {
 
 
 def add_config_flags(
-    group: argparse._ActionsContainer, names: Iterable[str] | None = None, stage3_defaults: Mapping[str, Any] | None = None
+    group: argparse._ActionsContainer,
+    names: Iterable[str] | None = None,
+    stage3_defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """One flag per config key in `names` (leaf names; all keys when None), and one per alias (left out
     of the help). Help: the key's meaning and default; `stage3_defaults` (dotted keys) are the

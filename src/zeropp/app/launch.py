@@ -30,7 +30,9 @@ PR_SET_PDEATHSIG = 1
 # How the launcher starts a rank: ignoring SIGINT from its first line. Ctrl-C reaches every process of
 # the terminal's group, also ranks still importing torch; the launcher stops the ranks itself and says
 # "interrupted" once.
-RANK_ENTRY = "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from zeropp.cli import main; sys.exit(main())"
+RANK_ENTRY = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from zeropp.cli import main; sys.exit(main())"
+)
 PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
 
 # torchrun flag -> (default, type, help); None: decided at launch (see resolve)

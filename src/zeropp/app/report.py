@@ -78,11 +78,7 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("model", summary.model)
     head.add_row("stage / precision", f"{summary.stage} / {summary.precision}")
     switches = summary.zeropp
-    on = [
-        name
-        for name, flag in (("qwZ", switches.quantized_weights), ("qgZ", switches.quantized_gradients))
-        if flag
-    ]
+    on = [name for name, flag in (("qwZ", switches.quantized_weights), ("qgZ", switches.quantized_gradients)) if flag]
     if switches.hpz_group_size > 1:
         on.append(f"hpZ (groups of {switches.hpz_group_size})")
     head.add_row("ZeRO++", ", ".join(on) or "off")
@@ -111,17 +107,20 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}")
     head.add_row("peak memory per rank", ", ".join(si(b) for b in summary.peak_memory_bytes_per_rank))
     init, step = summary.init_peak_memory_bytes_per_rank, summary.step_peak_memory_bytes_per_rank
-    head.add_row("peak above start: init / steps", ", ".join(f"{si(a)} / {si(b)}" for a, b in zip(init, step, strict=True)))
+    head.add_row(
+        "peak above start: init / steps", ", ".join(f"{si(a)} / {si(b)}" for a, b in zip(init, step, strict=True))
+    )
     head.add_row(
         "sent per rank per step",
-        f"intra-node {si(summary.intra_node_bytes_per_step)}, "
-        f"inter-node {si(summary.inter_node_bytes_per_step)}",
+        f"intra-node {si(summary.intra_node_bytes_per_step)}, inter-node {si(summary.inter_node_bytes_per_step)}",
     )
     inter, zero3 = summary.inter_node_bytes_per_step, summary.zero3_inter_node_bytes_per_step
     if zero3:
         head.add_row("inter-node vs ZeRO-3", f"{si(inter)} vs {si(zero3)} ({inter / zero3:.2f}x)")
     if summary.skipped_steps or summary.precision == "fp16":
-        head.add_row("skipped steps (fp16 overflow)", f"{summary.skipped_steps} of {summary.steps - summary.start_step}")
+        head.add_row(
+            "skipped steps (fp16 overflow)", f"{summary.skipped_steps} of {summary.steps - summary.start_step}"
+        )
     if summary.checkpoints:
         last = summary.checkpoints[-1]
         head.add_row(

@@ -120,7 +120,11 @@ class Trainer:
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = parallelize(self.source.build(), self.topology)
         self.engine = ZeroEngine(
-            model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
+            model,
+            OPTIMIZERS[config.optim.optimizer],
+            self.hyperparameters(),
+            config.zero,
+            self.topology,
             seed=config.train.seed,
         )
         weights = config.train.init_from or self.source.weights
@@ -152,7 +156,11 @@ class Trainer:
         than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
         on_host = self.topology.device.type == "cpu" or zero.offload.optimizer == "cpu"
-        own = dict(momentum=optim.momentum) if optim.optimizer == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        own = (
+            dict(momentum=optim.momentum)
+            if optim.optimizer == "sgd"
+            else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        )
         return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
 
     def keep_run_hyperparameters(self) -> None:
@@ -281,7 +289,9 @@ class Trainer:
             self.engine.comm.all_gather(out, local, self.topology.world, bucket_numel=out.numel())
         return out.view(self.topology.world_size, len(values)).tolist()
 
-    def run(self, progress: Callable[[StepMetrics, int], None] | None = None, log: MetricsLog | None = None) -> RunSummary | None:
+    def run(
+        self, progress: Callable[[StepMetrics, int], None] | None = None, log: MetricsLog | None = None
+    ) -> RunSummary | None:
         """Train from start_step to train.steps, handing every step's metrics to `log` and to
         progress(metrics, skipped steps so far); None (and a line on rank 0) when nothing is left."""
         steps = self.config.train.steps
@@ -353,7 +363,9 @@ class Trainer:
             engine.disk.bytes_written / steps if engine.disk else 0.0,
         )
         fields = len(dataclasses.fields(RankRecord))
-        rows = self.per_rank([*dataclasses.astuple(record), *(ledger.total(op=o, phase=p, link=k) / steps for o, p, k in entries)])
+        rows = self.per_rank(
+            [*dataclasses.astuple(record), *(ledger.total(op=o, phase=p, link=k) / steps for o, p, k in entries)]
+        )
         mean_ledger: dict[str, dict[str, dict[str, float]]] = {}
         for i, (o, p, k) in enumerate(entries):
             value = sum(r[fields + i] for r in rows) / len(rows)
@@ -411,7 +423,10 @@ class Trainer:
             tensor_parallel_size=topo.tensor_parallel.size,
             sequence_parallel=topo.sequence_parallel,
             tensor_parallel_bytes_per_step=sum(
-                sum(links.values()) for op, phases in mean_ledger.items() if op.startswith("tp.") for links in phases.values()
+                sum(links.values())
+                for op, phases in mean_ledger.items()
+                if op.startswith("tp.")
+                for links in phases.values()
             ),
             activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
             activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,

@@ -96,7 +96,9 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / META).read_text())
         if meta.get("format") not in (FORMAT, FLAT_FORMAT):
-            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r} (or {FLAT_FORMAT!r}, for export only)")
+            raise ValueError(
+                f"format {meta.get('format')!r}, expected {FORMAT!r} (or {FLAT_FORMAT!r}, for export only)"
+            )
         FileSystemReader(str(path)).read_metadata()
     except Exception as error:  # unreadable json, truncated or foreign DCP metadata, ...
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__

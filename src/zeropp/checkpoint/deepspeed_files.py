@@ -201,7 +201,11 @@ def _partition_count(state: dict[str, Any]) -> int:
 
 
 def _model_files(folder: Path, stage: int, world: int) -> list[Path]:
-    names = ["mp_rank_00_model_states.pt"] if stage < 3 else [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    names = (
+        ["mp_rank_00_model_states.pt"]
+        if stage < 3
+        else [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    )
     for name in names:
         if not (folder / name).is_file():
             raise DeepSpeedCheckpointError(
@@ -287,7 +291,9 @@ def _stage3_params(
     per_rank = []
     for rank in ranks:
         groups = _per_group_states(rank, rank["fp32_flat_groups"])
-        per_rank.append({key: torch.cat([g[key] for g in groups]) if value.dim() else value for key, value in groups[0].items()})
+        per_rank.append(
+            {key: torch.cat([g[key] for g in groups]) if value.dim() else value for key, value in groups[0].items()}
+        )
     params: dict[str, dict[str, torch.Tensor]] = {}
     offset = 0
     for name, shape in ((n, s) for group in shapes for n, s in group.items()):
@@ -320,7 +326,9 @@ def _fixed(
     if stage < 3:  # frozen parameters DeepSpeed did not list (stage 1): the module's own values, whole
         fixed.update({name: t.clone() for name, t in module.items() if name not in known})
     untied = sorted(name for name in module if name not in known | set(fixed))
-    return {name: t.float() if t.is_floating_point() else t for name, t in fixed.items()}, untied  # fp32, as zero_to_fp32
+    return {
+        name: t.float() if t.is_floating_point() else t for name, t in fixed.items()
+    }, untied  # fp32, as zero_to_fp32
 
 
 def _precision(config: dict[str, Any]) -> str:

@@ -92,7 +92,9 @@ class LayoutMesh:
         row = math.prod(rest)
         block = (local.numel() // row if row else 0, *rest) if local_shape else (local.numel(),)
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        piece = DTensor.from_local(local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        piece = DTensor.from_local(
+            local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride
+        )
         if len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
             start, _ = chunk_range(local_shape[0], self.data_parallel.size, self.data_parallel.rank)
             _written_as_blocks(piece, blocks(param, (start, start + block[0])))
@@ -218,7 +220,9 @@ def _whole(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return local
     mesh, placements = param.device_mesh, param.placements
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()).full_tensor()
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    ).full_tensor()
 
 
 def _managed(units: list[FlatUnit]) -> Iterator[tuple[str, nn.Parameter]]:

@@ -122,9 +122,7 @@ class Communicator:
         tp = self.topology.tensor_parallel
         return f"tp.{op}" if tp.size > 1 and group.ranks == tp.ranks else op
 
-    def _record_ring(
-        self, op: str, group: Group, buffer_bytes: int, passes: int = 1, label: str | None = None
-    ) -> None:
+    def _record_ring(self, op: str, group: Group, buffer_bytes: int, passes: int = 1, label: str | None = None) -> None:
         sent = ring_bytes(buffer_bytes, group.size, passes)
         intra = self._successor_is_intra(group)
         self.ledger.record(label or self._label(op, group), sent if intra else 0, 0 if intra else sent)

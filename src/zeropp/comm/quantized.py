@@ -201,14 +201,18 @@ def reduce_scatter_quantized(
     assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
     pieces = math.ceil(shard.numel() / bucket_numel) * chunks
     rotation_block = spec.block_size if hadamard_rotation else None
-    reduction = _QgzReduction(comm, shard, (intra_spec or spec, spec), kernels, groups, pieces, rotation_block, feedback)
+    reduction = _QgzReduction(
+        comm, shard, (intra_spec or spec, spec), kernels, groups, pieces, rotation_block, feedback
+    )
     reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
         return Pending([], reduction.land_one_node)
     # Inter-node hops may start early only on a group no other collective uses (every rank must
     # issue a group's collectives in the same order); with one rank per node it is the shard group.
     may_start_early = groups.inter_node.ranks != groups.shard.ranks
-    return Pending([], reduction.land, start_hops=(lambda: reduction.start_inter(block=False)) if may_start_early else None)
+    return Pending(
+        [], reduction.land, start_hops=(lambda: reduction.start_inter(block=False)) if may_start_early else None
+    )
 
 
 @dataclass
@@ -287,7 +291,9 @@ class _QgzReduction:
             else:
                 sums = self.kernels.dequantize_reduce(sources, torch.float32)
                 start = self.columns[len(self.inter)][0]
-                partial = self.feedback.quantize(self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel())
+                partial = self.feedback.quantize(
+                    self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel()
+                )
             arriving.done()
             self.intra[len(self.inter)] = None  # the received chunk is no longer needed
             self.inter.append(self._exchange(partial, self.groups.inter_node))

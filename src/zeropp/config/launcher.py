@@ -56,7 +56,12 @@ def read_launch_environment(env: Mapping[str, str]) -> LaunchEnvironment:
     if torchrun:
         return _checked("torchrun", env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *master)
     if "OMPI_COMM_WORLD_RANK" in env:
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        names = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
         return _with_address(_checked("openmpi", env, *names, *master), "mpirun")
     if "PMI_RANK" in env:
         names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
@@ -88,11 +93,15 @@ def _checked(
 ) -> LaunchEnvironment:
     rank, world = _integer(env, rank_name), _integer(env, world_name)
     if world is None or world < 1:
-        raise ConfigError(f"the environment sets {rank_name} but {world_name} is {env.get(world_name)!r}; expected a world size >= 1")
+        raise ConfigError(
+            f"the environment sets {rank_name} but {world_name} is {env.get(world_name)!r}; expected a world size >= 1"
+        )
     local_rank = _integer(env, local_rank_name)
     local_size = local_world_size if local_world_size is not None else _integer(env, local_size_name)
     if rank is None or rank >= world:
-        raise ConfigError(f"the environment sets {rank_name}={rank} with {world_name}={world}; a rank is below the world size")
+        raise ConfigError(
+            f"the environment sets {rank_name}={rank} with {world_name}={world}; a rank is below the world size"
+        )
     if local_size is not None and (local_size < 1 or world % local_size):
         raise ConfigError(
             f"the environment sets {local_size_name}={local_size} with {world_name}={world}; "

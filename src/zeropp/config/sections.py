@@ -77,14 +77,20 @@ class ZeroConfig:
     }
     FLAT_KEYS: ClassVar[dict[str, tuple[str, str]]] = FLAT_KEYS  # weight_bits -> ("qwz", "bits"), ...
 
-    stage: int = setting(3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights")
+    stage: int = setting(
+        3, "ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2 and gradients, 3 and weights"
+    )
     precision: Precision = setting("fp32", "compute dtype of weights and activations (masters stay fp32)")
     grad_dtype: Precision | None = setting(
         None, "dtype gradients are reduced and accumulated in; unset: the compute dtype (the ZeRO paper's 2 bytes)"
     )
-    reduce_bucket_numel: int = setting(2**24, "most elements per rank in one reduce-scatter call (constant-size buffers)")
+    reduce_bucket_numel: int = setting(
+        2**24, "most elements per rank in one reduce-scatter call (constant-size buffers)"
+    )
     allgather_bucket_numel: int = setting(2**24, "most elements per rank in one all-gather call")
-    prefetch: int = setting(1, "stage 3: how many units ahead, in recorded execution order, to all-gather asynchronously")
+    prefetch: int = setting(
+        1, "stage 3: how many units ahead, in recorded execution order, to all-gather asynchronously"
+    )
     persistence_threshold: int = setting(
         0, "stage 3: units of at most this many elements stay gathered (not re-gathered every pass)"
     )
@@ -178,7 +184,8 @@ class TopologyConfig:
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "collective backend; auto: NCCL with CUDA, else gloo")
     timeout_s: float = setting(300.0, "seconds a collective may wait for the other ranks before a one-line error")
     tensor_parallel_size: int = setting(
-        1, "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest"
+        1,
+        "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest",
     )
     sequence_parallel: bool = setting(
         False,
@@ -190,7 +197,12 @@ class TopologyConfig:
         check_choices(self, "topology")
         if self.nodes is not None:
             require(self.nodes >= 1, "topology.nodes", self.nodes, "an integer >= 1, or unset")
-        require(self.tensor_parallel_size >= 1, "topology.tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        require(
+            self.tensor_parallel_size >= 1,
+            "topology.tensor_parallel_size",
+            self.tensor_parallel_size,
+            "an integer >= 1",
+        )
         if self.sequence_parallel:
             require(
                 self.tensor_parallel_size > 1,
@@ -221,7 +233,9 @@ class ModelConfig:
     hf_model: str | None = setting(
         None, "train this Hugging Face causal LM instead: a local folder with config.json (and safetensors weights)"
     )
-    hf_config: str | None = setting(None, "train a randomly initialized Hugging Face causal LM of this local config.json")
+    hf_config: str | None = setting(
+        None, "train a randomly initialized Hugging Face causal LM of this local config.json"
+    )
 
     def validate(self) -> None:
         check_choices(self, "model")
@@ -240,15 +254,18 @@ class OptimConfig:
     optimizer: Literal["adamw", "adam", "sgd"] = setting(
         "adamw", "adamw (decoupled weight decay), adam (L2 weight decay) or sgd, from torch.optim"
     )
-    lr: float = setting(1e-3, "peak learning rate of the schedule (with 50 warm-up steps: no plateau lottery, docs/benchmarks.md)")
+    lr: float = setting(
+        1e-3, "peak learning rate of the schedule (with 50 warm-up steps: no plateau lottery, docs/benchmarks.md)"
+    )
     weight_decay: float = setting(0.1, "weight decay (decoupled for adamw)")
     beta1: float = setting(0.9, "Adam's first-moment decay")
     beta2: float = setting(0.95, "Adam's second-moment decay")
     eps: float = setting(1e-8, "Adam's epsilon")
     momentum: float = setting(0.0, "SGD's momentum")
     schedule: Literal["cosine", "constant", "warmup", "warmup_decay", "warmup_cosine"] = setting(
-        "cosine", "cosine: linear warm-up, then cosine decay to min_lr_ratio; constant; warmup, warmup_decay, "
-        "warmup_cosine: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR"
+        "cosine",
+        "cosine: linear warm-up, then cosine decay to min_lr_ratio; constant; warmup, warmup_decay, "
+        "warmup_cosine: DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR",
     )
     warmup_steps: int = setting(50, "steps of learning-rate warm-up")
     warmup_type: Literal["log", "linear"] = setting("log", "DeepSpeed's schedules: the warm-up curve")
@@ -281,8 +298,9 @@ class TrainConfig:
     eval_interval: int = setting(50, "evaluate the validation loss every this many steps, and after the last")
     eval_batches: int = setting(8, "validation micro-batches per evaluation, per rank")
     init: Literal["meta", "eager"] = setting(
-        "meta", "meta: build the model on the meta device, each rank initializes it unit by unit (seeded per unit); "
-        "eager: build it whole on every rank and synchronize it from rank 0"
+        "meta",
+        "meta: build the model on the meta device, each rank initializes it unit by unit (seeded per unit); "
+        "eager: build it whole on every rank and synchronize it from rank 0",
     )
     init_from: str | None = setting(
         None, "start from these weights: a safetensors file, or a folder with model.safetensors or its index"
@@ -291,7 +309,8 @@ class TrainConfig:
         50, "fp16: stop the run after this many optimizer steps in a row skipped for overflowing gradients"
     )
     data: str | None = setting(
-        None, "train on this local text: a file, a folder of files, or .jsonl with a text field; unset: the embedded corpus"
+        None,
+        "train on this local text: a file, a folder of files, or .jsonl with a text field; unset: the embedded corpus",
     )
     tokenizer: str | None = setting(None, "a local Hugging Face tokenizer folder for train.data; unset: UTF-8 bytes")
 

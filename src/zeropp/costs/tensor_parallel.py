@@ -1,18 +1,26 @@
 """What a plan costs, without applying it: the elements each tensor-parallel rank holds of every
 parameter (for the estimator; the model may live on the meta device) and the bytes a transformer
-block sends per micro-batch (Megatron's layout, with or without sequence parallelism).
+block sends per micro-batch (Megatron's layout, with or without sequence parallelism; any plan of the
+styles transformers' plans translate to, derived module by module: :func:`plan_transfers`).
 """
 
 from __future__ import annotations
 
 import math
-from fnmatch import fnmatch
+from collections.abc import Iterator
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from zeropp.costs.volume import SEQUENCE_PARALLEL_RECOMPUTED, megatron_transfers, sequence_parallel_transfers
-from zeropp.tensor_parallel.plans import Plan
+from zeropp.comm.ledger import ring_bytes
+from zeropp.costs.volume import (
+    SEQUENCE_PARALLEL_RECOMPUTED,
+    Transfer,
+    megatron_transfers,
+    sequence_parallel_transfers,
+)
+from zeropp.tensor_parallel.hf_plans import AllReducedOutput, MoeExperts, Plan, blocks_name, matches
 from zeropp.zero.dtensor_params import splits
 
 # (style, module type) -> {parameter: the dimension the style shards it on}; what parallelize_module does
@@ -29,12 +37,7 @@ def local_numels(model: nn.Module, plan: Plan, tp: int) -> dict[str, int]:
     """{parameter name: elements the first tensor-parallel rank holds} once `plan` splits `model` over
     tp ranks, without splitting it (the model may live on the meta device): a sharded dimension of n
     becomes ceil(n / tp), as ``torch.chunk`` gives the first rank; the rest stays whole."""
-    styles = {}
-    for name, module in model.named_modules():
-        for pattern, style in plan.items():
-            atoms, names = pattern.split("."), name.split(".")
-            if len(atoms) == len(names) and all(fnmatch(n, a) for n, a in zip(names, atoms, strict=True)):
-                styles[name] = (style, module)
+    styles = styled_modules(model, plan)
     out = {}
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
@@ -67,3 +70,85 @@ def megatron_bytes_per_block(
     else:
         transfers = megatron_transfers(elements, element_bytes, tp, recomputed)
     return sum(t.sent for t in transfers)
+
+
+def styled_modules(model: nn.Module, plan: Plan) -> dict[str, tuple[ParallelStyle, nn.Module]]:
+    """{module name: (its style, the module)} for every module of `model` a pattern of `plan` matches."""
+    return {
+        name: (style, module)
+        for name, module in model.named_modules()
+        for pattern, style in plan.items()
+        if matches(name, pattern)
+    }
+
+
+def plan_step_transfers(model: nn.Module, plan: Plan, tokens: int, element_bytes: int, tp: int) -> Iterator[Transfer]:
+    """Every tensor-parallel collective of one micro-batch under `plan`: each block's
+    (:func:`plan_transfers`, the blocks named by ``base_model_pp_plan``), then the rest of the model's
+    (a split embedding)."""
+    blocks = blocks_name(model)
+    styled = styled_modules(model, plan)
+    for index in range(len(model.get_submodule(blocks))):
+        yield from plan_transfers(model, plan, tokens, element_bytes, tp, f"{blocks}.{index}.")
+    outside = {n: s for n, s in styled.items() if not n.startswith(f"{blocks}.")}
+    yield from _transfers(model, outside, tokens, element_bytes, tp)
+
+
+def plan_transfers(
+    model: nn.Module, plan: Plan, tokens: int, element_bytes: int, tp: int, block: str
+) -> Iterator[Transfer]:
+    """The tensor-parallel collectives one micro-batch of `tokens` tokens costs one rank in `block` (a
+    prefix: ``"model.layers.0."``) under `plan` (the styles :func:`~zeropp.tensor_parallel.hf_plans.hf_plan`
+    translates to), module by module (`element_bytes`: activations' and gradients' size):
+
+    - column-wise linear: its whole input's gradient all-reduced in backward; an output gathered
+      whole (``colwise_rep``) all-gathered in forward;
+    - row-wise linear: its output all-reduced in forward; a whole input (``rowwise_rep``) is cut
+      locally, its gradient all-gathered in backward;
+    - embedding: the vocabulary split, lookups all-reduced; the hidden dimension split, gathered;
+    - experts (:class:`~zeropp.tensor_parallel.hf_plans.MoeExperts`): the output all-reduced in forward,
+      the tokens' and routing weights' gradients in backward (``num_experts_per_tok`` weights a token);
+    - all-reduced output: the module's output (``out_features``, else the hidden size);
+    - head norms (``replicated_with_grad_allreduce``): their partial weight gradients, all-reduced with
+      the unit's gradients as one message (once per gradient reduction: every micro-batch at stages 2-3)."""
+    styled = {n: s for n, s in styled_modules(model, plan).items() if n.startswith(block)}
+    yield from _transfers(model, styled, tokens, element_bytes, tp)
+
+
+def _transfers(
+    model: nn.Module, styled: dict[str, tuple[ParallelStyle, nn.Module]], tokens: int, element_bytes: int, tp: int
+) -> Iterator[Transfer]:
+    """:func:`plan_transfers` of the `styled` modules (one unit's: their head norms' gradients one message)."""
+
+    def reduce(elements: int, phase: str) -> Transfer:
+        return Transfer("tp.all_reduce", phase, ring_bytes(elements * element_bytes, tp, passes=2), 0.0)
+
+    def gather(elements: int, phase: str) -> Transfer:
+        return Transfer("tp.all_gather", phase, ring_bytes(elements * element_bytes, tp), 0.0)
+
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", 0)
+    partial = 0
+    for style, module in styled.values():
+        embedding = isinstance(module, nn.Embedding)
+        width_in = 0 if embedding else getattr(module, "in_features", 0)
+        width_out = module.embedding_dim if embedding else getattr(module, "out_features", hidden)
+        if isinstance(style, MoeExperts):
+            yield reduce(tokens * module.hidden_dim, "forward")
+            yield reduce(tokens * module.hidden_dim, "backward")
+            yield reduce(tokens * config.num_experts_per_tok, "backward")
+        elif isinstance(style, AllReducedOutput):
+            yield reduce(tokens * width_out, "forward")
+        elif isinstance(style, SequenceParallel):
+            partial += sum(p.numel() for p in module.parameters(recurse=False))
+        elif isinstance(style, ColwiseParallel):
+            if width_in:
+                yield reduce(tokens * width_in, "backward")
+            if style.output_layouts == (Replicate(),):
+                yield gather(tokens * width_out, "forward")
+        elif isinstance(style, RowwiseParallel):
+            yield reduce(tokens * width_out, "forward")
+            if width_in and style.input_layouts == (Replicate(),):
+                yield gather(tokens * width_in, "backward")
+    if partial:
+        yield Transfer("tp.all_reduce", "backward", ring_bytes(partial * element_bytes, tp, passes=2), 0.0)

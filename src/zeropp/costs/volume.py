@@ -125,7 +125,9 @@ MIRROR = {"tp.all_gather": "tp.reduce_scatter", "tp.reduce_scatter": "tp.all_gat
 SEQUENCE_PARALLEL_RECOMPUTED = {0: 0, 1: 3, 2: 4}
 
 
-def sequence_parallel_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
+def sequence_parallel_transfers(
+    block_elements: int, element_bytes: int, tp: int, recomputed: int = 0
+) -> Iterator[Transfer]:
     """One block's tensor-parallel collectives in one micro-batch with sequence parallelism, each of
     b x s x h (the gathered output, the scattered input), (tp-1)/tp of it per rank: Megatron's bytes,
     each all-reduce now a reduce-scatter and an all-gather. :data:`SEQUENCE_PARALLEL_FORWARD` in

@@ -105,7 +105,9 @@ class Layout:
         """The group sizes hpZ can use: the divisors of one node's data-parallel ranks and the whole
         nodes that divide the data-parallel world (the world itself is the primary partition)."""
         per_node, world = self.data_parallel_per_node, self.data_parallel_size
-        return [size for size in range(1, world + 1) if world % size == 0 and (per_node % size == 0 or size % per_node == 0)]
+        return [
+            size for size in range(1, world + 1) if world % size == 0 and (per_node % size == 0 or size % per_node == 0)
+        ]
 
     def hpz_note(self, partition_size: int) -> str | None:
         """One line when hpZ was asked for (a size other than 0 and 1) and is off here."""

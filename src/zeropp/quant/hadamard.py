@@ -30,7 +30,6 @@ import torch
 SEED = 0x5EED
 
 
-
 @functools.lru_cache(maxsize=8)
 def signs(block: int, device: torch.device) -> torch.Tensor:
     """The seeded random signs (+-1, fp32) of a block of `block` elements."""

@@ -92,7 +92,11 @@ def _values_shape(q: Quantized) -> tuple[int, ...]:
 def _result_or_scratch(returned: bool, slot: str, shape: tuple[int, ...], q: Quantized) -> torch.Tensor:
     """fp32 memory of `shape`: fresh where it is what the call returns, else the scratch `slot`."""
     device = q.data.device
-    return torch.empty(shape, dtype=torch.float32, device=device) if returned else scratch.empty(slot, shape, torch.float32, device)
+    return (
+        torch.empty(shape, dtype=torch.float32, device=device)
+        if returned
+        else scratch.empty(slot, shape, torch.float32, device)
+    )
 
 
 def _sum_sources(q: Quantized, total: torch.Tensor) -> torch.Tensor:
@@ -145,7 +149,9 @@ def _pack_int4(codes: torch.Tensor, temporary: bool) -> torch.Tensor:
     pairs[:, :n] = codes
     pairs[:, n:] = 0
     words = pairs.view(torch.int16).bitwise_and_(0x0F0F)
-    words |= torch.bitwise_right_shift(words, 4, out=scratch.empty("shifted", tuple(words.shape), torch.int16, codes.device))
+    words |= torch.bitwise_right_shift(
+        words, 4, out=scratch.empty("shifted", tuple(words.shape), torch.int16, codes.device)
+    )
     if not temporary:
         return words.to(torch.uint8)
     return scratch.empty("data", tuple(words.shape), torch.uint8, codes.device).copy_(words)
@@ -157,7 +163,9 @@ def _unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     (``((w << 4) | (w << 8)) & 0xF0F0``); as two little-endian int8 bytes shifted right by 4, they are
     the sign-extended codes."""
     words = scratch.empty("words", tuple(packed.shape), torch.int16, packed.device).copy_(packed)
-    low = torch.bitwise_left_shift(words, 4, out=scratch.empty("shifted", tuple(packed.shape), torch.int16, packed.device))
+    low = torch.bitwise_left_shift(
+        words, 4, out=scratch.empty("shifted", tuple(packed.shape), torch.int16, packed.device)
+    )
     words.bitwise_left_shift_(8).bitwise_or_(low).bitwise_and_(_HIGH_NIBBLES)
     codes = words.view(torch.int8).view(packed.shape[0], -1)
     return codes.bitwise_right_shift_(4)[:, :n]

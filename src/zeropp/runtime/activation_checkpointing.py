@@ -227,7 +227,9 @@ class ActivationCheckpointing:
         """The end of an optimizer step: what the step stored, then peaks start again; MD's arenas
         allocate their buffers after the first step."""
         arenas = [arena for arena in (self.pieces, self.staging) if arena is not None]
-        step = ActivationCheckpointStep(self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas))
+        step = ActivationCheckpointStep(
+            self.memory.device_peak, self.memory.host_peak, sum(a.end_step() for a in arenas)
+        )
         self.memory.new_step()
         return step
 

@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
 from zeropp.errors import ConfigError
+from zeropp.tensor_parallel.hf_plans import has_hf_plan, hf_plan
 from zeropp.tensor_parallel.plans import Plan, gpt2_plan, gpt_plan, llama_plan
 from zeropp.tensor_parallel.rng import fork_split_regions
 from zeropp.topology import Topology
@@ -70,15 +71,20 @@ PLANS: dict[str, Callable[..., Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": ll
 
 
 def plan_for(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan:
-    """The shipped plan for this model's class (with `sequence_parallel`'s layout when asked); a one-line
+    """The shipped plan for this model's class (with `sequence_parallel`'s layout when asked), else
+    transformers' own plan translated (:func:`~zeropp.tensor_parallel.hf_plans.hf_plan`); a one-line
     ConfigError where there is none."""
     name = type(model).__name__
-    if name not in PLANS:
-        raise ConfigError(
-            f"no tensor-parallel plan for model class {name} (plans exist for {', '.join(sorted(PLANS))}); "
-            "pass one: zeropp.parallelize(model, topology, plan={'module.name': ColwiseParallel(), ...})"
-        )
-    return PLANS[name](model, tp, sequence_parallel=sequence_parallel)
+    if name in PLANS:
+        return PLANS[name](model, tp, sequence_parallel=sequence_parallel)
+    if has_hf_plan(model) and not sequence_parallel:
+        return hf_plan(model, tp)
+    what = "sequence-parallel plan" if has_hf_plan(model) else "tensor-parallel plan"
+    raise ConfigError(
+        f"no {what} for model class {name} (shipped for {', '.join(sorted(PLANS))}, and translated from "
+        "transformers' config.base_model_tp_plan); pass one: "
+        "zeropp.parallelize(model, topology, plan={'module.name': ColwiseParallel(), ...})"
+    )
 
 
 def tensor_parallel_mesh(topology: Topology) -> DeviceMesh:

@@ -1,5 +1,6 @@
 """The shipped tensor-parallel plans: Megatron's layout for the embedded GPT, Hugging Face
-``LlamaForCausalLM`` and ``GPT2LMHeadModel``, each with sequence parallelism as an option
+``LlamaForCausalLM`` (transformers' own, translated) and ``GPT2LMHeadModel``, each with sequence
+parallelism as an option
 (:func:`sequence_parallel_plan`). A plan maps module names (fnmatch patterns) to DTensor styles.
 """
 
@@ -9,16 +10,14 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
 
-from zeropp.errors import ConfigError
 from zeropp.tensor_parallel.conv1d import Conv1DColwise, Conv1DRowwise, LocalHeads
+from zeropp.tensor_parallel.hf_plans import Plan, hf_plan, require_equal_shares
 
-Plan = dict[str, ParallelStyle]  # module name (fnmatch patterns allowed) -> how to split it
 SEQUENCE = Shard(1)  # activations are batch-first: (batch, sequence, hidden)
 
 
@@ -31,7 +30,7 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan
     embedding, and splitting the vocabulary would take a vocabulary-parallel embedding plus a
     loss-parallel cross-entropy for one vocab x d_model matrix; whole, they cost no traffic.
     `sequence_parallel`: :func:`sequence_parallel_plan`'s layout on top."""
-    _require_equal_shares(tp, {"model.n_head": model.config.n_head})  # the MLP's 4 d_model follows
+    require_equal_shares(tp, {"model.n_head": model.config.n_head})  # the MLP's 4 d_model follows
     plan: Plan = {}
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
@@ -50,21 +49,16 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan
 
 
 def llama_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan:
-    """Megatron's layout for Hugging Face ``LlamaForCausalLM``: q, k, v and the MLP's gate and up
-    projections column-wise (each rank whole query and key/value heads), o_proj and down_proj
-    row-wise; embeddings, norms and the LM head whole on every rank. `sequence_parallel`:
-    :func:`sequence_parallel_plan`'s layout on top (a decoder layer hands its attention the hidden
-    states as a keyword)."""
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    _require_equal_shares(tp, {key: getattr(model.config, key) for key in keys})
-    layer = "model.layers.*"
-    plan = {
-        **{f"{layer}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
-        f"{layer}.self_attn.o_proj": _rowwise(sequence_parallel),
-        **{f"{layer}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
-        f"{layer}.mlp.down_proj": _rowwise(sequence_parallel),
-    }
+    """Megatron's layout for Hugging Face ``LlamaForCausalLM``: transformers' own plan translated
+    (:func:`~zeropp.tensor_parallel.hf_plans.hf_plan`: q, k, v and the MLP's gate and up projections
+    column-wise, each rank whole query and key/value heads, o_proj and down_proj row-wise; embeddings,
+    norms and the LM head whole on every rank). `sequence_parallel`: :func:`sequence_parallel_plan`'s
+    layout on top, the row-wise linears reduce-scattering (a decoder layer hands its attention the
+    hidden states as a keyword)."""
+    plan = hf_plan(model, tp)
     if sequence_parallel:
+        layer = "model.layers.*"
+        plan |= {f"{layer}.self_attn.o_proj": _rowwise(True), f"{layer}.mlp.down_proj": _rowwise(True)}
         plan |= sequence_parallel_plan(
             first_block="model.layers.0",
             norms=(f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"),
@@ -84,7 +78,7 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Pla
     before the final norm, which runs on the whole sequence (GPT2Model views its output with the
     whole sequence length), so its gradient is whole, not partial."""
     config = model.config
-    _require_equal_shares(tp, {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd})
+    require_equal_shares(tp, {"n_head": config.n_head, "n_inner": config.n_inner or 4 * config.n_embd})
     block = "transformer.h.*"
     gathered = SEQUENCE if sequence_parallel else None
     plan: Plan = {
@@ -102,17 +96,6 @@ def gpt2_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Pla
             head="transformer.ln_f",
         )
     return plan
-
-
-def _require_equal_shares(tp: int, sizes: dict[str, int]) -> None:
-    """Refuse, in one line, a head count or MLP width that tp ranks cannot share equally: each rank
-    computes whole heads, and a row-wise linear takes its input as tp equal pieces."""
-    for key, size in sizes.items():
-        if size % tp:
-            raise ConfigError(
-                f"topology.tensor_parallel_size = {tp} is not allowed with {key} = {size}; "
-                "expected a divisor of it (each rank computes whole heads and an equal share of the MLP)"
-            )
 
 
 def _rowwise(sequence_parallel: bool, style: type[RowwiseParallel] = RowwiseParallel) -> RowwiseParallel:

@@ -45,9 +45,7 @@ def describe(model: nn.Module, unit_modules: list[nn.Module]) -> list[str]:
     return lines
 
 
-def check_same_model(
-    topology: Topology, model: nn.Module, units: Iterable[nn.Module] | None
-) -> list[nn.Module] | None:
+def check_same_model(topology: Topology, model: nn.Module, units: Iterable[nn.Module] | None) -> list[nn.Module] | None:
     """Refuse (ModelMismatch, on every rank) when the ranks of the world built different models.
 
     Collective, through a Communicator with a ledger of its own: the engine's ledger holds the

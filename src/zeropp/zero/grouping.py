@@ -4,6 +4,12 @@ Default grouping: every child of a repeated container (an ``nn.ModuleList`` / ``
 whose children include at least two modules of one class, e.g. the transformer layers) is a unit;
 one root unit holds everything else. A parameter reachable from two units (a tied weight between
 a layer and the root, say) goes to the root unit, which stays gathered for the whole forward.
+
+A mixture-of-experts layer calls only the experts its tokens are routed to, and routing differs from
+rank to rank: an expert that is a unit of its own would be gathered (and its gradient reduced) on some
+ranks only, a hang. Such groupings are refused (:func:`refuse_expert_units`); an expert inside its
+block's unit costs nothing special: the block is called on every rank, and parameters without a
+gradient are reduced at the end of backward in a fixed order, the same on every rank.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from zeropp.errors import ConfigError
 
 if TYPE_CHECKING:
     from zeropp.zero.unit import FlatUnit
@@ -55,6 +63,20 @@ def group_parameters(
         grouped[owners[0] if len(owners) == 1 else -1].append((name, p))
     modules = [*unit_modules, model]
     return [(m, params) for m, params in zip(modules, grouped, strict=True) if params]
+
+
+def refuse_expert_units(model: nn.Module, unit_modules: Iterable[nn.Module]) -> None:
+    """Refuse, in one line, a unit inside an ``experts`` container (a single expert, or a part of one):
+    routing decides per rank whether it is called. The experts container itself (always called) and
+    the blocks holding it are fine."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in unit_modules:
+        atoms = names.get(id(module), "").split(".")
+        if "experts" in atoms[:-1]:
+            raise ConfigError(
+                f"unit {names[id(module)]} is not allowed: an expert in a unit of its own is called only on the "
+                "ranks whose tokens reach it (a hang); expected its block (the default units) or the experts container"
+            )
 
 
 def innermost_units(units: list[FlatUnit]) -> list[FlatUnit]:

@@ -103,7 +103,10 @@ class FlatUnit:
         self.shard_world = groups.shard.size if policy.shard_optimizer else 1
         self.layout = self.layout_of(self.params, groups, policy, options)
         self.resident = policy.keeps_resident(
-            self.layout.numel, options.persistence_threshold, groups.shard.size, options.compute_shard_device is not None
+            self.layout.numel,
+            options.persistence_threshold,
+            groups.shard.size,
+            options.compute_shard_device is not None,
         )
         device = options.device
 

@@ -54,7 +54,9 @@ def documents(path: str | Path) -> Iterator[tuple[str, str]]:
     """(where, text) of every document under `path` (see the module docstring); DataError in one line."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"--data {str(path)!r} does not exist; expected a text file, a folder of them, or a .jsonl file")
+        raise DataError(
+            f"--data {str(path)!r} does not exist; expected a text file, a folder of them, or a .jsonl file"
+        )
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
         for file in files:
@@ -86,7 +88,7 @@ def _file_documents(file: Path) -> Iterator[tuple[str, str]]:
         except json.JSONDecodeError as error:
             raise DataError(f"--data {where} is not JSON ({error.msg}); expected one object a line") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f"--data {where} has no string field 'text'; expected objects like {{\"text\": \"...\"}}")
+            raise DataError(f'--data {where} has no string field \'text\'; expected objects like {{"text": "..."}}')
         yield where, record["text"]
 
 

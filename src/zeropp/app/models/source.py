@@ -88,4 +88,3 @@ def training_text(config: Config, source: ModelSource) -> tuple[torch.Tensor, to
             raise ConfigError("train.tokenizer is set without train.data; the embedded corpus is byte-level")
         return None
     return text_splits(config.train.data, tokenizer, source.block_size)
-

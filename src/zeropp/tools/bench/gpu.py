@@ -148,7 +148,11 @@ def run_measuring(stage: str, out: Path, args: argparse.Namespace, device_kind: 
     except subprocess.TimeoutExpired:
         error = f"timed out after {timeout_s:.0f} s"
     results = json.loads(record.read_text()) if record.is_file() else {}
-    bad = [key for key, value in results.items() if isinstance(value, dict) and ("error" in value or value.get("passed") is False)]
+    bad = [
+        key
+        for key, value in results.items()
+        if isinstance(value, dict) and ("error" in value or value.get("passed") is False)
+    ]
     if bad and error is None:
         error = f"{len(bad)} check(s) failed or errored: {', '.join(bad)}"
     return results, error

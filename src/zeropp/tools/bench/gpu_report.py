@@ -43,7 +43,9 @@ def _exactness(results: dict[str, Any]) -> list[str]:
         if key == "probe":
             continue
         relative = _num(r.get("relative_change_error"))
-        rows.append([key, r.get("backend", ""), _num(r.get("max_abs_diff")), relative, _num(r.get("bound")), _verdict(r)])
+        rows.append(
+            [key, r.get("backend", ""), _num(r.get("max_abs_diff")), relative, _num(r.get("bound")), _verdict(r)]
+        )
     lines = _table(["check", "backend", "max abs diff", "relative change error", "bound", "verdict"], rows)
     if probe:
         backends = probe["backends"]
@@ -64,7 +66,10 @@ def _memory(results: dict[str, Any]) -> list[str]:
     header = ["run", "backend", "Ψ", "after construction (MiB)", "forward+backward peak (MiB)",
               "allocated at step() (MiB)", "optimizer step peak (MiB)", "step peak (MiB)", "formula (MiB)", "ratio",
               "<= 1.1"]  # fmt: skip
-    return _table(header, rows) + ["", "formula: 16Ψ/N + 2 units gathered (bf16) + activation checkpoints (zeropp.costs.memory)"]
+    return _table(header, rows) + [
+        "",
+        "formula: 16Ψ/N + 2 units gathered (bf16) + activation checkpoints (zeropp.costs.memory)",
+    ]
 
 
 def _speed(results: dict[str, Any]) -> list[str]:
@@ -72,7 +77,9 @@ def _speed(results: dict[str, Any]) -> list[str]:
     for key, r in results.items():
         if key == "model":
             continue
-        notes = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("median_step_s", "tokens_per_s", "mfu", "steps_s"))
+        notes = "; ".join(
+            f"{k}: {v}" for k, v in r.items() if k not in ("median_step_s", "tokens_per_s", "mfu", "steps_s")
+        )
         rows.append([key, _num(r.get("median_step_s"), 1e3), _num(r.get("tokens_per_s"), 1.0, 4),
                      _num(r.get("mfu"), 100.0), notes])  # fmt: skip
     head = f"model: {json.dumps(model)}" if model else ""
@@ -120,5 +127,7 @@ def summary(report: dict[str, Any]) -> str:
     """One line a stage: its status, seconds and error."""
     lines = [f"zeropp bench gpu on {report['environment']['device']}:"]
     for stage, r in report["stages"].items():
-        lines.append(f"  {stage} {r['what']}: {r['status']} ({r['seconds']} s){': ' + r['error'] if r['error'] else ''}")
+        lines.append(
+            f"  {stage} {r['what']}: {r['status']} ({r['seconds']} s){': ' + r['error'] if r['error'] else ''}"
+        )
     return "\n".join(lines)

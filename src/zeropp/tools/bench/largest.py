@@ -128,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for variant in args.variants:
         largest, tried = None, []
         for depth in sorted(args.depths):
-            params = gpt_config(ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)).param_count
+            params = gpt_config(
+                ModelConfig(n_layer=depth, d_model=args.d_model, block_size=args.block_size)
+            ).param_count
             result = {"depth": depth, "params": params, **attempt(variant, args.world, depth, args)}
             tried.append(result)
             disk = (f", disk {result['disk_read_gib_per_step']:.2f} GiB read / {result['disk_written_gib_per_step']:.2f} "

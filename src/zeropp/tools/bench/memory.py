@@ -43,11 +43,17 @@ from zeropp.tools.bench.memory_peers import PEERS, run_peer
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
 from zeropp.zero.grouping import group_parameters, repeated_blocks
 
-VARIANTS = {"zeropp meta": [], "zeropp eager": ["--init", "eager"], "zeropp meta + offload": ["--offload-optimizer", "cpu"]}
+VARIANTS = {
+    "zeropp meta": [],
+    "zeropp eager": ["--init", "eager"],
+    "zeropp meta + offload": ["--offload-optimizer", "cpu"],
+}
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.d_model // 64, block_size=args.block_size)
+    return ModelConfig(
+        n_layer=args.n_layer, d_model=args.d_model, n_head=args.d_model // 64, block_size=args.block_size
+    )
 
 
 def formulas(args: argparse.Namespace, world: int) -> dict[str, float]:
@@ -141,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bounds = formulas(args, world)
         for name in args.variants:
             peaks, floor = (_measure(a, world, name) for a in (args, floor_args))
-            rows.append({"world": world, "variant": name, **peaks, **{f"{k}_floor": v for k, v in floor.items()}, **bounds})
+            rows.append(
+                {"world": world, "variant": name, **peaks, **{f"{k}_floor": v for k, v in floor.items()}, **bounds}
+            )
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(rows, indent=2))  # after every row: a failure later keeps these

@@ -119,7 +119,9 @@ def model_and_batches(args: argparse.Namespace) -> tuple[Any, Any]:
     from zeropp.config.sections import ModelConfig
 
     heads = max(1, args.d_model // 64)
-    config = gpt_config(ModelConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=heads, block_size=args.block_size))
+    config = gpt_config(
+        ModelConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=heads, block_size=args.block_size)
+    )
     return config, Batches("train", config.block_size, args.micro_batch_size, 1, 0, seed=0)
 
 
@@ -192,7 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("results/bench_overhead.json"))
     args = parser.parse_args(argv)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(_free_port())),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(key, value)
     torch.set_num_threads(args.threads)
     from zeropp.config.sections import TopologyConfig

@@ -95,7 +95,9 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int, mp_policy
         return DistributedDataParallel(model)
     device = next(model.parameters()).device.type
     if peer == "fsdp2-hsdp":
-        mesh = init_device_mesh(device, (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            device, (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard")
+        )
         options = {"mesh": mesh}
     else:
         options = {"mesh": init_device_mesh(device, (world,))}

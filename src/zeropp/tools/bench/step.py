@@ -139,7 +139,12 @@ def run_job(variant: str, world: int, args: argparse.Namespace) -> dict[str, Any
             "-m", "zeropp.tools.bench.step", "--worker", variant, "--worker-out", str(out), *size,
             "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr),
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(args, world)), "DS_ACCELERATOR": "cpu", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads_per_rank(args, world)),
+            "DS_ACCELERATOR": "cpu",
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+        }
         load = os.getloadavg()[0]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not out.is_file():
@@ -240,7 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print(f"\n{results['machine']}; {args.n_layer} layers x {args.d_model}, {args.block_size} tokens x {args.micro_batch_size} per rank\n")
+    print(
+        f"\n{results['machine']}; {args.n_layer} layers x {args.d_model}, {args.block_size} tokens x {args.micro_batch_size} per rank\n"
+    )
     for w in args.worlds:
         print(markdown(results["worlds"][str(w)], w) + "\n")
     print(f"written to {args.out}")

@@ -49,7 +49,9 @@ def base_config(preset: str, precision: str, lr: float, steps: int, seed: int, m
     }
 
 
-def relative_errors(weights: dict[str, dict[str, torch.Tensor]], initial: dict[str, torch.Tensor], exact: str) -> dict[str, float]:
+def relative_errors(
+    weights: dict[str, dict[str, torch.Tensor]], initial: dict[str, torch.Tensor], exact: str
+) -> dict[str, float]:
     """||w - w_exact|| / ||w_exact - w_0|| per configuration (fp64, over every parameter)."""
     flat = {name: torch.cat([w[k].double().reshape(-1) for k in sorted(w)]) for name, w in weights.items()}
     start = torch.cat([initial[k].double().reshape(-1) for k in sorted(initial)])

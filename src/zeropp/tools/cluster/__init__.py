@@ -26,6 +26,7 @@ Modules: ``links`` (iproute2, tc, rates), ``processes`` (markers, stopping, outp
 (:class:`EmulatedCluster`, cleanup of dead runs), ``run`` (:func:`run_cluster`), ``wire`` (wire bytes
 against the ledger), ``probe`` (one link's throughput), ``cli`` (:func:`main`, :func:`report`).
 """
+
 from zeropp.tools.cluster.cli import build_parser, main, report
 from zeropp.tools.cluster.emulated import Counters, EmulatedCluster, Node, cleanup_stale
 from zeropp.tools.cluster.errors import ClusterError, ClusterInterrupted

@@ -11,6 +11,7 @@ from zeropp.app.summary import RunSummary
 if TYPE_CHECKING:
     from zeropp.tools.cluster.run import ClusterResult
 
+
 def gloo_broadcast_crossings(world: int, nproc_per_node: int, src: int = 0) -> list[int]:
     """How many times gloo's broadcast from `src` sends the whole buffer out of each node.
 

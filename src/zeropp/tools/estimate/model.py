@@ -232,7 +232,12 @@ def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Ac
 
     gpt = gpt_config(model)
     return Activations(
-        gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, norm_parameters=gpt_norm_parameters(gpt.n_layer), **switches
+        gpt.n_layer,
+        gpt.d_model,
+        gpt.block_size,
+        micro_batch,
+        norm_parameters=gpt_norm_parameters(gpt.n_layer),
+        **switches,
     )
 
 

@@ -101,7 +101,11 @@ def _activation_rows(head: Any, est: Estimate) -> None:
         head.add_row(
             "tensor-parallel traffic",
             f"{si(tp_bytes)} per rank per step ("
-            + ("sequence parallelism's all-gathers and reduce-scatters" if acts.sequence_parallel else "Megatron's all-reduces")
+            + (
+                "sequence parallelism's all-gathers and reduce-scatters"
+                if acts.sequence_parallel
+                else "Megatron's all-reduces"
+            )
             + ", inside a node)"
             + (f"; Pa's all-gathers {si(pa)} = {pa / tp_bytes:.3f}x of it" if pa else ""),
         )
