@@ -188,9 +188,8 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
-        atexit.register(
-            shutdown, wait_for_others=False
-        )  # an exit without shutdown() must not leave gloo's threads to the C++ runtime
+        # an exit without shutdown() must not leave gloo's threads to the C++ runtime
+        atexit.register(shutdown, wait_for_others=False)
     topology = build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
     topology.sequence_parallel = config.sequence_parallel
     return topology
