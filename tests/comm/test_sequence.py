@@ -100,8 +100,9 @@ def stopped_rank_worker(folder: str) -> str:
     engine = engine_for(model, TIMEOUT_S, stage=3, flight_record_dir=folder)
     pids = [None, None]
     torch.distributed.all_gather_object(pids, os.getpid())
-    if engine.topology.rank == 1:  # stops itself in step 2, in front of layers.1's forward
-        model.layers[1].register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGSTOP) if model.calls else None)
+    if engine.topology.rank == 1:  # stops itself in step 2, before layers.1 is gathered
+        stop = lambda *_: os.kill(os.getpid(), signal.SIGSTOP) if model.calls else None  # noqa: E731
+        model.layers[1].register_forward_pre_hook(stop, prepend=True)
     try:
         train(engine, 3)
         return "no error"
@@ -114,7 +115,7 @@ def stopped_rank_worker(folder: str) -> str:
 def test_a_stopped_rank_is_named_with_the_unit_and_op_the_others_wait_in(tmp_path):
     message = run_ranks(stopped_rank_worker, 2, folder=str(tmp_path))[0]
     assert message.startswith("zeropp: a collective timed out (topology.timeout_s): rank 1 behind (no flight record")
-    assert "rank 0 waits in collective #" in message and "all_gather of unit 'layers." in message, message
+    assert "rank 0 waits in collective #" in message and "all_gather of unit 'layers.1' (forward" in message, message
     assert "\n" not in message and str(tmp_path) in message
     record = json.loads((tmp_path / "flight-rank0.json").read_text())
     assert record["reason"] == "timeout" and record["entries"][-1]["completed"] is None
@@ -138,6 +139,6 @@ def test_a_rank_that_skips_a_unit_is_named_with_the_unit_and_op(tmp_path):
     assert time.monotonic() - started < 60
     for message in messages:
         assert "\n" not in message and "different collectives, first at collective #" in message, message
-        assert "rank 0 all_gather of unit 'layers.1'" in message, message
-        assert "rank 1 all_gather of unit 'layers.2'" in message, message
+        assert "rank 0 all_gather of unit 'layers.1' (backward" in message, message
+        assert "rank 1 reduce_scatter of unit 'layers.2' (backward" in message, message
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["flight-rank0.json", "flight-rank1.json"]
