@@ -43,13 +43,13 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from zeropp.checkpoint import layout
+from zeropp.checkpoint import changes, layout
 from zeropp.checkpoint.layout import LayoutError
 from zeropp.comm.feedback import HOPS
 from zeropp.errors import ZeroppError
@@ -274,10 +274,15 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
 # -- loading --------------------------------------------------------------------------------------
 
 
-def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
+def load_checkpoint(
+    engine: ZeroEngine, path: str | Path, *, optimizer_settings: Literal["configured", "checkpoint"] = "configured"
+) -> dict[str, Any]:
     """Load a checkpoint into `engine` (any world size, node count or stage); return its zeropp.json.
 
-    Collective. The checkpoint is checked against the engine before anything is read.
+    Collective. The checkpoint is checked against the engine before anything is read. The engine's
+    optimizer settings (lr, weight decay, betas, ...) stay as configured unless `optimizer_settings`
+    is "checkpoint"; either way rank 0 names the settings that differ in one line, and a checkpoint
+    saved at another stage, world size, node count, tensor-parallel size or precision in another.
     """
     meta = read_meta(path)
     if meta["format"] == FLAT_FORMAT:
@@ -305,13 +310,27 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
             torch.cuda.set_rng_state(wanted[key], engine.topology.device)
         else:
             torch.set_rng_state(wanted[key])
-    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
-        for key, value in saved.items():
-            group[key] = type(group[key])(value) if isinstance(group.get(key), tuple) else value
+    _say_changes(engine, meta, path, optimizer_settings)
     if engine.scaler.enabled and meta["precision"] == "fp16":  # a bf16/fp32 run's scale (1) means nothing here
         engine.scaler.load_state_dict(meta["scaler"])
     engine.global_step = meta["global_step"]
     return meta
+
+
+def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, optimizer_settings: str) -> None:
+    """Rank 0's lines on what differs from the checkpoint; the checkpoint's optimizer settings taken if asked."""
+    groups = engine.optimizer.param_groups
+    lines = [changes.resharding_line(meta, _describe(engine), path)]
+    differ = changes.optimizer_differences(groups, meta["param_groups"])
+    if differ and optimizer_settings == "checkpoint":
+        for group, saved in zip(groups, meta["param_groups"], strict=True):
+            changes.taking(group, saved)
+        lines.append(f"zeropp: taking checkpoint {str(path)!r}'s optimizer settings over the configured: {', '.join(differ)}")
+    elif differ:
+        lines.append(f"zeropp: keeping the configured optimizer settings over checkpoint {str(path)!r}'s: {', '.join(differ)}")
+    for line in lines:
+        if line and engine.topology.rank == 0:
+            print(line, flush=True)
 
 
 def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:
