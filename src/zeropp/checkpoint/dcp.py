@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor
 
 from zeropp.checkpoint import changes, layout
 from zeropp.checkpoint.layout import LayoutError
@@ -148,14 +149,16 @@ def save_checkpoint(
         for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
             shutil.rmtree(stale, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
+    state = _state_to_save(engine)
     try:
-        dcp.save(_state_to_save(engine), storage_writer=FileSystemWriter(str(partial)))
+        dcp.save(state, storage_writer=FileSystemWriter(str(partial)))
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         engine.comm.barrier(engine.topology.world)  # every rank is done with the folder
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
-        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
+        needs = _space_needed(state, engine.topology.world_size, directory)
+        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}{needs}") from None
     if rank == 0:
         publish(partial, final, {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}})
         if keep_last:
@@ -164,6 +167,23 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
     return final
+
+
+def _space_needed(state: dict[str, Any], world_size: int, directory: Path) -> str:
+    """'; it needs about 1.2 MiB in '<dir>' (0.3 MiB free); the checkpoints already there are kept': the
+    size of the latest checkpoint there, or else the tensors' (whole-shaped ones once, each rank's own,
+    RNG states and qgZ residuals, once per rank)."""
+    tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+    whole = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, DTensor))  # numel: the whole shape
+    own = sum(t.numel() * t.element_size() for t in tensors if not isinstance(t, DTensor))
+    try:
+        free = f" ({shutil.disk_usage(directory).free / 2**20:,.1f} MiB free)"
+    except OSError:
+        free = ""
+    latest = find_latest(directory)
+    previous = sum(f.stat().st_size for f in latest.iterdir()) if latest is not None else 0
+    needed = max(whole + own * world_size, previous) / 2**20
+    return f"; it needs about {needed:,.1f} MiB in {str(directory)!r}{free}; the checkpoints already there are kept"
 
 
 def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -436,9 +456,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def _reason(error: BaseException) -> str:
     """The root cause of a (possibly wrapped, multi-line) error, on one line."""
-    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception or (exception, frames)}
     if causes:
         error = next(iter(causes.values()))
+        if isinstance(error, tuple) and error and isinstance(error[0], BaseException):
+            error = error[0]
         error = getattr(error, "exc", error) if not isinstance(error, BaseException) else error
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
