@@ -121,6 +121,8 @@ class Trainer:
             model, OPTIMIZERS[config.optim.optimizer], self.hyperparameters(), config.zero, self.topology,
             seed=config.train.seed,
         )
+        folder = config.zero.flight_record_dir or config.checkpoint.checkpoint_dir
+        self.engine.comm.trace.folder = None if folder is None else Path(folder)  # See [Note: collective sequences]
         weights = config.train.init_from or self.source.weights
         if weights is not None:
             load_pretrained(self.engine, weights)

@@ -356,18 +356,10 @@ class FlatUnit:
                 out, flat, self.groups.shard, bucket_numel=self.reduce_bucket, async_op=True
             )
         return reduce_scatter_quantized(
-            self.comm,
-            out,
-            flat,
-            options.grad_quant,
-            options.kernels,
-            self.groups,
-            chunks=options.qgz_chunks,
-            bucket_numel=self.reduce_bucket,
-            intra_spec=options.grad_intra_quant,
-            hadamard_rotation=options.grad_hadamard,
-            feedback=self.error_feedback,
-        )
+            self.comm, out, flat, options.grad_quant, options.kernels, self.groups,
+            chunks=options.qgz_chunks, bucket_numel=self.reduce_bucket, intra_spec=options.grad_intra_quant,
+            hadamard_rotation=options.grad_hadamard, feedback=self.error_feedback,
+        )  # fmt: skip
 
     def _zero_unwritten(self) -> None:
         """Zero what no gradient was copied into since ``grad_flat`` was allocated: the slices of
