@@ -132,7 +132,15 @@ class Communicator:
 
     def _issue(self, op: str, group: Group, buffer_bytes: int, label: str | None = None) -> tuple[CollectiveTrace, Entry]:
         """The trace's entry of a collective starting now. See [Note: collective sequences]."""
-        return self.trace, self.trace.issue(label or self._label(op, group), self.ledger.phase, buffer_bytes)
+        return self.trace, self.trace.issue(label or self._label(op, group), self.ledger.phase, buffer_bytes, self._role(group))
+
+    def _role(self, group: Group) -> str:
+        """The group's name in the topology, the same on every rank (its ranks differ)."""
+        topology = self.topology
+        for role in ("world", "data_parallel", "tensor_parallel", "intra_node", "inter_node"):
+            if getattr(topology, role).ranks == group.ranks:
+                return role
+        return f"{group.size}-rank"
 
     # -- byte accounting -------------------------------------------------------------------------
 

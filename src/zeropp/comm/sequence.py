@@ -35,16 +35,18 @@ class SequenceMismatch(ZeroppError, RuntimeError):
 
 
 def first_difference(rings: Mapping[int, list[Entry]]) -> tuple[int, dict[int, Entry | None]] | None:
-    """The first collective number at which the ranks' rings differ, and each rank's entry there
-    (None: the rank had not issued it); None where they agree on every number they share."""
-    by_seq = {rank: {e.seq: e for e in ring} for rank, ring in rings.items()}
-    seqs = sorted({s for entries in by_seq.values() for s in entries})
-    for seq in seqs:
-        here = {rank: entries.get(seq) for rank, entries in by_seq.items()}
-        known = {e.digest for e in here.values() if e is not None}
-        if len(known) > 1:
-            return seq, here
-    return None
+    """The first collective (per group, the earliest started) at which the ranks' rings differ, and
+    each rank's entry there (None: not issued); None where they agree on every one they share."""
+    by_key = {rank: {(e.group, e.seq): e for e in ring} for rank, ring in rings.items()}
+    found = []
+    for key in sorted({k for entries in by_key.values() for k in entries}):
+        here = {rank: entries.get(key) for rank, entries in by_key.items()}
+        if len({e.digest for e in here.values() if e is not None}) > 1:
+            found.append((min(e.started for e in here.values() if e is not None), key[1], here))
+    if not found:
+        return None
+    _, seq, here = min(found, key=lambda f: f[0])
+    return seq, here
 
 
 def describe_difference(seq: int, here: Mapping[int, Entry | None]) -> str:
@@ -54,7 +56,8 @@ def describe_difference(seq: int, here: Mapping[int, Entry | None]) -> str:
         groups.setdefault("nothing (not issued yet)" if entry is None else entry.describe(), []).append(rank)
     step = next(e.step for e in here.values() if e is not None)
     parts = [f"{_ranks(ranks)} {what}" for what, ranks in groups.items()]
-    return f"collective #{seq} (step {step + 1}): " + "; ".join(parts)
+    group = next(e.group for e in here.values() if e is not None)
+    return f"collective #{seq} on the {group} group (step {step + 1}): " + "; ".join(parts)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -140,4 +143,6 @@ def _waiting(record: dict) -> Entry | None:
 
 
 def _at(entry: Entry | None) -> str:
-    return "no collective" if entry is None else f"collective #{entry.seq} (step {entry.step + 1}): {entry.describe()}"
+    if entry is None:
+        return "no collective"
+    return f"collective #{entry.seq} on the {entry.group} group (step {entry.step + 1}): {entry.describe()}"

@@ -29,7 +29,8 @@ NO_UNIT = "-"  # collectives of no unit: the step's norms, the trainer's means, 
 
 @dataclass
 class Entry:
-    seq: int
+    seq: int  # its number among this rank's collectives on `group`
+    group: str  # the group's role: world, data_parallel, intra_node, inter_node, ...
     step: int
     op: str
     unit: str
@@ -41,7 +42,7 @@ class Entry:
 
     def describe(self) -> str:
         unit = "no unit" if self.unit == NO_UNIT else f"unit {self.unit!r}"
-        return f"{self.op} of {unit} ({self.phase}, {self.bytes:,} bytes)"
+        return f"{self.op} of {unit} ({self.phase}, {self.group}, {self.bytes:,} bytes)"
 
 
 class CollectiveTrace:
@@ -50,7 +51,8 @@ class CollectiveTrace:
     def __init__(self, rank: int = 0, world_size: int = 1, keep: int = 256) -> None:
         self.rank, self.world_size = rank, world_size
         self.count = 0
-        self.digest = 0
+        self.digests: dict[str, int] = {}  # per group: only a group's own order must agree across ranks
+        self.counts: dict[str, int] = {}
         self.step = 0  # the engine's optimizer steps taken when the entry was issued
         self.unit = NO_UNIT
         self.ring: deque[Entry] = deque(maxlen=keep)
@@ -65,10 +67,17 @@ class CollectiveTrace:
         finally:
             self.unit = previous
 
-    def issue(self, op: str, phase: str, nbytes: int) -> Entry:
+    @property
+    def digest(self) -> int:
+        """Of every group's sequence (collectives on different groups may interleave differently)."""
+        return zlib.crc32(json.dumps(sorted(self.digests.items())).encode())
+
+    def issue(self, op: str, phase: str, nbytes: int, group: str = "world") -> Entry:
         """Record one collective as it starts (a few microseconds: one CRC of a short string)."""
-        self.digest = zlib.crc32(f"{op}|{self.unit}|{phase}|{nbytes};".encode(), self.digest)
-        entry = Entry(self.count, self.step, op, self.unit, phase, nbytes, self.digest, time.time())
+        digest = zlib.crc32(f"{op}|{self.unit}|{phase}|{nbytes};".encode(), self.digests.get(group, 0))
+        seq = self.counts.get(group, 0)
+        self.digests[group], self.counts[group] = digest, seq + 1
+        entry = Entry(seq, group, self.step, op, self.unit, phase, nbytes, digest, time.time())
         self.count += 1
         self.ring.append(entry)
         return entry

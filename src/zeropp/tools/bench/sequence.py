@@ -33,10 +33,10 @@ import torch.multiprocessing as mp
 from zeropp.comm.trace import CollectiveTrace, Entry
 
 VARIANTS = {"stage 3": {"stage": 3}, "ZeRO++": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}}
-_NOTHING = Entry(0, 0, "", "", "", 0, 0, 0.0)
+_NOTHING = Entry(0, "", 0, "", "", "", 0, 0, 0.0)
 
 
-def _untraced(op: str, phase: str, nbytes: int) -> Entry:
+def _untraced(op: str, phase: str, nbytes: int, group: str = "") -> Entry:
     return _NOTHING
 
 
@@ -44,10 +44,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from zeropp.engine import ZeroEngine
     from zeropp.app.models.gpt import GPT, GPTConfig
     from zeropp.comm.sequence import check_sequences
     from zeropp.config.sections import TopologyConfig, ZeroConfig
+    from zeropp.engine import ZeroEngine
     from zeropp.topology import init_topology, shutdown
 
     topology = init_topology(TopologyConfig(nodes=2))
@@ -87,7 +87,7 @@ def issue_seconds() -> float:
     """One digest update (CollectiveTrace.issue) on a typical label, timed in isolation."""
     trace = CollectiveTrace(0, 4)
     n = 20000
-    return timeit.timeit(lambda: trace.issue("all_gather", "forward", 1 << 20), number=n) / n
+    return timeit.timeit(lambda: trace.issue("all_gather", "forward", 1 << 20, "data_parallel"), number=n) / n
 
 
 def cpu_model() -> str:
