@@ -299,6 +299,7 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
         if config.checkpoint.checkpoint_dir is not None and os.environ["RANK"] == "0":  # under torchrun itself
             runlock.hold(config.checkpoint.checkpoint_dir, os.environ.get("MASTER_PORT"))
         trainer = Trainer(config)
+        _record_on_signal(trainer.engine.comm.trace)
         leader = trainer.topology.rank == 0
         log = MetricsLog(args.metrics_jsonl if leader else None)
         with progress_bar(config.train.steps, enabled=leader and trainer.start_step < config.train.steps) as update:
@@ -336,6 +337,17 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _record_on_signal(trace: Any) -> None:
+    """A rank stopped by SIGTERM (its launcher stopping the run) writes its flight record first."""
+
+    def record(signum: int, frame: Any) -> None:
+        trace.write(signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, record)
 
 
 def _export(checkpoint: Path, out: Path) -> int:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from zeropp.checkpoint import layout
 from zeropp.comm import quantized
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
+from zeropp.comm.sequence import check_sequences
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
 from zeropp.quant import scratch
@@ -88,6 +90,8 @@ class ZeroEngine:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
         self.topology = topology or init_topology()
         self.comm = Communicator(self.topology, ledger)
+        if self.config.flight_record_dir is not None:  # See [Note: collective sequences]
+            self.comm.trace.folder = Path(self.config.flight_record_dir)
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
@@ -203,6 +207,7 @@ class ZeroEngine:
         managed = {id(p) for params in grouped.values() for _, p in params}
         scopes = materialize.unit_scopes(model, unit_modules)
         options, world = self._unit_options(), self.topology.world
+        names = {id(m): name for name, m in model.named_modules()}
         built = []
         for module in [*(m for m in unit_modules if m is not model), model]:
             scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
@@ -214,14 +219,8 @@ class ZeroEngine:
             )
             unit = (
                 FlatUnit(
-                    module,
-                    params,
-                    self.comm,
-                    self.groups,
-                    self.policy,
-                    options,
-                    broadcast_initial=not meta,
-                    initial_flat=flat,
+                    module, params, self.comm, self.groups, self.policy, options,
+                    broadcast_initial=not meta, initial_flat=flat, name=names.get(id(module), ""),
                 )  # fmt: skip
                 if params
                 else None
@@ -283,10 +282,19 @@ class ZeroEngine:
         self.last_gradient_allocations = self.gradient_buffers.end_step()
         self.global_step += 1
         self.comm.ledger.steps += 1
+        self._check_sequences()
         reset = self.config.qgz.error_reset_steps
         if reset and self.global_step % reset == 0:  # LoCo's periodic reset (reset_T)
             self.reset_error_feedback()
         return not overflow
+
+    def _check_sequences(self) -> None:
+        """After the first step and every zero.sequence_check_interval: did every rank issue the same
+        collectives? (SequenceMismatch names the first difference.) See [Note: collective sequences]."""
+        interval, step = self.config.sequence_check_interval, self.global_step
+        if interval and (step == 1 or step % interval == 0):
+            check_sequences(self.comm, step)
+        self.comm.trace.step = step
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -269,8 +269,8 @@ def test_resume_uses_the_runs_hyperparameters_and_says_which_differ(tmp_path):
         assert (result["weight_decay"], result["betas"]) == (0.05, (0.9, 0.99))
     assert ranks[1]["said"] == ""
     assert ranks[0]["said"] == (
-        "resuming with this run's betas = (0.9, 0.99) (the checkpoint has (0.9, 0.95)), "
-        "weight_decay = 0.05 (the checkpoint has 0.1)\n"
+        f"zeropp: keeping the configured optimizer settings over checkpoint '{tmp_path}/step-00000001''s: "
+        "betas = (0.9, 0.99) (the checkpoint has (0.9, 0.95)), weight_decay = 0.05 (the checkpoint has 0.1)\n"
     )
 
 

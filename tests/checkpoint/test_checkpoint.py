@@ -219,6 +219,48 @@ def test_killed_or_out_of_disk_save_leaves_previous_checkpoint_loadable(tmp_path
         assert result["final"] == ["step-00000001", "step-00000002"]
 
 
+def full_disk_worker(root: str) -> dict:
+    from zeropp.app.trainer import Trainer
+    from zeropp.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint
+
+    trainer = Trainer(run_config(Path(root) / "ckpt", 8, nodes=2, zero={"stage": 3}))
+    trainer.train_step(0)
+    trainer.save(1)  # fits; a second one does not
+    errors = []
+    for remount in ("", "remount,ro"):
+        if remount and trainer.topology.rank == 0:
+            subprocess.run(["mount", "-o", remount, root], check=True)
+        torch.distributed.barrier()
+        try:
+            trainer.save(2)
+            errors.append("no error")
+        except CheckpointError as error:
+            errors.append(str(error))
+    load_checkpoint(trainer.engine, find_latest(Path(root) / "ckpt"))
+    return dict(errors=errors, left=sorted(p.name for p in (Path(root) / "ckpt").iterdir()))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 2 MiB tmpfs: root only")
+def test_a_real_full_disk_or_read_only_folder_is_one_line_naming_the_folder_and_bytes(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        results = run_ranks(full_disk_worker, 2, nodes=2, root=str(disk))
+    finally:
+        subprocess.run(["umount", str(disk)])
+    folder = f"{disk}/ckpt"
+    for result in results:
+        full, read_only = result["errors"]
+        for message, reason in ((full, "No space left on device"), (read_only, "Read-only file system")):
+            assert message.startswith(f"could not write checkpoint '{folder}/step-00000002': {reason}; it needs about ")
+            assert f"MiB in '{folder}' (" in message and "\n" not in message and len(message) < 160 + 2 * len(folder), message
+            assert "needs about 1.7 MiB" in message, message  # the size of the checkpoint before it
+            assert message.endswith("MiB free); the checkpoints already there are kept"), message
+        assert result["left"] == ["step-00000001"]
+
+
 # -- zeropp train: a killed rank, bad inputs -------------------------------------------------------------
 
 

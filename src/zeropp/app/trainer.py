@@ -127,6 +127,8 @@ class Trainer:
             self.topology,
             seed=config.train.seed,
         )
+        folder = config.zero.flight_record_dir or config.checkpoint.checkpoint_dir
+        self.engine.comm.trace.folder = None if folder is None else Path(folder)  # See [Note: collective sequences]
         weights = config.train.init_from or self.source.weights
         if weights is not None:
             load_pretrained(self.engine, weights)
@@ -135,9 +137,10 @@ class Trainer:
         self.checkpoints: list[CheckpointRecord] = []
         self.resumed_from = checkpoint_to_resume(config)
         if self.resumed_from is not None:
-            meta = load_checkpoint(self.engine, self.resumed_from)
-            self.start_step = meta["step"]
-            self.keep_run_hyperparameters()
+            saved_at = read_meta(self.resumed_from)["step"]
+            for group in self.engine.optimizer.param_groups:  # the schedule's rate there: named only if it changed
+                group["lr"] = learning_rate(config, max(saved_at - 1, 0))
+            self.start_step = load_checkpoint(self.engine, self.resumed_from)["step"]  # this run's settings win
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = self.last_step_peak_memory = 0
@@ -162,17 +165,6 @@ class Trainer:
             else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
         )
         return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
-
-    def keep_run_hyperparameters(self) -> None:
-        """After a resume the run's own optim config wins over the checkpoint's (lr follows the
-        schedule every step anyway); say which saved values it replaces."""
-        ours = {k: v for k, v in self.hyperparameters().items() if k != "lr"}
-        group = self.engine.optimizer.param_groups[0]
-        changed = [f"{k} = {v!r} (the checkpoint has {group[k]!r})" for k, v in ours.items() if group[k] != v]
-        for group in self.engine.optimizer.param_groups:
-            group.update(ours)
-        if changed:
-            self.say(f"resuming with this run's {', '.join(changed)}")
 
     def say(self, text: str) -> None:
         """One line on rank 0."""

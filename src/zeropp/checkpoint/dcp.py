@@ -43,13 +43,14 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor
 
-from zeropp.checkpoint import layout
+from zeropp.checkpoint import changes, layout
 from zeropp.checkpoint.layout import LayoutError
 from zeropp.comm.feedback import HOPS
 from zeropp.errors import ZeroppError
@@ -150,14 +151,16 @@ def save_checkpoint(
         for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
             shutil.rmtree(stale, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
+    state = _state_to_save(engine)
     try:
-        dcp.save(_state_to_save(engine), storage_writer=FileSystemWriter(str(partial)))
+        dcp.save(state, storage_writer=FileSystemWriter(str(partial)))
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         engine.comm.barrier(engine.topology.world)  # every rank is done with the folder
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
-        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}") from None
+        needs = _space_needed(state, engine.topology.world_size, directory)
+        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}{needs}") from None
     if rank == 0:
         publish(partial, final, {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}})
         if keep_last:
@@ -166,6 +169,23 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
     return final
+
+
+def _space_needed(state: dict[str, Any], world_size: int, directory: Path) -> str:
+    """'; it needs about 1.2 MiB in '<dir>' (0.3 MiB free); the checkpoints already there are kept': the
+    size of the latest checkpoint there, or else the tensors' (whole-shaped ones once, each rank's own,
+    RNG states and qgZ residuals, once per rank)."""
+    tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+    whole = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, DTensor))  # numel: the whole shape
+    own = sum(t.numel() * t.element_size() for t in tensors if not isinstance(t, DTensor))
+    try:
+        free = f" ({shutil.disk_usage(directory).free / 2**20:,.1f} MiB free)"
+    except OSError:
+        free = ""
+    latest = find_latest(directory)
+    previous = sum(f.stat().st_size for f in latest.iterdir()) if latest is not None else 0
+    needed = max(whole + own * world_size, previous) / 2**20
+    return f"; it needs about {needed:,.1f} MiB in {str(directory)!r}{free}; the checkpoints already there are kept"
 
 
 def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -276,10 +296,15 @@ def _describe(engine: ZeroEngine) -> dict[str, Any]:
 # -- loading --------------------------------------------------------------------------------------
 
 
-def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
+def load_checkpoint(
+    engine: ZeroEngine, path: str | Path, *, optimizer_settings: Literal["configured", "checkpoint"] = "configured"
+) -> dict[str, Any]:
     """Load a checkpoint into `engine` (any world size, node count or stage); return its zeropp.json.
 
-    Collective. The checkpoint is checked against the engine before anything is read.
+    Collective. The checkpoint is checked against the engine before anything is read. The engine's
+    optimizer settings (lr, weight decay, betas, ...) stay as configured unless `optimizer_settings`
+    is "checkpoint"; either way rank 0 names the settings that differ in one line, and a checkpoint
+    saved at another stage, world size, node count, tensor-parallel size or precision in another.
     """
     meta = read_meta(path)
     if meta["format"] == FLAT_FORMAT:
@@ -307,13 +332,27 @@ def load_checkpoint(engine: ZeroEngine, path: str | Path) -> dict[str, Any]:
             torch.cuda.set_rng_state(wanted[key], engine.topology.device)
         else:
             torch.set_rng_state(wanted[key])
-    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
-        for key, value in saved.items():
-            group[key] = type(group[key])(value) if isinstance(group.get(key), tuple) else value
+    _say_changes(engine, meta, path, optimizer_settings)
     if engine.scaler.enabled and meta["precision"] == "fp16":  # a bf16/fp32 run's scale (1) means nothing here
         engine.scaler.load_state_dict(meta["scaler"])
     engine.global_step = meta["global_step"]
     return meta
+
+
+def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, optimizer_settings: str) -> None:
+    """Rank 0's lines on what differs from the checkpoint; the checkpoint's optimizer settings taken if asked."""
+    groups = engine.optimizer.param_groups
+    lines = [changes.resharding_line(meta, _describe(engine), path)]
+    differ = changes.optimizer_differences(groups, meta["param_groups"])
+    if differ and optimizer_settings == "checkpoint":
+        for group, saved in zip(groups, meta["param_groups"], strict=True):
+            changes.taking(group, saved)
+        lines.append(f"zeropp: taking checkpoint {str(path)!r}'s optimizer settings over the configured: {', '.join(differ)}")
+    elif differ:
+        lines.append(f"zeropp: keeping the configured optimizer settings over checkpoint {str(path)!r}'s: {', '.join(differ)}")
+    for line in lines:
+        if line and engine.topology.rank == 0:
+            print(line, flush=True)
 
 
 def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:
@@ -419,9 +458,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def _reason(error: BaseException) -> str:
     """The root cause of a (possibly wrapped, multi-line) error, on one line."""
-    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception or (exception, frames)}
     if causes:
         error = next(iter(causes.values()))
+        if isinstance(error, tuple) and error and isinstance(error[0], BaseException):
+            error = error[0]
         error = getattr(error, "exc", error) if not isinstance(error, BaseException) else error
     if isinstance(error, OSError) and error.strerror:
         return error.strerror

@@ -14,6 +14,7 @@ and recorded with the same byte model.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from zeropp.comm.ledger import Ledger, ring_bytes
 from zeropp.comm.observed import ObservedCollectives
+from zeropp.comm.sequence import explain_failure
+from zeropp.comm.trace import CollectiveTrace, Entry
 from zeropp.errors import ZeroppError
 from zeropp.topology import Group, Topology
 
@@ -48,17 +51,17 @@ _TIMEOUT_TEXTS = ("timed out", "application timeout caused pair closure")
 _PEER_LOST_TEXTS = ("connection reset by peer", "connection closed by peer", "broken pipe")
 
 
-def _collective_error(error: RuntimeError) -> CollectiveTimeout | None:
-    """The one-line error for a failed collective, or None where it is not one we can name."""
+def _collective_error(error: RuntimeError, explain: Callable[[str], str]) -> CollectiveTimeout | None:
+    """The one-line error for a failed collective, or None where it is not one we can name;
+    `explain(reason)` writes the flight record and says which rank is behind where ('' if unknown)."""
     text = str(error).lower()
     first = str(error).strip().splitlines()[0]
     if any(t in text for t in _TIMEOUT_TEXTS):
-        return CollectiveTimeout(
-            "zeropp: a collective timed out (topology.timeout_s): another rank stopped or is stuck; "
-            f"its own error says why ({first})"
-        )
+        why = explain("timeout") or f"another rank stopped or is stuck; its own error says why ({first})"
+        return CollectiveTimeout(f"zeropp: a collective timed out (topology.timeout_s): {why}")
     if any(t in text for t in _PEER_LOST_TEXTS):
-        return PeerLost("zeropp: another rank of a collective is gone (it died or was stopped); its own error says why")
+        why = explain("peer lost") or "its own error says why"
+        return PeerLost(f"zeropp: another rank of a collective is gone (it died or was stopped); {why}")
     return None
 
 
@@ -70,11 +73,16 @@ class Pending:
     keeps its Pending (a unit's gather, the reduction queue) until it has waited for it."""
 
     def __init__(
-        self, works: list, then: Callable[[], None] | None = None, start_hops: Callable[[], bool] | None = None
+        self,
+        works: list,
+        then: Callable[[], None] | None = None,
+        start_hops: Callable[[], bool] | None = None,
+        issued: tuple[CollectiveTrace, Entry] | None = None,
     ) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
         self._start_hops = start_hops
+        self._issued = issued  # the trace entry of the collective behind `works`, completed at wait
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
@@ -95,21 +103,44 @@ class Pending:
         for work in self._works:
             try:
                 work.wait()
+            except CollectiveTimeout:  # a nested Pending's, named already
+                raise
             except RuntimeError as error:
-                named = _collective_error(error)
+                named = _collective_error(error, self._explain)
                 if named is None:
                     raise
                 raise named from None
         self._works = []
+        if self._issued is not None:
+            self._issued[1].completed = time.time()
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+    def _explain(self, reason: str) -> str:
+        if self._issued is None:
+            return ""
+        trace, entry = self._issued
+        return explain_failure(trace, trace.world_size, entry, reason)
 
 
 class Communicator:
     def __init__(self, topology: Topology, ledger: Ledger | None = None) -> None:
         self.topology = topology
         self.ledger = ledger or Ledger()
+        self.trace = CollectiveTrace(topology.rank, topology.world_size)
+
+    def _issue(self, op: str, group: Group, buffer_bytes: int, label: str | None = None) -> tuple[CollectiveTrace, Entry]:
+        """The trace's entry of a collective starting now. See [Note: collective sequences]."""
+        return self.trace, self.trace.issue(label or self._label(op, group), self.ledger.phase, buffer_bytes, self._role(group))
+
+    def _role(self, group: Group) -> str:
+        """The group's name in the topology, the same on every rank (its ranks differ)."""
+        topology = self.topology
+        for role in ("world", "data_parallel", "tensor_parallel", "intra_node", "inter_node"):
+            if getattr(topology, role).ranks == group.ranks:
+                return role
+        return f"{group.size}-rank"
 
     # -- byte accounting -------------------------------------------------------------------------
 
@@ -140,6 +171,7 @@ class Communicator:
         pairwise exchange (None), or a broadcast (0: the whole buffer forwarded once)."""
         if group.size == 1:
             return
+        self._issue(op, group, buffer_bytes)[1].completed = time.time()  # DTensor waits for it, not us
         if passes is None:
             self._record_pairwise(op, group, buffer_bytes)
         elif passes == 0:
@@ -176,10 +208,10 @@ class Communicator:
             out.view(-1).copy_(shard.view(-1))
             return Pending([])
         self._record_ring("all_gather", group, out.numel() * out.element_size(), label=label)
+        issued = self._issue("all_gather", group, out.numel() * out.element_size(), label)
         if s <= bucket_numel:
-            return self._done(
-                Pending([_all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=True)]), async_op
-            )
+            work = _all_gather_single(out.view(-1), shard.view(-1), group=group.pg, async_op=True)
+            return self._done(Pending([work], issued=issued), async_op)
         works, pieces = [], []
         rows = out.view(n, s)
         for start in range(0, s, bucket_numel):
@@ -192,7 +224,7 @@ class Communicator:
             for start, stop, piece in pieces:
                 rows[:, start:stop].copy_(piece.view(n, stop - start))
 
-        return self._done(Pending(works, scatter_pieces), async_op)
+        return self._done(Pending(works, scatter_pieces, issued=issued), async_op)
 
     def reduce_scatter(
         self,
@@ -211,6 +243,7 @@ class Communicator:
             shard.view(-1).copy_(full.view(-1))
             return Pending([])
         self._record_ring("reduce_scatter", group, full.numel() * full.element_size())
+        issued = self._issue("reduce_scatter", group, full.numel() * full.element_size())
         rows = full.view(n, s)
         works = []
         for start in range(0, s, bucket_numel):
@@ -219,7 +252,7 @@ class Communicator:
             works.append(
                 _reduce_scatter_single(shard[start:stop], piece, op=_op(reduce), group=group.pg, async_op=True)
             )
-        return self._done(Pending(works, _mean_fixup(shard, reduce, n)), async_op)
+        return self._done(Pending(works, _mean_fixup(shard, reduce, n), issued=issued), async_op)
 
     def all_reduce(
         self, tensor: torch.Tensor, group: Group, *, reduce: ReduceKind = "mean", async_op: bool = False
@@ -227,8 +260,9 @@ class Communicator:
         if group.size == 1:
             return Pending([])
         self._record_ring("all_reduce", group, tensor.numel() * tensor.element_size(), passes=2)
+        issued = self._issue("all_reduce", group, tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=_op(reduce), group=group.pg, async_op=True)
-        return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size)), async_op)
+        return self._done(Pending([work], _mean_fixup(tensor, reduce, group.size), issued=issued), async_op)
 
     def all_reduce_coalesced(self, tensors: list[torch.Tensor], group: Group, *, reduce: ReduceKind = "mean") -> None:
         """All-reduce `tensors` (of one dtype) in place as one message: packed, reduced, unpacked."""
@@ -248,14 +282,16 @@ class Communicator:
             out.copy_(inp)
             return Pending([])
         self._record_pairwise("all_to_all", group, inp.numel() * inp.element_size())
+        issued = self._issue("all_to_all", group, inp.numel() * inp.element_size())
         work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
-        return self._done(Pending([work]), async_op)
+        return self._done(Pending([work], issued=issued), async_op)
 
     def barrier(self, group: Group) -> None:
         """Wait until every rank of the group has arrived (no payload: a call, 0 bytes)."""
         self.ledger.record("barrier", 0, 0)
         if group.size > 1:
-            self._done(Pending([dist.barrier(group=group.pg, async_op=True)]), async_op=False)
+            issued = self._issue("barrier", group, 0)
+            self._done(Pending([dist.barrier(group=group.pg, async_op=True)], issued=issued), async_op=False)
 
     def broadcast(self, tensor: torch.Tensor, group: Group, *, src: int) -> None:
         """Copy global rank `src`'s tensor to every rank of the group (pipelined ring: every rank but
@@ -266,7 +302,9 @@ class Communicator:
             sent = tensor.numel() * tensor.element_size()
             intra = self._successor_is_intra(group)
             self.ledger.record(self._label("broadcast", group), sent if intra else 0, 0 if intra else sent)
-        self._done(Pending([dist.broadcast(tensor, src=src, group=group.pg, async_op=True)]), async_op=False)
+        issued = self._issue("broadcast", group, tensor.numel() * tensor.element_size())
+        work = dist.broadcast(tensor, src=src, group=group.pg, async_op=True)
+        self._done(Pending([work], issued=issued), async_op=False)
 
     @staticmethod
     def _done(pending: Pending, async_op: bool) -> Pending:

@@ -249,6 +249,7 @@ class _QgzReduction:
         feedback: ErrorFeedback | None,
     ) -> None:
         self.comm, self.shard, self.kernels, self.groups = comm, shard, kernels, groups
+        self.unit = comm.trace.unit  # the later hops belong to the unit that started the reduction
         self.intra_spec, self.inter_spec = specs
         self.rotation_block, self.feedback = rotation_block, feedback
         self.rotate = backend_of(kernels).rotate
@@ -279,6 +280,10 @@ class _QgzReduction:
     def start_inter(self, block: bool) -> bool:
         """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
         `block`; return whether all have started."""
+        with self.comm.trace.labelled(self.unit):
+            return self._start_inter(block)
+
+    def _start_inter(self, block: bool) -> bool:
         x, y = self.groups.intra_node.size, self.groups.inter_node.size
         while len(self.inter) < len(self.columns):
             arriving = self.intra[len(self.inter)]

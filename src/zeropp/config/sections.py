@@ -114,6 +114,12 @@ class ZeroConfig:
     contiguous_memory_optimization: bool = setting(
         False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
     )
+    sequence_check_interval: int = setting(
+        100, "compare the ranks' collective sequences after the first optimizer step and every this many (0: never)"
+    )
+    flight_record_dir: str | None = setting(
+        None, "folder where each rank writes its last collectives on a timeout, an error or a signal; unset: none"
+    )
 
     def key(self, group: str) -> Callable[[str], str]:
         """How an error names policy `group`'s fields: as written (flat ``zero.weight_bits`` or grouped
@@ -139,7 +145,7 @@ class ZeroConfig:
             self.shard_alignment,
             f"an integer from 1 to {MAX_SHARD_ALIGNMENT} (every shard is padded to a multiple of it)",
         )
-        for key in ("prefetch", "persistence_threshold"):
+        for key in ("prefetch", "persistence_threshold", "sequence_check_interval"):
             value = getattr(self, key)
             require(value >= 0, f"zero.{key}", value, "an integer >= 0")
         if self.max_grad_norm is not None:

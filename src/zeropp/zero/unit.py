@@ -85,11 +85,14 @@ class FlatUnit:
         *,
         broadcast_initial: bool = False,
         initial_flat: torch.Tensor | None = None,
+        name: str = "",
     ) -> None:
         """Flatten `named_params` (real tensors, anywhere) into this unit's buffers on the device;
         with `broadcast_initial` every rank takes rank 0's values (one broadcast of the flat buffer).
         `initial_flat`: an fp32 flat buffer of :meth:`layout_of` that already holds the parameters
-        (they are views of it), taken as it is where it already lives on the device."""
+        (they are views of it), taken as it is where it already lives on the device. `name`: the
+        module's name in the model, which labels the unit's collectives ([Note: collective sequences])."""
+        self.name = name or "(root)"
         self.module = module
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -195,7 +198,8 @@ class FlatUnit:
         if self.shard_state is ShardState.SHARDED:
             # See [Note: the storage-resize trick] (docs/design.md)
             self.compute_flat.untyped_storage().resize_(self.layout.padded_numel * self.compute_flat.element_size())
-            self._gather = self._start_gather()
+            with self.comm.trace.labelled(self.name):
+                self._gather = self._start_gather()
             self.shard_state = ShardState.GATHERING
         if self.shard_state is ShardState.GATHERING and not async_op:
             self._gather.wait()
@@ -309,6 +313,10 @@ class FlatUnit:
         ``grad_shard`` (adding to what earlier micro-batches left there) and drop ``grad_flat``.
         With qgZ (stage 3) the reduce-scatter is the quantized two-hop all-to-all.
         """
+        with self.comm.trace.labelled(self.name):
+            return self._reduce_gradients()
+
+    def _reduce_gradients(self) -> Pending:
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype).zero_()
         self._zero_unwritten()
@@ -351,18 +359,10 @@ class FlatUnit:
                 out, flat, self.groups.shard, bucket_numel=self.reduce_bucket, async_op=True
             )
         return reduce_scatter_quantized(
-            self.comm,
-            out,
-            flat,
-            options.grad_quant,
-            options.kernels,
-            self.groups,
-            chunks=options.qgz_chunks,
-            bucket_numel=self.reduce_bucket,
-            intra_spec=options.grad_intra_quant,
-            hadamard_rotation=options.grad_hadamard,
-            feedback=self.error_feedback,
-        )
+            self.comm, out, flat, options.grad_quant, options.kernels, self.groups,
+            chunks=options.qgz_chunks, bucket_numel=self.reduce_bucket, intra_spec=options.grad_intra_quant,
+            hadamard_rotation=options.grad_hadamard, feedback=self.error_feedback,
+        )  # fmt: skip
 
     def _zero_unwritten(self) -> None:
         """Zero what no gradient was copied into since ``grad_flat`` was allocated: the slices of
@@ -490,7 +490,8 @@ class FlatUnit:
                 self.compute_flat.copy_(self.master.data, non_blocking=True)
         else:
             source = self.master.data.to(self.options.device, self.compute_dtype)
-            self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=self.allgather_bucket)
+            with self.comm.trace.labelled(self.name):
+                self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=self.allgather_bucket)
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
