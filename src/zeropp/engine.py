@@ -47,7 +47,7 @@ from zeropp.runtime.activation_checkpointing import (
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
-from zeropp.zero.disk import DiskTier, check_free_space, rank_folder
+from zeropp.zero.disk import disk_tier_for
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
@@ -55,7 +55,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.stepping import step_batches, steps_unit_by_unit
+from zeropp.zero.stepping import step_batches
 from zeropp.zero.unit import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -108,11 +108,15 @@ class ZeroEngine:
         refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
-        self.disk = self._disk_tier(model)
+        shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
+        self.disk = disk_tier_for(self.config.offload, self.topology.rank, model, shard_ranks)
+        if self.disk is not None:
+            weakref.finalize(self, self.disk.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
-        self._check_disk_tier_optimizer()
+        if self.disk is not None:
+            self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
         if self.config.compile:
@@ -403,31 +407,6 @@ class ZeroEngine:
             for unit in batch:
                 unit.master.grad = None
                 unit.publish_master()
-
-    def _disk_tier(self, model: nn.Module) -> DiskTier | None:
-        """offload_optimizer = "nvme": the masters and optimizer states in files (zeropp.zero.disk),
-        its folder checked for room before any unit is built."""
-        offload = self.config.offload
-        if offload.optimizer != "nvme":
-            return None
-        folder = rank_folder(offload.path, self.topology.rank)
-        ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        check_free_space(folder, 12 * trainable // ranks)  # the fp32 master, Adam's two moments
-        tier = DiskTier(folder, offload.buffer_count)
-        weakref.finalize(self, tier.close)
-        return tier
-
-    def _check_disk_tier_optimizer(self) -> None:
-        if self.disk is None:
-            return
-        if not steps_unit_by_unit(self.optimizer):
-            raise ConfigError(
-                f"zero.offload_optimizer = 'nvme' streams the optimizer unit by unit, which "
-                f"{type(self.optimizer).__name__} may not allow; expected one of torch's per-parameter optimizers "
-                "(SGD, Adam, AdamW, ...)"
-            )
-        self.disk.optimizer = self.optimizer
 
     def _streamed(self, batches: list) -> Iterator:
         """The units of each batch with their states read from the disk tier (and written back after)."""

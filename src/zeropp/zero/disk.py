@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zeropp.config.policies import OffloadPolicy
 from zeropp.errors import ConfigError
+from zeropp.zero.stepping import steps_unit_by_unit
 
 
 class DiskTier:
@@ -45,6 +47,16 @@ class DiskTier:
         self._files.append(os.open(self.folder / f"unit-{len(self.masters):04d}.bin", os.O_RDWR | os.O_CREAT, 0o600))
         self.masters.append(master)
         self._write_out(len(self.masters) - 1)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer built on the masters; its per-element states join them in the files."""
+        if not steps_unit_by_unit(optimizer):
+            raise ConfigError(
+                f"zero.offload_optimizer = 'nvme' streams the optimizer unit by unit, which "
+                f"{type(optimizer).__name__} may not allow; expected one of torch's per-parameter optimizers "
+                "(SGD, Adam, AdamW, ...)"
+            )
+        self.optimizer = optimizer
 
     def tensors(self, index: int) -> list[torch.Tensor]:
         """The unit's master, then its per-element optimizer states in key order."""
@@ -126,6 +138,17 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     through ``numpy()``, which would make its storage impossible to resize, hence to free)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def disk_tier_for(offload: OffloadPolicy, rank: int, model: nn.Module, shard_ranks: int) -> DiskTier | None:
+    """The disk tier where ``offload.optimizer`` is "nvme" (its folder checked for room before any unit
+    is built: `shard_ranks` share the optimizer state), else None."""
+    if offload.optimizer != "nvme":
+        return None
+    folder = rank_folder(offload.path, rank)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    check_free_space(folder, 12 * trainable // shard_ranks)  # the fp32 master, Adam's two moments
+    return DiskTier(folder, offload.buffer_count)
 
 
 def rank_folder(path: str, rank: int) -> Path:
