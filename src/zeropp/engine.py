@@ -7,6 +7,7 @@ Usage (one process per rank, under torchrun)::
     loss = engine(x, y)        # forward
     engine.backward(loss)      # backward of one micro-batch
     engine.step()              # optimizer step once every gradient_accumulation_steps micro-batches
+    tokens = engine.generate(input_ids=ids, max_new_tokens=64)  # every unit gathered once
 
 The engine is the user API: construction, ``__call__``, ``backward``, ``step`` and the state dicts.
 What happens to the units during forward and backward (hooks, prefetch, reductions) is the
@@ -15,8 +16,9 @@ runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zerop
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -227,6 +229,28 @@ class ZeroEngine:
             )
         with self.comm.in_phase(phase), kv_cache_off(self._kv_caches if torch.is_grad_enabled() else []):
             return self.module(*args, **kwargs)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    # See [Note: gathered generation] (docs/design.md)
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Gather every unit once (the ledger's eval phase), keep them gathered for the block and
+        reshard them at its exit. Costs the whole model in the compute dtype on every rank, on top of
+        the shards. Collective: every rank enters and leaves the block together."""
+        with self.comm.in_phase("eval"):
+            self.runtime.gather_all()
+        try:
+            yield
+        finally:
+            self.runtime.release_all()
+
+    def generate(self, *args: Any, gathered: bool = True, **kwargs: Any) -> Any:
+        """The model's own ``generate(*args, **kwargs)`` without gradients, in the ledger's eval phase:
+        inside :meth:`gathered` (default), or unit by unit, every unit gathered for every token."""
+        block = self.gathered() if gathered else contextlib.nullcontext()
+        with torch.no_grad(), self.comm.in_phase("eval"), block:
+            return self.module.generate(*args, **kwargs)
 
     # -- backward --------------------------------------------------------------------------------
 
