@@ -49,6 +49,7 @@ from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, repeated_blocks
 from zeropp.zero.materialize import InitFn
+from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
@@ -104,6 +105,7 @@ class ZeroEngine:
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
+        self.states = StateOffloader(self.units, self.optimizer, self.topology.device)
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -256,6 +258,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
+        self.states.require_on_device("backward")
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         with self.comm.in_phase("backward"):
@@ -269,6 +272,7 @@ class ZeroEngine:
         """Run the optimizer if this is an accumulation boundary; return whether weights changed."""
         if not self._at_boundary:
             return False
+        self.states.require_on_device("step")
         self._at_boundary = False
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
@@ -403,6 +407,16 @@ class ZeroEngine:
                 unit.publish_master()
 
     # -- modes, state, measurement ---------------------------------------------------------------
+
+    def offload_states(self, include: Iterable[str] = KINDS) -> StatesMoved:
+        """Move the states of `include` (optimizer, master, gradients) that live on the device to host
+        memory (pinned on CUDA) and free their device copies; forward and generation still run,
+        backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload_states`)."""
+        return self.states.offload(include)
+
+    def reload_states(self) -> StatesMoved:
+        """Bring back what :meth:`offload_states` moved."""
+        return self.states.reload()
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
