@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file, or the Hugging Face folder, to write")
+    export.add_argument(
+        "--adapter-only", action="store_true",
+        help="a peft model's checkpoint: write only its adapter, as the folder peft.PeftModel.from_pretrained loads",
+    )  # fmt: skip
     generate = commands.add_parser(
         "generate",
         help="continue a prompt with a checkpoint's model (greedy, one process)",
@@ -165,7 +169,7 @@ def _main(argv: list[str]) -> int:
         return importlib.import_module(f"zeropp.tools.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        return _export(args.checkpoint, args.out, args.adapter_only)
     if args.command == "generate":
         return _generate(args.checkpoint, args.prompt, args.max_new_tokens)
     if args.command == "import-deepspeed":
@@ -329,18 +333,23 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
     os._exit(status)
 
 
-def _export(checkpoint: Path, out: Path) -> int:
-    """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a file."""
-    from zeropp.app.hf import export_folder
+def _export(checkpoint: Path, out: Path, adapter_only: bool) -> int:
+    """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a
+    file; with `adapter_only` a peft model's adapter to a folder."""
+    from zeropp.app.hf import export_adapter_folder, export_folder
     from zeropp.checkpoint.dcp import export_checkpoint, read_meta
 
     try:
         folder = out.suffix != ".safetensors" and "hf_config" in read_meta(checkpoint)["extra"]
-        meta = export_folder(checkpoint, out) if folder else export_checkpoint(checkpoint, out)
+        if adapter_only:
+            meta, what = export_adapter_folder(checkpoint, out), "a peft adapter folder for PeftModel.from_pretrained"
+        elif folder:
+            meta, what = export_folder(checkpoint, out), "a Hugging Face folder for from_pretrained"
+        else:
+            meta, what = export_checkpoint(checkpoint, out), "safetensors"
     except (CheckpointError, ConfigError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
-    what = "a Hugging Face folder for from_pretrained" if folder else "safetensors"
     print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, {what})")
     return 0
 
