@@ -408,7 +408,7 @@ class ZeroEngine:
 
     # -- modes, state, measurement ---------------------------------------------------------------
 
-    def offload_states(self, include: Iterable[str] = KINDS) -> StatesMoved:
+    def offload_states(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
         """Move the states of `include` (optimizer, master, gradients) that live on the device to host
         memory (pinned on CUDA) and free their device copies; forward and generation still run,
         backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload_states`)."""

@@ -92,20 +92,22 @@ def test_offload_and_reload_count_what_moved_and_training_continues_bit_identica
             assert ("optimizer" in r["got"]) == (offload == "none"), r["case"]
 
 
-def bad_kind_worker() -> str:
+def bad_kind_worker() -> tuple[str, dict]:
     from zeropp.errors import ConfigError
     from zeropp.topology import init_topology
 
-    engine = _engine(3, "fp32", "none", init_topology())
+    engine = _engine(1, "bf16", "none", init_topology())
     with pytest.raises(ConfigError) as error:
         engine.offload_states(include=("optimizer", "weights"))
-    return str(error.value)
+    moved = engine.offload_states("master")  # one kind by name
+    engine.reload_states()
+    return str(error.value), moved.tensors
 
 
-def test_an_unknown_state_is_refused_in_one_line():
-    assert run_ranks(bad_kind_worker, 1)[0] == (
-        "offload_states: unknown state 'weights'; expected some of optimizer, master, gradients"
-    )
+def test_an_unknown_state_is_refused_in_one_line_and_one_kind_may_be_named_alone():
+    message, moved = run_ranks(bad_kind_worker, 1)[0]
+    assert message == "offload_states: unknown state 'weights'; expected some of optimizer, master, gradients"
+    assert moved == {"master": 3}  # the GPT's 2 blocks and its root at world 1, and nothing else
 
 
 def cuda_worker() -> dict:

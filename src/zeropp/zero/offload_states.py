@@ -60,8 +60,8 @@ class StateOffloader:
         self.units, self.optimizer, self.device = list(units), optimizer, device
         self.offloaded: list[_Slot] | None = None  # None: no offload in effect
 
-    def offload(self, include: Iterable[str] = KINDS) -> StatesMoved:
-        include = tuple(include)
+    def offload(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
+        include = (include,) if isinstance(include, str) else tuple(include)
         unknown = sorted(set(include) - set(KINDS))
         if unknown:
             raise ConfigError(f"offload_states: unknown state {unknown[0]!r}; expected some of {', '.join(KINDS)}")
