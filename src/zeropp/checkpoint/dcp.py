@@ -207,6 +207,7 @@ def _state_to_save(engine: ZeroEngine, base: dict[str, Any] | None = None) -> di
         saved = engine.sharded_state_dict()
     except LayoutError as error:
         raise CheckpointError(str(error)) from None
+    # See [Note: a frozen base by reference] (docs/design.md)
     for name in base["params"] if base else ():  # referenced, not copied
         del saved[layout.fixed_key(name)]
     saved.update(_rng_states(engine))
