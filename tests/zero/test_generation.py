@@ -57,6 +57,43 @@ def test_gathered_generation_matches_the_plain_model_and_gathers_each_unit_once(
         assert result["held"] == result["expected_held"]
 
 
+def zeropp_worker(zero: dict) -> dict:
+    """qwZ or hpZ on: both modes give the same tokens, and the ledger matches the formula."""
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.costs.volume import generation_transfers
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    torch.manual_seed(0)
+    config = ZeroConfig(stage=3, persistence_threshold=0, **zero)
+    engine = ZeroEngine(hf_model("hf-llama").eval(), torch.optim.AdamW, {}, config, topology)
+    ids = torch.randint(1, 256, (4, 5), generator=torch.Generator().manual_seed(1))
+    units = [(u.layout.padded_numel, u.resident) for u in engine.units]
+    out = {}
+    for gathered in (False, True):  # unit by unit first: hpZ's secondary copies are cut then
+        engine.comm.ledger.reset()
+        for unit in engine.units:  # as after a step: the first gather of each unit goes over the world
+            unit.publish_master()
+        tokens = engine.generate(
+            input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, gathered=gathered
+        )
+        transfers = generation_transfers(units, topology.layout, config, engine.hpz_group_size, NEW_TOKENS, gathered)
+        out[gathered] = (
+            tokens,
+            engine.comm.ledger.total(op="all_gather", phase="eval"),
+            sum(t.sent for t in transfers),
+        )
+    return out
+
+
+@pytest.mark.parametrize("zero", [dict(quantized_weights=True), dict(hpz_partition_size=2)], ids=["qwz", "hpz"])
+def test_with_qwz_or_hpz_both_modes_give_the_same_tokens_and_the_formulas_bytes(zero):
+    for result in run_ranks(zeropp_worker, 2, zero=zero):
+        assert torch.equal(result[True][0], result[False][0])
+        for _, ledger, formula in result.values():
+            assert ledger == formula > 0
+
+
 def nested_worker() -> str:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.topology import init_topology

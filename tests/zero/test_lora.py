@@ -29,7 +29,9 @@ def lora_worker() -> dict[int, float]:
     topology = init_topology()
     errors = {}
     for stage in (1, 2, 3):
-        engine = ZeroEngine(lora_model(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, persistence_threshold=0), topology)
+        engine = ZeroEngine(
+            lora_model(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, persistence_threshold=0), topology
+        )
         for step in range(STEPS):
             x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
             engine.backward(loss_of("hf-llama", engine, x, None))

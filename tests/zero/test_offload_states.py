@@ -39,7 +39,9 @@ def _expected(engine) -> dict[str, tuple[int, int]]:
     out = {}
     for unit in engine.units:
         host = unit.options.master_device is not None
-        aliased = unit.master.data_ptr() in {t.data_ptr() for t in (unit.compute_flat, unit.compute_shard) if t is not None}
+        aliased = unit.master.data_ptr() in {
+            t.data_ptr() for t in (unit.compute_flat, unit.compute_shard) if t is not None
+        }
         kept = [unit.grad_flat, unit.grad_shard]
         pieces = {
             "master": [] if host or aliased else [unit.master],

@@ -51,9 +51,13 @@ def base_reference(units: list[FlatUnit], module: nn.Module, path: str | Path, p
     """zeropp.json's ``frozen_base``: the path, the frozen parameters' shapes and their sha256."""
     frozen = frozen_parameters(units, module)
     if not frozen:
-        raise CheckpointError("frozen_base is given but the model has no frozen parameters; train it with full checkpoints")
+        raise CheckpointError(
+            "frozen_base is given but the model has no frozen parameters; train it with full checkpoints"
+        )
     if not Path(path).exists():
-        raise CheckpointError(f"frozen_base {str(path)!r} does not exist; expected the base model's safetensors file or folder")
+        raise CheckpointError(
+            f"frozen_base {str(path)!r} does not exist; expected the base model's safetensors file or folder"
+        )
     return {
         "path": str(Path(path).resolve()),
         "params": {name: list(t.shape) for name, t in frozen.items()},

@@ -112,7 +112,9 @@ class StateOffloader:
                     yield _Slot("optimizer", lambda s=state, k=key: s[k], lambda t, s=state, k=key: s.__setitem__(k, t))
             for name in ("grad_flat", "grad_shard") if "gradients" in include else ():
                 if getattr(unit, name) is not None:
-                    yield _Slot("gradients", lambda u=unit, n=name: getattr(u, n), lambda t, u=unit, n=name: setattr(u, n, t))
+                    yield _Slot(
+                        "gradients", lambda u=unit, n=name: getattr(u, n), lambda t, u=unit, n=name: setattr(u, n, t)
+                    )
 
 
 def _is_compute_weights(unit: FlatUnit) -> bool:

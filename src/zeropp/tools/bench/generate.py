@@ -123,7 +123,9 @@ def cpu_model() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no lscpu)"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
+    return next(
+        (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(measure(world, args))
         print(markdown(rows[-1:], args), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(cpu=cpu, date=when, options=vars(args) | {"out": str(args.out)}, rows=rows), indent=2))
+        args.out.write_text(
+            json.dumps(dict(cpu=cpu, date=when, options=vars(args) | {"out": str(args.out)}, rows=rows), indent=2)
+        )
     print(markdown(rows, args))
     return 0
 
