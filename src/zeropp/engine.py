@@ -250,6 +250,11 @@ class ZeroEngine:
     def generate(self, *args: Any, gathered: bool = True, **kwargs: Any) -> Any:
         """The model's own ``generate(*args, **kwargs)`` without gradients, in the ledger's eval phase:
         inside :meth:`gathered` (default), or unit by unit, every unit gathered for every token."""
+        if not callable(getattr(self.module, "generate", None)):
+            raise ConfigError(
+                f"engine.generate: {type(self.module).__name__} has no generate method; "
+                "call your own decoding loop inside engine.gathered()"
+            )
         block = self.gathered() if gathered else contextlib.nullcontext()
         with torch.no_grad(), self.comm.in_phase("eval"), block:
             return self.module.generate(*args, **kwargs)
@@ -443,6 +448,7 @@ class ZeroEngine:
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
+        self.states.require_on_device("loading a state")
         layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from launcher import run_ranks
-from models import hf_model
+from models import hf_model, make_model
 
 NEW_TOKENS = 6
 
@@ -94,15 +94,23 @@ def test_with_qwz_or_hpz_both_modes_give_the_same_tokens_and_the_formulas_bytes(
             assert ledger == formula > 0
 
 
-def nested_worker() -> str:
-    from zeropp import ZeroConfig, ZeroEngine
+def misuse_worker() -> tuple[str, str]:
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
     from zeropp.topology import init_topology
 
-    engine = ZeroEngine(hf_model("hf-llama"), torch.optim.AdamW, {}, ZeroConfig(stage=3), init_topology())
-    with engine.gathered(), pytest.raises(RuntimeError) as error, engine.gathered():
+    topology = init_topology()
+    engine = ZeroEngine(hf_model("hf-llama"), torch.optim.AdamW, {}, ZeroConfig(stage=3), topology)
+    with engine.gathered(), pytest.raises(RuntimeError) as nested, engine.gathered():
         pass
-    return str(error.value)
+    gpt = ZeroEngine(make_model("gpt"), torch.optim.AdamW, {}, ZeroConfig(stage=3), topology)
+    with pytest.raises(ConfigError) as no_generate:
+        gpt.generate(torch.zeros(1, 4, dtype=torch.long))
+    return str(nested.value), str(no_generate.value)
 
 
-def test_nested_gathered_blocks_are_refused():
-    assert "do not nest" in run_ranks(nested_worker, 1)[0]
+def test_nested_blocks_and_a_model_without_generate_are_refused_in_one_line():
+    nested, no_generate = run_ranks(misuse_worker, 1)[0]
+    assert nested == "zeropp: engine.gathered() blocks do not nest"
+    assert no_generate == (
+        "engine.generate: GPT has no generate method; call your own decoding loop inside engine.gathered()"
+    )

@@ -102,6 +102,8 @@ def bad_kind_worker() -> tuple[str, dict]:
     with pytest.raises(ConfigError) as error:
         engine.offload_states(include=("optimizer", "weights"))
     moved = engine.offload_states("master")  # one kind by name
+    with pytest.raises(RuntimeError, match=r"loading a state with states offloaded; call engine.reload_states\(\)"):
+        engine.load_sharded_state_dict({})
     engine.reload_states()
     return str(error.value), moved.tensors
 
