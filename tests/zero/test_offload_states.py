@@ -49,6 +49,7 @@ def _expected(engine) -> dict[str, tuple[int, int]]:
             "gradients": [t for t in kept if t is not None],
         }
         for kind, tensors in pieces.items():
+            tensors = [t for t in tensors if t.device == engine.topology.device]  # CUDA: Adam's step is on the host
             count, size = out.get(kind, (0, 0))
             out[kind] = (count + len(tensors), size + sum(t.numel() * t.element_size() for t in tensors))
     return {kind: value for kind, value in out.items() if value[0]}
