@@ -1,4 +1,4 @@
-"""Command line: zeropp train, export, import-deepspeed, estimate, cluster and bench.
+"""Command line: zeropp train, export, generate, import-deepspeed, estimate, cluster and bench.
 
 zeropp train trains the embedded GPT on the embedded corpus, or a Hugging Face causal LM
 (--hf-model DIR, --hf-config FILE) on your own text (--data PATH, --tokenizer DIR); local paths only.
@@ -123,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
     export.add_argument("out", type=Path, help="the .safetensors file, or the Hugging Face folder, to write")
+    export.add_argument(
+        "--adapter-only", action="store_true",
+        help="a peft model's checkpoint: write only its adapter, as the folder peft.PeftModel.from_pretrained loads",
+    )  # fmt: skip
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a checkpoint's model (greedy, one process)",
+        description="Load a checkpoint's weights into its run's model in one process and print the prompt "
+        "followed by its greedy continuation, tokenized as the run tokenized its data.",
+    )
+    generate.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoint_dir/step-NNNNNNNN)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     imported = commands.add_parser(
         "import-deepspeed",
         help="write a DeepSpeed ZeRO checkpoint as a zeropp checkpoint (--resume, export)",
@@ -167,7 +180,9 @@ def _main(argv: list[str]) -> int:
         return importlib.import_module(f"zeropp.tools.{argv[0]}").main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        return _export(args.checkpoint, args.out, args.adapter_only)
+    if args.command == "generate":
+        return _generate(args.checkpoint, args.prompt, args.max_new_tokens)
     if args.command == "import-deepspeed":
         return _import_deepspeed(args.source, args.out_dir)
     if args.command == "bench":
@@ -350,19 +365,35 @@ def _record_on_signal(trace: Any) -> None:
     signal.signal(signal.SIGTERM, record)
 
 
-def _export(checkpoint: Path, out: Path) -> int:
-    """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a file."""
-    from zeropp.app.hf import export_folder
+def _export(checkpoint: Path, out: Path, adapter_only: bool) -> int:
+    """A Hugging Face model's checkpoint to a folder (unless OUT ends in .safetensors), others to a
+    file; with `adapter_only` a peft model's adapter to a folder."""
+    from zeropp.app.hf import export_adapter_folder, export_folder
     from zeropp.checkpoint.dcp import export_checkpoint, read_meta
 
     try:
         folder = out.suffix != ".safetensors" and "hf_config" in read_meta(checkpoint)["extra"]
-        meta = export_folder(checkpoint, out) if folder else export_checkpoint(checkpoint, out)
+        if adapter_only:
+            meta, what = export_adapter_folder(checkpoint, out), "a peft adapter folder for PeftModel.from_pretrained"
+        elif folder:
+            meta, what = export_folder(checkpoint, out), "a Hugging Face folder for from_pretrained"
+        else:
+            meta, what = export_checkpoint(checkpoint, out), "safetensors"
     except (CheckpointError, ConfigError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)
         return 2
-    what = "a Hugging Face folder for from_pretrained" if folder else "safetensors"
     print(f"wrote {out}: {len(meta['params'])} parameters of step {meta['step']} (fp32, {what})")
+    return 0
+
+
+def _generate(checkpoint: Path, prompt: str, new_tokens: int) -> int:
+    from zeropp.app.generate import generate_text
+
+    try:
+        print(generate_text(checkpoint, prompt, new_tokens))
+    except (CheckpointError, ConfigError) as error:
+        print(f"zeropp: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

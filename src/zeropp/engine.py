@@ -7,6 +7,7 @@ Usage (one process per rank, under torchrun)::
     loss = engine(x, y)        # forward
     engine.backward(loss)      # backward of one micro-batch
     engine.step()              # optimizer step once every gradient_accumulation_steps micro-batches
+    tokens = engine.generate(input_ids=ids, max_new_tokens=64)  # every unit gathered once
 
 The engine is the user API: construction, ``__call__``, ``backward``, ``step`` and the state dicts.
 What happens to the units during forward and backward (hooks, prefetch, reductions) is the
@@ -52,6 +53,7 @@ from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
 from zeropp.zero.materialize import InitFn
+from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
@@ -119,6 +121,7 @@ class ZeroEngine:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
+        self.states = StateOffloader(self.units, self.optimizer, self.topology.device)
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -248,10 +251,38 @@ class ZeroEngine:
         with self.comm.in_phase(phase), kv_cache_off(self._kv_caches if torch.is_grad_enabled() else []):
             return self.module(*args, **kwargs)
 
+    # -- generation ------------------------------------------------------------------------------
+
+    # See [Note: gathered generation] (docs/design.md)
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Gather every unit once (the ledger's eval phase), keep them gathered for the block and
+        reshard them at its exit. Costs the whole model in the compute dtype on every rank, on top of
+        the shards. Collective: every rank enters and leaves the block together."""
+        with self.comm.in_phase("eval"):
+            self.runtime.gather_all()
+        try:
+            yield
+        finally:
+            self.runtime.release_all()
+
+    def generate(self, *args: Any, gathered: bool = True, **kwargs: Any) -> Any:
+        """The model's own ``generate(*args, **kwargs)`` without gradients, in the ledger's eval phase:
+        inside :meth:`gathered` (default), or unit by unit, every unit gathered for every token."""
+        if not callable(getattr(self.module, "generate", None)):
+            raise ConfigError(
+                f"engine.generate: {type(self.module).__name__} has no generate method; "
+                "call your own decoding loop inside engine.gathered()"
+            )
+        block = self.gathered() if gathered else contextlib.nullcontext()
+        with torch.no_grad(), self.comm.in_phase("eval"), block:
+            return self.module.generate(*args, **kwargs)
+
     # -- backward --------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
+        self.states.require_on_device("backward")
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         with self.comm.in_phase("backward"):
@@ -265,6 +296,7 @@ class ZeroEngine:
         """Run the optimizer if this is an accumulation boundary; return whether weights changed."""
         if not self._at_boundary:
             return False
+        self.states.require_on_device("step")
         self._at_boundary = False
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
@@ -420,6 +452,16 @@ class ZeroEngine:
 
     # -- modes, state, measurement ---------------------------------------------------------------
 
+    def offload_states(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
+        """Move the states of `include` (optimizer, master, gradients) that live on the device to host
+        memory (pinned on CUDA) and free their device copies; forward and generation still run,
+        backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload_states`)."""
+        return self.states.offload(include)
+
+    def reload_states(self) -> StatesMoved:
+        """Bring back what :meth:`offload_states` moved."""
+        return self.states.reload()
+
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
         return self
@@ -446,6 +488,7 @@ class ZeroEngine:
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
+        self.states.require_on_device("loading a state")
         with self._states_resident(changes=True):
             layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 

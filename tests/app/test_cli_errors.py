@@ -127,3 +127,12 @@ def test_config_file_without_read_permission(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", denied)
     with pytest.raises(ConfigError, match=r"config file '.*run.toml' cannot be read \(Permission denied\)"):
         load_config(path)
+
+
+def test_generate_continues_a_prompt_of_the_embedded_gpt_and_refuses_an_empty_one(checkpoint, capsys):
+    from zeropp.cli import main
+
+    assert main(["generate", str(checkpoint), "--prompt", "In the beginning", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == "" and printed.out.startswith("In the beginning") and len(printed.out.encode()) > 17
+    one_line(run_cli("generate", str(checkpoint), "--prompt", ""), "--prompt is empty")

@@ -182,6 +182,30 @@ def test_export_writes_a_folder_from_pretrained_loads_with_the_engines_logits(ru
             assert len(tokenizer) == 17 and tokenizer.eos_token == "<eos>"
 
 
+def test_generate_continues_a_prompt_as_the_exported_models_generate_does(runs, tmp_path, capsys):
+    import transformers
+
+    from zeropp.cli import main
+
+    for case, run in runs.items():
+        checkpoint = run["first"] / "step-00000006"
+        assert main(["generate", str(checkpoint), "--prompt", "the quick brown", "--max-new-tokens", "5"]) == 0
+        printed = capsys.readouterr().out.rstrip("\n")
+        assert main(["export", str(checkpoint), str(tmp_path / case)]) == 0
+        capsys.readouterr()
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / case).eval()
+        model.generation_config.eos_token_id = None  # zeropp generate does not stop at EOS
+        if CASES[case][2]:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / case)
+            ids = tokenizer("the quick brown", add_special_tokens=False, return_tensors="pt")["input_ids"]
+            decode = tokenizer.decode
+        else:
+            ids, decode = torch.tensor([list(b"the quick brown")]), lambda t: bytes(t).decode("utf-8", errors="replace")
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=5, do_sample=False)
+        assert printed == decode(out[0].tolist()), case
+
+
 def test_readme_script_trains_and_saves_a_folder_from_pretrained_loads(inputs, tmp_path):
     import transformers
 

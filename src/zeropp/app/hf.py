@@ -168,3 +168,28 @@ def export_folder(checkpoint: Path, out: Path) -> dict[str, Any]:
     meta, state = consolidated_state(checkpoint)
     save_pretrained(state, config, out, tokenizer)
     return meta
+
+
+def export_adapter_folder(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """``zeropp export CKPT DIR --adapter-only``: a peft model's trained adapter as the folder that
+    ``peft.PeftModel.from_pretrained(base, DIR)`` loads (``adapter_config.json`` and
+    ``adapter_model.safetensors``, peft's names). Returns zeropp.json."""
+    from safetensors.torch import save_file
+
+    from zeropp.checkpoint.adapters import peft_key
+    from zeropp.checkpoint.dcp import consolidated_state, read_meta
+
+    adapter = read_meta(checkpoint).get("adapter")
+    if adapter is None:
+        raise HFError(f"checkpoint {str(checkpoint)!r} is not of a peft model: it holds no adapter to export")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise HFError(f"cannot write {str(out)!r}: it exists and is not an empty folder")
+    meta, trained = consolidated_state(checkpoint, trained_only=True)
+    config = dict(adapter["config"])
+    if meta.get("frozen_base"):
+        config["base_model_name_or_path"] = meta["frozen_base"]["path"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    tensors = {peft_key(name, adapter["name"]): t.contiguous() for name, t in trained.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return meta

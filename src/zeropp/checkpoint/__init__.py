@@ -5,6 +5,7 @@
   export share;
 - :mod:`~zeropp.checkpoint.dcp`: DCP sharded checkpoints on top of it: save, atomic publish,
   sha256 per file, load with resharding, export;
+- :mod:`~zeropp.checkpoint.adapters`: a frozen base referenced by path and hash, peft's adapter names;
 - :mod:`~zeropp.checkpoint.pretrained`: safetensors files and Hugging Face folders read slice by
   slice into the shards;
 - :mod:`~zeropp.checkpoint.deepspeed_files`, :mod:`~zeropp.checkpoint.deepspeed_import`: a DeepSpeed

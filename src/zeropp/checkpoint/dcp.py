@@ -16,6 +16,9 @@ A checkpoint is a directory ``step-00000120`` holding
 - ``qgz_residual.rank<r>.<unit>.<hop>``: qgZ's error-feedback residuals of rank r (rank-specific, like
   the RNG state): loaded where the world size and node count match, zeroed otherwise (with a note).
 
+An adapter run saved with ``frozen_base=PATH`` leaves its frozen parameters out, referenced by path
+and hash (:mod:`zeropp.checkpoint.adapters`); a peft model's adapter config goes into zeropp.json.
+
 A save refuses weights that hold nan or inf (before writing anything), so a diverged run never
 publishes a checkpoint, nor prunes a good one.
 
@@ -42,6 +45,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,10 +54,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from zeropp.checkpoint import changes, layout
-from zeropp.checkpoint.layout import LayoutError
+from zeropp.checkpoint import adapters, changes, layout
+from zeropp.checkpoint.layout import CheckpointError, LayoutError
 from zeropp.comm.feedback import HOPS
-from zeropp.errors import ZeroppError
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
@@ -62,10 +65,6 @@ FORMAT = "zeropp-checkpoint/2"
 FLAT_FORMAT = "zeropp-checkpoint/1"  # parameters stored flattened: export reads it, a run cannot load it
 META = "zeropp.json"
 _NAME = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ZeroppError, RuntimeError):
-    """A checkpoint cannot be written or read. The message is one line and says what to do."""
 
 
 # -- finding checkpoints --------------------------------------------------------------------------
@@ -135,23 +134,33 @@ def check_writable(directory: str | Path) -> None:
 
 
 def save_checkpoint(
-    engine: ZeroEngine, directory: str | Path, step: int, *, extra: dict[str, Any] | None = None, keep_last: int = 0
+    engine: ZeroEngine,
+    directory: str | Path,
+    step: int,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int = 0,
+    frozen_base: str | Path | None = None,
 ) -> Path:
     """Write a checkpoint of `engine` at `step` into `directory`, publish it atomically, prune old ones.
 
-    Collective: every rank calls it. keep_last = 0 keeps every checkpoint.
+    Collective: every rank calls it. keep_last = 0 keeps every checkpoint. `frozen_base`: the frozen
+    parameters' source (a safetensors file or folder), referenced instead of saved.
     """
     directory = Path(directory)
     final = directory / checkpoint_name(step)
     partial = directory / f".{final.name}.partial"
     rank = engine.topology.rank
+    base = None
+    if frozen_base is not None:
+        base = adapters.base_reference(engine.units, engine.module, frozen_base, engine.config.precision)
     _refuse_non_finite(engine, final)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(".step-*.partial"):  # a save that crashed earlier
             shutil.rmtree(stale, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
-    state = _state_to_save(engine)
+    state = _state_to_save(engine, base)
     try:
         dcp.save(state, storage_writer=FileSystemWriter(str(partial)))
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
@@ -162,7 +171,10 @@ def save_checkpoint(
         needs = _space_needed(state, engine.topology.world_size, directory)
         raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}{needs}") from None
     if rank == 0:
-        publish(partial, final, {"format": FORMAT, "step": step, **_describe(engine), "extra": extra or {}})
+        described = _describe(engine, base["params"] if base else ())
+        references = {"frozen_base": base, "adapter": adapters.adapter_meta(engine.module)}
+        meta = {"format": FORMAT, "step": step, **described, **{k: v for k, v in references.items() if v}}
+        publish(partial, final, {**meta, "extra": extra or {}})
         if keep_last:
             published = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
             for old in published[:-keep_last]:
@@ -212,11 +224,14 @@ def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
         )
 
 
-def _state_to_save(engine: ZeroEngine) -> dict[str, Any]:
+def _state_to_save(engine: ZeroEngine, base: dict[str, Any] | None = None) -> dict[str, Any]:
     try:
         saved = engine.sharded_state_dict()
     except LayoutError as error:
         raise CheckpointError(str(error)) from None
+    # See [Note: a frozen base by reference] (docs/design.md)
+    for name in base["params"] if base else ():  # referenced, not copied
+        del saved[layout.fixed_key(name)]
     saved.update(_rng_states(engine))
     saved.update(_residuals(engine))
     return saved
@@ -275,15 +290,17 @@ def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str
     return wanted
 
 
-def _describe(engine: ZeroEngine) -> dict[str, Any]:
+def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str, Any]:
+    """zeropp.json's description of the engine; `referenced`: frozen parameters left out of ``fixed``."""
     optimizer = engine.optimizer
+    fixed = layout.fixed_tensors(engine.units, engine.module)
     return {
         "world_size": engine.topology.world_size,
         "nodes": engine.topology.nodes,
         "tensor_parallel_size": engine.topology.tensor_parallel.size,
         "stage": engine.config.stage,
         "params": layout.parameter_shapes(engine.units),
-        "fixed": {name: list(t.shape) for name, t in layout.fixed_tensors(engine.units, engine.module).items()},
+        "fixed": {name: list(t.shape) for name, t in fixed.items() if name not in referenced},
         "aliases": layout.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
@@ -314,6 +331,9 @@ def load_checkpoint(
         )
     verify_files(path, meta)
     _check_compatible(engine, meta, path)
+    referenced = meta.get("frozen_base", {}).get("params", {})
+    if referenced:
+        adapters.check_base(engine.units, engine.module, meta, path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     optimizer_keys = {}
     for key, entry in saved.items():
@@ -321,6 +341,8 @@ def load_checkpoint(
         if name is not None:
             optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
     wanted = engine.sharded_state_template(optimizer_keys)
+    for name in referenced:  # the engine's own frozen parameters are the checkpoint's base (checked above)
+        del wanted[layout.fixed_key(name)]
     rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
     if meta["world_size"] == engine.topology.world_size:  # a rank's stream belongs to its rank
         wanted.update(rng)
@@ -356,7 +378,7 @@ def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, opt
 
 
 def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:
-    here = _describe(engine)
+    here = _describe(engine, meta.get("frozen_base", {}).get("params", {}))
     for kind in ("params", "fixed"):
         saved, ours = meta[kind], here[kind]
         for name in sorted(saved.keys() | ours.keys()):
@@ -409,14 +431,16 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     return meta
 
 
-def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def consolidated_state(path: str | Path, *, trained_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A checkpoint's zeropp.json and its whole ``model.state_dict()`` (fp32 floating tensors, tied
-    weights under every name), read in one process whatever world size saved it."""
+    weights under every name, a referenced frozen base read from its path), read in one process
+    whatever world size saved it; `trained_only`: the trained parameters alone (an adapter export)."""
     meta = read_meta(path)
     verify_files(path, meta)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     masters = {key: _empty_like_saved(keys[key]) for key in map(layout.model_key, meta["params"])}
-    fixed = {key: _empty_like_saved(keys[key]) for key in map(layout.fixed_key, meta["fixed"])}
+    fixed_names = [] if trained_only else meta["fixed"]
+    fixed = {key: _empty_like_saved(keys[key]) for key in map(layout.fixed_key, fixed_names)}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
@@ -425,11 +449,15 @@ def consolidated_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torc
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
     # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
     tensors = {name: masters[layout.model_key(name)].view(shape) for name, shape in meta["params"].items()}
+    if trained_only:
+        return meta, tensors
     for alias, name in meta["aliases"].items():
         tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
-    for name in meta["fixed"]:
+    for name in fixed_names:
         value = fixed[layout.fixed_key(name)]
         tensors[name] = value.float() if value.is_floating_point() else value
+    if "frozen_base" in meta:
+        tensors.update(adapters.read_base(meta))
     return meta, tensors
 
 

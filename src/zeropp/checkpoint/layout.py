@@ -62,6 +62,10 @@ def optimizer_state_name(key: str) -> str | None:
     return key.rsplit(".", 1)[1] if key.startswith("optim.") else None
 
 
+class CheckpointError(ZeroppError, RuntimeError):
+    """A checkpoint cannot be written or read. The message is one line and says what to do."""
+
+
 class LayoutError(ZeroppError, RuntimeError):
     """The optimizer keeps state this layout cannot express. One line."""
 

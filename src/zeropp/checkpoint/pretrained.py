@@ -58,7 +58,7 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         raise PretrainedError(f"{str(path)!r} is neither a safetensors file nor a folder with {SINGLE} or {INDEX}")
     keys: dict[str, Path] = {}
     for file in files:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             keys.update(dict.fromkeys(f.keys(), file))
     return keys
 
@@ -67,7 +67,7 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
     """Set the engine's weights from `path` (collective only in that every rank must call it)."""
     files = weight_files(path)
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file)) for file in set(files.values())}
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in set(files.values())}
         sources = _match(engine, {key: handles[file] for key, file in files.items()})
         for unit in engine.units:
             start, stop = unit.layout.shard_range(unit.groups.shard.rank) if unit.shard_world > 1 else (0, None)
@@ -86,7 +86,7 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
             tensor.copy_(handle.get_tensor(key))
 
 
-def _open(file: Path) -> Any:
+def open_safetensors(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="pt")
     except Exception as error:  # missing file, not safetensors, truncated header, ...

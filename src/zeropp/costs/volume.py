@@ -217,6 +217,25 @@ def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, 
                     yield from _gather_weights(padded, compute, phase, world, across_world, zero)
 
 
+def generation_transfers(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, forwards: int, gathered: bool
+) -> Iterator[Transfer]:
+    """The weight all-gathers of one ``engine.generate`` call of `forwards` forward passes (one per new
+    token), in the ledger's eval phase: every sharded unit once inside ``engine.gathered()``, else once
+    per forward. A unit's first gather after its weights changed goes over the world (qwZ: quantized);
+    with hpZ the later ones stay inside the secondary group. Resident units move nothing."""
+    compute, across_world = BYTES[zero.precision], _world_crossing(layout)
+    for padded, resident in units:
+        if resident:
+            continue
+        yield from _gather_weights(padded, compute, "eval", layout.world_size, across_world, zero)
+        for _ in range(0 if gathered else forwards - 1):
+            if hpz > 1:
+                yield Transfer("all_gather", "eval", ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
+            else:
+                yield from _gather_weights(padded, compute, "eval", layout.world_size, across_world, zero)
+
+
 def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig) -> list[UnitSize]:
     """Units as ZeRO-3 would lay them out, whatever stage they run at: padded for the world, sharded
     unless under the persistence threshold (at stages 0-2 every unit is resident, and stage 0 pads

@@ -17,6 +17,9 @@ backward, a model's own activation checkpointing runs forward hooks again in rec
 is gathered (it already is, for backward) and nothing is recorded, prefetched or resharded. The
 engine's ``activation_checkpointing`` replaces ``forward`` only, so its recomputation runs no hook
 (:mod:`zeropp.runtime.activation_checkpointing`).
+
+Inside :meth:`Runtime.gather_all` ... :meth:`Runtime.release_all` (``engine.gathered()``) every unit
+is gathered once and the hooks reshard none of them ([Note: gathered generation]).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Runtime:
         self.backward_order = ExecutionOrder()
         self.reductions = ReductionQueue()
         self.in_backward = False
+        self.held = False  # engine.gathered(): every unit stays gathered, the hooks reshard none
         self._reduce = False
         for unit in self.units:
             if not unit.resident:
@@ -70,7 +74,8 @@ class Runtime:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(functools.partial(self._pre_backward, unit))
-        unit.reshard()
+        if not self.held:
+            unit.reshard()
 
     def _prefetch(self, order: ExecutionOrder, unit: FlatUnit) -> None:
         """Start gathering the units recorded after `unit`.
@@ -83,6 +88,26 @@ class Runtime:
         for upcoming in order.after(unit, self.prefetch):
             if not (self.in_backward and upcoming.finished_backward):
                 upcoming.unshard(async_op=True)
+
+    # -- every unit gathered at once -------------------------------------------------------------
+
+    # See [Note: gathered generation] (docs/design.md)
+    def gather_all(self) -> None:
+        """Gather every sharded unit (all gathers started, then waited for, in unit order: the same
+        on every rank) and keep them gathered until :meth:`release_all`."""
+        if self.held:
+            raise RuntimeError("zeropp: engine.gathered() blocks do not nest")
+        self.held = True
+        for unit in self.units:
+            unit.unshard(async_op=True)
+        for unit in self.units:
+            unit.unshard()
+
+    def release_all(self) -> None:
+        """Reshard every unit gathered by :meth:`gather_all`; the hooks reshard as usual again."""
+        self.held = False
+        for unit in self.units:
+            unit.reshard()
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -128,7 +153,7 @@ class Runtime:
 
     def _grads_ready(self, unit: FlatUnit) -> None:
         unit.finish_backward()
-        if self.policy.shard_parameters:
+        if self.policy.shard_parameters and not self.held:
             unit.reshard()
         if self._reduce:
             self.reductions.push(unit.reduce_gradients())

@@ -36,6 +36,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer behind the same face as :class:`ByteTokenizer`."""
@@ -48,6 +51,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 def documents(path: str | Path) -> Iterator[tuple[str, str]]:
