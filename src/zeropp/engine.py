@@ -57,7 +57,7 @@ from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.stepping import step_batches
+from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.unit import FlatUnit
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -302,12 +302,15 @@ class ZeroEngine:
             unit.reshard()
         self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.in_phase("step"):
-            finite, squares = self._gradient_statistics()
+            count_whole = self.topology.tensor_parallel.rank == 0
+            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole)
             overflow = self._any_overflow(finite) if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
-                self._step_optimizer(self._clip_coefficient(self._grad_norm))
+                coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
+                host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
+                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -381,70 +384,11 @@ class ZeroEngine:
         self.comm.all_reduce(local, group, reduce=reduce)
         return local
 
-    def _gradient_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whether this rank's gradients are all finite, and the sum of their squares (parameters whole
-        on every tensor-parallel rank counted on its first only), in one pass over the units that holds
-        one unit's fp32 gradient at a time. Both stay device tensors."""
-        device = self.topology.device
-        finite = torch.ones((), dtype=torch.bool, device=device)
-        squares = torch.zeros(1, dtype=torch.float32, device=device)
-        count_whole = self.topology.tensor_parallel.rank == 0
-        for unit in self.units:
-            grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: not written
-            if self.scaler.enabled:
-                grad = grad / self.scaler.scale
-                finite &= torch.isfinite(grad).all()
-            squares += unit.grad_squares(grad, count_whole)
-        return finite, squares
-
     def _any_overflow(self, finite: torch.Tensor) -> bool:
         """Whether any rank's gradients hold an inf or a nan: the step's one host synchronization
         under fp16 (skipping the step is a decision the host takes), one for all units."""
         local = finite.logical_not().to(torch.float32).reshape(1)
         return bool(self._reduce_over_shards(local, "max").item())
-
-    def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor | None:
-        """The factor clip_grad_norm_ would scale the gradients by (a device tensor: no host
-        synchronization; ``last_grad_norm`` reads the norm when asked), None without clipping."""
-        if self.config.max_grad_norm is None:
-            return None
-        return torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
-
-    def _step_optimizer(self, coefficient: torch.Tensor | None) -> None:
-        """Hand each master its fp32 gradient and step the optimizer, unit by unit where the optimizer
-        is per-parameter (:func:`zeropp.zero.stepping.step_batches`): the fp32 gradient and the
-        optimizer's temporaries then exist for one unit at a time, not the whole shard."""
-        copies: dict[int, torch.Tensor] = {}
-        if self.config.offload.optimizer == "cpu":
-            # offloaded masters: every unit's copy to the host is issued before any is waited for
-            copies = {
-                id(unit): unit.reduced_gradient().to(unit.master.device, torch.float32, non_blocking=True)
-                for unit in self.units
-            }
-            if self.topology.device.type == "cuda":
-                # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
-                torch.cuda.current_stream(self.topology.device).synchronize()
-        batches = step_batches(self.optimizer, self.units)
-        for batch in batches if self.disk is None else self._streamed(batches):
-            for unit in batch:
-                grad = copies.pop(id(unit), None)
-                if grad is None:  # the reduced buffer itself where it is fp32: its last use
-                    grad = unit.reduced_gradient().to(unit.master.device, torch.float32)
-                if self.scaler.enabled:
-                    grad.div_(self.scaler.scale)
-                if coefficient is not None:
-                    grad.mul_(coefficient.to(grad.device))
-                unit.master.grad = grad
-            self.optimizer.step()
-            for unit in batch:
-                unit.master.grad = None
-                unit.publish_master()
-
-    def _streamed(self, batches: list) -> Iterator:
-        """The units of each batch with their states read from the disk tier (and written back after)."""
-        index = {id(unit): i for i, unit in enumerate(self.units)}
-        for indices in self.disk.streamed([[index[id(u)] for u in batch] for batch in batches]):
-            yield [self.units[i] for i in indices]
 
     def _states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
         """The masters and optimizer states in memory for a state-dict read (or write: `changes`)."""

@@ -1,4 +1,5 @@
-"""Which masters the optimizer steps together.
+"""The optimizer step on the masters: which masters each ``optimizer.step()`` updates, the gradient
+statistics a step needs first (overflow, norm), and the step itself.
 
 A step hands every master its fp32 gradient and runs the optimizer. Done for the whole shard at
 once, the step's peak holds an fp32 gradient of the whole shard (4 bytes per parameter over the
@@ -13,9 +14,15 @@ vouch for) is stepped once over all masters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+from zeropp.zero.precision import LossScaler
+
+if TYPE_CHECKING:
+    from zeropp.zero.disk import DiskTier
+    from zeropp.zero.unit import FlatUnit
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -43,3 +50,65 @@ def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
 def step_batches(optimizer: torch.optim.Optimizer, units: Sequence[Unit]) -> list[Sequence[Unit]]:
     """The units whose masters each ``optimizer.step()`` call updates, in order."""
     return [[unit] for unit in units] if steps_unit_by_unit(optimizer) else [units]
+
+
+def gradient_statistics(
+    units: Sequence[FlatUnit], scaler: LossScaler, device: torch.device, count_whole: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether this rank's gradients are all finite (checked under fp16 only), and the sum of their
+    squares (parameters whole on every tensor-parallel rank counted where `count_whole`), in one pass
+    over the units' reduced gradients that holds one unit's fp32 gradient at a time. Device tensors."""
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    squares = torch.zeros(1, dtype=torch.float32, device=device)
+    for unit in units:
+        grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: not written
+        if scaler.enabled:
+            grad = grad / scaler.scale
+            finite &= torch.isfinite(grad).all()
+        squares += unit.grad_squares(grad, count_whole)
+    return finite, squares
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
+    """The factor clip_grad_norm_ would scale the gradients by (a device tensor: no host
+    synchronization), None without clipping."""
+    return None if max_norm is None else torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def step_units(
+    units: Sequence[FlatUnit],
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    coefficient: torch.Tensor | None,
+    host_copies: bool,
+    disk: DiskTier | None,
+) -> None:
+    """Hand each master its fp32 gradient (unscaled, clipped) and step the optimizer over the batches
+    of :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
+    live in host memory, and every unit's gradient copy there is issued before any is waited for.
+    `disk`: the states stream through the disk tier (See [Note: the disk tier's ring])."""
+    copies: dict[int, torch.Tensor] = {}
+    device = units[0].options.device if units else None
+    if host_copies:
+        copies = {id(u): u.reduced_gradient().to(u.master.device, torch.float32, non_blocking=True) for u in units}
+        if device is not None and device.type == "cuda":
+            # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
+            torch.cuda.current_stream(device).synchronize()
+    batches = step_batches(optimizer, units)
+    if disk is not None:
+        index = {id(unit): i for i, unit in enumerate(units)}
+        batches = ([units[i] for i in indices] for indices in disk.streamed([[index[id(u)] for u in b] for b in batches]))
+    for batch in batches:
+        for unit in batch:
+            grad = copies.pop(id(unit), None)
+            if grad is None:  # the reduced buffer itself where it is fp32: its last use
+                grad = unit.reduced_gradient().to(unit.master.device, torch.float32)
+            if scaler.enabled:
+                grad.div_(scaler.scale)
+            if coefficient is not None:
+                grad.mul_(coefficient.to(grad.device))
+            unit.master.grad = grad
+        optimizer.step()
+        for unit in batch:
+            unit.master.grad = None
+            unit.publish_master()

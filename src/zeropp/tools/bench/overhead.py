@@ -64,7 +64,7 @@ TIMED = (
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "reduced_gradient"),
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "publish_master"),
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "clear_gradients"),
-    ("step: gradient norm", "zeropp.engine", "ZeroEngine", "_gradient_statistics"),
+    ("step: gradient norm", "zeropp.zero.unit", "FlatUnit", "grad_squares"),
     ("step: model-state bytes (measurement)", "zeropp.engine", "ZeroEngine", "model_state_bytes"),
 )
 COUNTED_OPS = ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::resize_", "aten::copy_", "aten::add_")
