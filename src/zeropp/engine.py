@@ -390,8 +390,9 @@ class ZeroEngine:
         local = finite.logical_not().to(torch.float32).reshape(1)
         return bool(self._reduce_over_shards(local, "max").item())
 
-    def _states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
-        """The masters and optimizer states in memory for a state-dict read (or write: `changes`)."""
+    def states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
+        """The masters and optimizer states in memory for the block, where the disk tier keeps them in
+        files (a no-op otherwise); `changes`: the block writes them (they go back to the files)."""
         return contextlib.nullcontext() if self.disk is None else self.disk.resident(changes)
 
     # -- modes, state, measurement ---------------------------------------------------------------
@@ -421,9 +422,12 @@ class ZeroEngine:
         return layout.LayoutMesh(self.topology)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective)."""
-        with self._states_resident():
-            return layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
+        """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective).
+        With the disk tier the pieces are copies, unless the caller holds :meth:`states_resident`."""
+        copies = self.disk is not None and not self.disk.is_resident
+        with self.states_resident():
+            state = layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
+            return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
@@ -433,13 +437,13 @@ class ZeroEngine:
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
-        with self._states_resident(changes=True):
+        with self.states_resident(changes=True):
             layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
         with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
-            with self._states_resident():
+            with self.states_resident():
                 return layout.full_state_dict(self.units, self.module)
 
     # See [Note: MD arenas]: with MD the gradient arena counts whole

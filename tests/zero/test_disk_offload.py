@@ -19,7 +19,9 @@ from zeropp.zero.disk import DiskTier, rank_folder
 STEPS = 3
 
 
-def train(stage: int, offload: dict, *, simulated_nodes: int = 1, resume_at: int | None = None) -> dict:
+def train(
+    stage: int, offload: dict, *, simulated_nodes: int = 1, resume_at: int | None = None, checkpoints: str = ""
+) -> dict:
     from zeropp import ZeroEngine
     from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
@@ -35,10 +37,12 @@ def train(stage: int, offload: dict, *, simulated_nodes: int = 1, resume_at: int
     engine = build()
     io = []
     for step in range(STEPS):
-        if step == resume_at:  # a new engine from this one's state, as a resume does
-            saved = engine.sharded_state_dict()
+        if step == resume_at:  # saved, and a new engine resumed from the checkpoint
+            from zeropp.checkpoint import load_checkpoint, save_checkpoint
+
+            saved = save_checkpoint(engine, checkpoints, step)
             engine = build()
-            engine.load_sharded_state_dict(saved)
+            load_checkpoint(engine, saved)
         before = (engine.disk.bytes_read, engine.disk.bytes_written) if engine.disk else (0, 0)
         for micro in range(2):
             x, y = rows(global_batch("gpt", step, micro, world), rank)
@@ -76,8 +80,9 @@ def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
 def test_disk_tier_world4_two_nodes_with_depth_1_and_resume(tmp_path):
     off = run_ranks(train, 4, nodes=2, simulated_nodes=2, stage=3, offload={})
     disk = run_ranks(
-        train, 4, nodes=2, simulated_nodes=2, stage=3, offload=nvme(tmp_path, offload_buffer_count=1), resume_at=1
-    )
+        train, 4, nodes=2, simulated_nodes=2, stage=3, offload=nvme(tmp_path, offload_buffer_count=1), resume_at=1,
+        checkpoints=str(tmp_path / "checkpoints"),
+    )  # fmt: skip
     for plain, streamed in zip(off, disk, strict=True):
         for key, tensor in plain["state"].items():
             assert torch.equal(tensor, streamed["state"][key]), key

@@ -214,8 +214,9 @@ def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
 def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
     """Refuse to save weights holding nan or inf (collective: one flag all-reduced over the world)."""
     bad = torch.zeros(1, device=engine.topology.device)
-    if not all(bool(torch.isfinite(unit.master).all()) for unit in engine.units):
-        bad.fill_(1.0)
+    with engine.states_resident():
+        if not all(bool(torch.isfinite(unit.master).all()) for unit in engine.units):
+            bad.fill_(1.0)
     with engine.comm.ledger.in_phase("other"):
         engine.comm.all_reduce(bad, engine.topology.world, reduce="max")
     if bad.item():

@@ -69,6 +69,7 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
     with ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in set(files.values())}
         sources = _match(engine, {key: handles[file] for key, file in files.items()})
+        stack.enter_context(engine.states_resident(changes=True))  # the disk tier's masters, written back
         for unit in engine.units:
             start, stop = unit.layout.shard_range(unit.groups.shard.rank) if unit.shard_world > 1 else (0, None)
             stop = unit.layout.padded_numel if stop is None else stop

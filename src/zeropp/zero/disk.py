@@ -40,6 +40,8 @@ class DiskTier:
         self.bytes_read = 0  # since the optimizer was attached: the steps', checkpoints' and state dicts' I/O
         self.bytes_written = 0
         self._files: list[int] = []
+        self._resident_depth = 0  # nested resident() blocks
+        self._changed = False
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-disk")
 
     def add(self, master: nn.Parameter) -> None:
@@ -111,18 +113,30 @@ class DiskTier:
     @contextlib.contextmanager
     def resident(self, changes: bool = False) -> Iterator[None]:
         """Every unit's states in memory for the block (checkpoints, state dicts: host memory of the
-        whole shard's states); written back at exit where `changes`, else only freed."""
-        for index in range(len(self.masters)):
-            self._read_in(index)
+        whole shard's states); at the exit of the outermost block written back where any block
+        said `changes`, else only freed. Tensors taken from them must not outlive the block."""
+        outermost = self._resident_depth == 0
+        if outermost:
+            for index in range(len(self.masters)):
+                self._read_in(index)
+        self._resident_depth += 1
+        self._changed |= changes
         try:
             yield
         finally:
-            for index in range(len(self.masters)):
-                if changes:
-                    self._write_out(index)
-                else:
-                    for tensor in self.tensors(index):
-                        tensor.untyped_storage().resize_(0)
+            self._resident_depth -= 1
+            if outermost:
+                for index in range(len(self.masters)):
+                    if self._changed:
+                        self._write_out(index)
+                    else:
+                        for tensor in self.tensors(index):
+                            tensor.untyped_storage().resize_(0)
+                self._changed = False
+
+    @property
+    def is_resident(self) -> bool:
+        return self._resident_depth > 0
 
     def close(self) -> None:
         """Remove the files (a clean exit; a crashed run's folder is cleared by the next start)."""
