@@ -84,3 +84,15 @@ def test_meta_built_loaded_and_trained_exactly_at_dp2_tp2(tmp_path):
             assert 0 < result["read"] <= result["shards"], (rank, key)
             ledger = {k: v for k, v in result["ledger"].items() if v and k[1] != "step"}
             assert ledger == result["priced"], (rank, key)
+
+
+def test_partitioned_activation_checkpoints_with_translated_plans():
+    """Pa (each tensor-parallel rank keeps 1/tp of every block's input) under translated plans, with
+    grouped-query attention and MoE experts: exact at dp 1 x tp 2."""
+    names = ["mistral", "mixtral"]
+    references = {name: zoo_reference(name, STEPS, 1)[0] for name in names}
+    pa = dict(activation_checkpointing=True, partition_activations=True)
+    for results in run_ranks(train_zoo, 2, names=names, references=references, steps=STEPS, tp=2, zero=pa):
+        assert len(results) == len(names)
+        for key, result in results.items():
+            assert result["error"] <= 1e-5, (key, result["error"])

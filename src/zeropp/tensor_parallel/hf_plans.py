@@ -194,18 +194,22 @@ class MoeExperts(ParallelStyle):
             param = getattr(module, key)
             split = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(key, nn.Parameter(split, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(lambda m, args: self._local(m, args, device_mesh))
-        module.register_forward_hook(lambda m, args, out: self._summed(m, out, device_mesh))
+        forward = module.forward
+
+        def local_forward(*args, **kwargs):
+            # the parameters swapped for their local pieces for this call only: restored however the
+            # call ends (activation checkpointing's recomputation stops a forward early by raising)
+            dtensors = {k: p for k, p in module._parameters.items() if isinstance(p, DTensor)}
+            module._parameters.update({k: p.to_local() for k, p in dtensors.items()})
+            try:
+                args = tuple(_gradient_summed(a, device_mesh) if a.is_floating_point() else a for a in args)
+                output = forward(*args, **kwargs)
+            finally:
+                module._parameters.update(dtensors)
+            return _all_reduced(output, device_mesh)
+
+        module.forward = local_forward
         return module
-
-    def _local(self, module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-        module._dtensor_params = {k: p for k, p in module._parameters.items() if isinstance(p, DTensor)}
-        module._parameters.update({k: p.to_local() for k, p in module._dtensor_params.items()})
-        return tuple(_gradient_summed(a, mesh) if a.is_floating_point() else a for a in args)
-
-    def _summed(self, module: nn.Module, output, mesh: DeviceMesh):
-        module._parameters.update(module.__dict__.pop("_dtensor_params"))
-        return _all_reduced(output, mesh)
 
 
 class AllReducedOutput(ParallelStyle):
