@@ -140,3 +140,19 @@ def generator_worker(root: str) -> bool:
 
 def test_a_stage3_checkpoint_restores_the_cuda_generator(tmp_path):
     assert run_ranks(generator_worker, 1, start="spawn", root=str(tmp_path)) == [True]
+
+
+def disk_tier_worker(path: str) -> dict:
+    """The disk tier on CUDA: masters in pinned host memory swapped to files and back each step."""
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    engine, ours, _ = train_engine(topology, offload_optimizer="nvme", offload_path=path, max_grad_norm=1.0)
+    _, host, _ = train_engine(topology, offload_optimizer="cpu", max_grad_norm=1.0)
+    return {"device": topology.device.type, "vs_host_offload": max_diff(ours, host), "read": engine.disk.bytes_read}
+
+
+def test_the_disk_tier_on_cuda_trains_like_host_offload(tmp_path):
+    r = run_ranks(disk_tier_worker, 1, start="spawn", path=str(tmp_path))[0]
+    assert r["device"] == "cuda" and r["read"] > 0
+    assert r["vs_host_offload"] == 0.0, r
