@@ -52,6 +52,7 @@ from zeropp.zero.disk import disk_tier_for
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
+from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions
@@ -90,6 +91,10 @@ class ZeroEngine:
         is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
         if optimizer_kwargs and not is_class:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
+        if self.config.optimizer_state_dtype != "fp32":  # Adam's moments stored in bf16
+            state_dtype = DTYPES[self.config.optimizer_state_dtype]
+            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype), False
+            optimizer_kwargs = None
         self.topology = topology or init_topology()
         self.comm = Communicator(self.topology, ledger)
         if self.config.flight_record_dir is not None:  # See [Note: collective sequences]

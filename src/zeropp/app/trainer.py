@@ -395,6 +395,7 @@ class Trainer:
                 zero.stage,
                 zero.precision,
                 zero.grad_dtype,
+                optimizer_bytes=4 if zero.optimizer_state_dtype == "bf16" else 8,
                 hpz_group_size=engine.hpz_group_size,
                 offload_optimizer=zero.offload.optimizer != "none",
                 offload_params=zero.offload.params != "none",

@@ -97,6 +97,9 @@ class ZeroConfig:
     shard_alignment: int = setting(32, "every rank's shard is a multiple of this many elements")
     gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; unset: no clipping")
+    optimizer_state_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32", "dtype of Adam's two moments (bf16: 12 bytes of model states per parameter instead of 16; Adam, AdamW)"
+    )
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     qwz: QuantizedWeights = field(default_factory=QuantizedWeights)
     hpz_partition_size: int = setting(

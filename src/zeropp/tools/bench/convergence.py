@@ -1,4 +1,4 @@
-"""``zeropp bench convergence``: does quantized communication converge like ZeRO-3, over seeds?
+"""``zeropp bench convergence``: does quantized communication (or low-precision state) converge like ZeRO-3, over seeds?
 
 Trains the embedded GPT with ``zeropp train`` at stage 3, world 4 (2 simulated nodes x 2, gloo),
 each configuration below once per seed. A seed fixes the initial weights and the batches, so the
@@ -9,7 +9,9 @@ runs of one seed are paired: their differences are the configurations', not the 
 - ZeRO++ with qgZ's LoCo error feedback (``--gradient-error-feedback loco``, DeepSpeed's defaults);
 - ZeRO++ with two-level qgZ (int8 inside a node, int4 across) and the Hadamard rotation;
 - ZeRO++ with qgZ for the first half of the run and a full-precision reduce-scatter after (the
-  paper's schedule).
+  paper's schedule);
+- ZeRO-3 with Adam's moments stored in bf16 (``--optimizer-state-dtype bf16``: 12 bytes of model
+  states per parameter instead of 16).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -48,6 +50,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++ + error feedback": {**ZEROPP_SWITCHES, "gradient_error_feedback": "loco"},
     "ZeRO++ two-level + Hadamard": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 8, "gradient_hadamard": True},
     "ZeRO++ qgZ first half": {**ZEROPP_SWITCHES, "quantized_gradients_until": 0.5},
+    "ZeRO-3 + bf16 optimizer states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16"},
 }
 
 
