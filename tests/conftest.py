@@ -103,3 +103,24 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
     if request.node.get_closest_marker("unit"):
         monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)`` mounts a tmpfs of `size` (``"2m"``) under tmp_path and returns its folder,
+    unmounted after the test (root only; the test is skipped where it cannot mount)."""
+    mounted = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.skip("mounts a tmpfs: root only")
+        disk = tmp_path / f"disk-{len(mounted)}"
+        disk.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]).returncode:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)])

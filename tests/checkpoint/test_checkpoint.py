@@ -240,16 +240,9 @@ def full_disk_worker(root: str) -> dict:
     return dict(errors=errors, left=sorted(p.name for p in (Path(root) / "ckpt").iterdir()))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 2 MiB tmpfs: root only")
-def test_a_real_full_disk_or_read_only_folder_is_one_line_naming_the_folder_and_bytes(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        results = run_ranks(full_disk_worker, 2, nodes=2, root=str(disk))
-    finally:
-        subprocess.run(["umount", str(disk)])
+def test_a_real_full_disk_or_read_only_folder_is_one_line_naming_the_folder_and_bytes(small_disk):
+    disk = small_disk("2m")
+    results = run_ranks(full_disk_worker, 2, nodes=2, root=str(disk))
     folder = f"{disk}/ckpt"
     for result in results:
         full, read_only = result["errors"]

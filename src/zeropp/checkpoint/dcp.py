@@ -168,8 +168,15 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
-        needs = _space_needed(state, engine.topology.world_size, directory)
-        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_reason(error)}{needs}") from None
+        needed, free = _space_needed(state, engine.topology.world_size, directory)
+        reason = _reason(error)
+        if free is not None and free < needed and reason.startswith("RuntimeError"):
+            reason = "No space left on device"  # torch's zip writer reports a full disk as a short write
+        shown = f" ({free / 2**20:,.1f} MiB free)" if free is not None else ""
+        raise CheckpointError(
+            f"could not write checkpoint {str(final)!r}: {reason}; it needs about {needed / 2**20:,.1f} MiB in "
+            f"{str(directory)!r}{shown}; the checkpoints already there are kept"
+        ) from None
     if rank == 0:
         described = _describe(engine, base["params"] if base else ())
         references = {"frozen_base": base, "adapter": adapters.adapter_meta(engine.module)}
@@ -183,21 +190,20 @@ def save_checkpoint(
     return final
 
 
-def _space_needed(state: dict[str, Any], world_size: int, directory: Path) -> str:
-    """'; it needs about 1.2 MiB in '<dir>' (0.3 MiB free); the checkpoints already there are kept': the
-    size of the latest checkpoint there, or else the tensors' (whole-shaped ones once, each rank's own,
-    RNG states and qgZ residuals, once per rank)."""
+def _space_needed(state: dict[str, Any], world_size: int, directory: Path) -> tuple[float, int | None]:
+    """Bytes a checkpoint needs in `directory` (the size of the latest there, or else the tensors':
+    whole-shaped ones once, each rank's own, RNG states and qgZ residuals, once per rank) and the bytes
+    free there (None where unknown)."""
     tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
     whole = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, DTensor))  # numel: the whole shape
     own = sum(t.numel() * t.element_size() for t in tensors if not isinstance(t, DTensor))
     try:
-        free = f" ({shutil.disk_usage(directory).free / 2**20:,.1f} MiB free)"
+        free = shutil.disk_usage(directory).free
     except OSError:
-        free = ""
+        free = None
     latest = find_latest(directory)
     previous = sum(f.stat().st_size for f in latest.iterdir()) if latest is not None else 0
-    needed = max(whole + own * world_size, previous) / 2**20
-    return f"; it needs about {needed:,.1f} MiB in {str(directory)!r}{free}; the checkpoints already there are kept"
+    return max(whole + own * world_size, previous), free
 
 
 def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
