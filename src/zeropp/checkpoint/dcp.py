@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.tensor import DTensor
 
 from zeropp.checkpoint import adapters, changes, layout
+from zeropp.checkpoint.failures import reason, write_failure
 from zeropp.checkpoint.layout import CheckpointError, LayoutError
 from zeropp.comm.feedback import HOPS
 
@@ -168,15 +168,9 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         engine.comm.barrier(engine.topology.world)  # ... and nobody sees it after the error
-        needed, free = _space_needed(state, engine.topology.world_size, directory)
-        reason = _reason(error)
-        if free is not None and free < needed and reason.startswith("RuntimeError"):
-            reason = "No space left on device"  # torch's zip writer reports a full disk as a short write
-        shown = f" ({free / 2**20:,.1f} MiB free)" if free is not None else ""
-        raise CheckpointError(
-            f"could not write checkpoint {str(final)!r}: {reason}; it needs about {needed / 2**20:,.1f} MiB in "
-            f"{str(directory)!r}{shown}; the checkpoints already there are kept"
-        ) from None
+        latest = find_latest(directory)
+        previous = sum(f.stat().st_size for f in latest.iterdir()) if latest is not None else 0
+        raise CheckpointError(write_failure(error, final, state, engine.topology.world_size, previous)) from None
     if rank == 0:
         described = _describe(engine, base["params"] if base else ())
         references = {"frozen_base": base, "adapter": adapters.adapter_meta(engine.module)}
@@ -188,22 +182,6 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     engine.comm.barrier(engine.topology.world)
     return final
-
-
-def _space_needed(state: dict[str, Any], world_size: int, directory: Path) -> tuple[float, int | None]:
-    """Bytes a checkpoint needs in `directory` (the size of the latest there, or else the tensors':
-    whole-shaped ones once, each rank's own, RNG states and qgZ residuals, once per rank) and the bytes
-    free there (None where unknown)."""
-    tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
-    whole = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, DTensor))  # numel: the whole shape
-    own = sum(t.numel() * t.element_size() for t in tensors if not isinstance(t, DTensor))
-    try:
-        free = shutil.disk_usage(directory).free
-    except OSError:
-        free = None
-    latest = find_latest(directory)
-    previous = sum(f.stat().st_size for f in latest.iterdir()) if latest is not None else 0
-    return max(whole + own * world_size, previous), free
 
 
 def publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -410,7 +388,7 @@ def _read(wanted: dict[str, Any], path: str | Path) -> None:
     try:
         dcp.load(wanted, storage_reader=FileSystemReader(str(path)))
     except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
+        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {reason(error)}") from None
 
 
 # -- export ---------------------------------------------------------------------------------------
@@ -434,7 +412,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out), metadata={"step": str(meta["step"])})
     except (OSError, SafetensorError) as error:  # safetensors reports I/O errors as SafetensorError
-        raise CheckpointError(f"could not write {str(out)!r} ({_reason(error)})") from None
+        raise CheckpointError(f"could not write {str(out)!r} ({reason(error)})") from None
     return meta
 
 
@@ -453,7 +431,7 @@ def consolidated_state(path: str | Path, *, trained_only: bool = False) -> tuple
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({**masters, **fixed}, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {_reason(error)}") from None
+        raise CheckpointError(f"could not read checkpoint {str(path)!r}: {reason(error)}") from None
     # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
     tensors = {name: masters[layout.model_key(name)].view(shape) for name, shape in meta["params"].items()}
     if trained_only:
@@ -489,23 +467,6 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _reason(error: BaseException) -> str:
-    """The root cause of a (possibly wrapped, multi-line) error, on one line."""
-    causes = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception or (exception, frames)}
-    if causes:
-        error = next(iter(causes.values()))
-        if isinstance(error, tuple) and error and isinstance(error[0], BaseException):
-            error = error[0]
-        error = getattr(error, "exc", error) if not isinstance(error, BaseException) else error
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    text = str(error).strip().splitlines()
-    rust_io = re.search(r'message: "([^"]+)"', text[0]) if text else None  # safetensors: IoError(Os {..})
-    if rust_io:
-        return rust_io.group(1)
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def jsonable(value: Any) -> Any:
