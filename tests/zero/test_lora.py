@@ -1,5 +1,6 @@
-"""LoRA (peft) through the engine: the frozen base stays whole on every rank, the adapters are sharded,
-and every stage at world 2 trains the adapters to the weights of one process (fp32, 1e-5)."""
+"""LoRA (peft) through the engine: the adapters are sharded at every stage, the frozen base at stage 3
+(below it stays whole on every rank), and every stage at world 2 trains the adapters to the weights of
+one process (fp32, 1e-5)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,48 @@ def lora_worker() -> dict[int, float]:
 def test_lora_at_every_stage_matches_single_process_lora():
     for errors in run_ranks(lora_worker, 2):
         assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+def sharded_base_worker() -> dict[str, float]:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.comm.ledger import Ledger
+    from zeropp.costs.volume import frozen_transfers, unit_transfers
+    from zeropp.topology import init_topology
+
+    topology, ledger = init_topology(), Ledger()
+    config = ZeroConfig(stage=3, persistence_threshold=0, precision="fp32")
+    engine = ZeroEngine(lora_model(), torch.optim.AdamW, OPTIM, config, topology, ledger=ledger)
+    base = {n: p.numel() for n, p in lora_model().named_parameters() if not p.requires_grad}
+    frozen = [u.frozen for u in engine.units if u.frozen is not None]
+    assert sum(len(f.params) for f in frozen) == len(base)  # every frozen parameter is in a unit
+    gathered = {"forward": 0, "backward": 0}
+    for step in range(STEPS):
+        x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
+        ledger.reset()
+        engine.backward(loss_of("hf-llama", engine, x, None))
+        gathered = {phase: ledger.total(op="all_gather", phase=phase) for phase in gathered}
+        assert engine.step()
+    layout = topology.layout
+    units = [(u.layout.padded_numel, u.resident) for u in engine.units if u.params]
+    expected = [*unit_transfers(units, layout, config, 1), *frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1)]
+    predicted = {phase: sum(t.sent for t in expected if t.op == "all_gather" and t.phase == phase) for phase in gathered}
+    frozen_only = sum(t.sent for t in frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1))
+    ours = engine.full_state_dict()
+    ref = reference_state("hf-llama", STEPS, topology.world_size, 1, None, OPTIM, model=lora_model())
+    return dict(
+        error=max((ours[k] - ref[k]).abs().max().item() for k in ref),
+        base_bytes=4 * sum(base.values()),
+        shard_bytes=sum(f.shard.numel() * f.shard.element_size() for f in frozen),
+        held_bytes=sum(f.flat.untyped_storage().nbytes() for f in frozen),  # between uses: nothing gathered
+        gathered=gathered, predicted=predicted, frozen_gathered=frozen_only, world=topology.world_size,
+    )
+
+
+def test_lora_at_stage_3_shards_the_frozen_base_and_gathers_it_per_use():
+    for rank in run_ranks(sharded_base_worker, 2):
+        assert rank["error"] <= TOLERANCE, rank
+        assert rank["held_bytes"] == 0
+        # each rank keeps its half of the base (padding aside), not the whole
+        assert rank["base_bytes"] / 2 <= rank["shard_bytes"] <= rank["base_bytes"] / 2 * 1.05, rank
+        assert rank["gathered"] == rank["predicted"], rank  # the ledger's forward and backward gathers
+        print(rank)
