@@ -188,19 +188,8 @@ def load_sharded_state_dict(
 ) -> None:
     """Set masters, weights and optimizer state from `state` (layout above; collective)."""
     for unit in units:
-        master = [state[model_key(name)].to_local() for name in unit.names]
-        unit.load_master(unit.flat_from_param_chunks(master))
-        prefix = optim_key(unit.names[0], "")
-        loaded = {}
-        for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
-            values = [state[optim_key(name, key)] for name in unit.names]
-            if isinstance(values[0], DTensor):
-                flat = unit.flat_from_param_chunks([v.to_local() for v in values])
-                loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
-            else:
-                loaded[key] = values[0]
-        if loaded:
-            optimizer.state[unit.master] = loaded
+        if unit.names:  # a unit of frozen parameters only has no master to load
+            _load_master_and_optimizer(unit, optimizer, state)
         unit.clear_gradients()
     for name, target in fixed_tensors(units, module, whole=False).items():
         source = state.get(fixed_key(name))
@@ -210,6 +199,22 @@ def load_sharded_state_dict(
         if unit.frozen is not None and all(fixed_key(name) in state for name in unit.frozen.names):
             unit.reshard()
             unit.frozen.load([state[fixed_key(name)] for name in unit.frozen.names])
+
+
+def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    master = [state[model_key(name)].to_local() for name in unit.names]
+    unit.load_master(unit.flat_from_param_chunks(master))
+    prefix = optim_key(unit.names[0], "")
+    loaded = {}
+    for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
+        values = [state[optim_key(name, key)] for name in unit.names]
+        if isinstance(values[0], DTensor):
+            flat = unit.flat_from_param_chunks([v.to_local() for v in values])
+            loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
+        else:
+            loaded[key] = values[0]
+    if loaded:
+        optimizer.state[unit.master] = loaded
 
 
 def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
