@@ -95,3 +95,40 @@ def test_lora_at_stage_3_shards_the_frozen_base_and_gathers_it_per_use():
         assert rank["base_bytes"] / 2 <= rank["shard_bytes"] <= rank["base_bytes"] / 2 * 1.05, rank
         assert rank["gathered"] == rank["predicted"], rank  # the ledger's forward and backward gathers
         print(rank)
+
+
+def pretrained_worker(path: str) -> dict[str, float]:
+    from safetensors.torch import load_file
+
+    import zeropp.checkpoint.pretrained as pretrained
+    from zeropp import ZeroConfig, ZeroEngine, load_pretrained
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    engine = ZeroEngine(lora_model(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3, persistence_threshold=0), topology)
+    read, counted = pretrained._read_elements, []
+
+    def counting(handle, key, start, stop, *block):  # what this rank reads of the units' parameters
+        rows = read(handle, key, start, stop, *block)
+        counted.append(rows.numel())
+        return rows
+
+    pretrained._read_elements = counting
+    load_pretrained(engine, path)
+    pretrained._read_elements = read
+    expected, loaded = load_file(path), engine.full_state_dict()
+    shards = sum(u.master.numel() + (u.frozen.shard.numel() if u.frozen else 0) for u in engine.units)
+    error = max((loaded[k] - expected[k]).abs().max().item() for k in expected)
+    return dict(error=error, keys=float(loaded.keys() != expected.keys()), beyond=float(sum(counted) > shards))
+
+
+def test_load_pretrained_reads_each_ranks_piece_of_the_frozen_base(tmp_path):
+    from safetensors.torch import save_file
+
+    model = lora_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # nothing like a fresh initialization
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    for rank in run_ranks(pretrained_worker, 2, path=str(tmp_path / "w.safetensors")):
+        assert all(value == 0.0 for value in rank.values()), rank
