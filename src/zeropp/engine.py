@@ -180,7 +180,7 @@ class ZeroEngine:
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
         qwz, qgz = config.qwz, config.qgz
-        quantized = qwz.enabled or qgz.enabled
+        quantized = qwz.enabled or qgz.enabled or config.quantized_nontrainable_weights
         side_stream = qwz.enabled and device.type == "cuda"
         return UnitOptions(
             device=device,
@@ -191,6 +191,7 @@ class ZeroEngine:
             allgather_bucket=config.allgather_bucket_numel,
             reduce_bucket=config.reduce_bucket_numel,
             weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
+            frozen_quant=QuantSpec(8, qwz.block) if config.quantized_nontrainable_weights else None,
             grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
             grad_intra_quant=QuantSpec(qgz.intra_node_bits, qgz.block_size)
             if qgz.enabled and qgz.intra_node_bits is not None
