@@ -185,7 +185,7 @@ class ZeroEngine:
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
         qwz, qgz = config.qwz, config.qgz
-        quantized = qwz.enabled or qgz.enabled
+        quantized = qwz.enabled or qgz.enabled or config.quantized_nontrainable_weights
         side_stream = qwz.enabled and device.type == "cuda"
         return UnitOptions(
             device=device,
@@ -196,6 +196,7 @@ class ZeroEngine:
             allgather_bucket=config.allgather_bucket_numel,
             reduce_bucket=config.reduce_bucket_numel,
             weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
+            frozen_quant=QuantSpec(8, qwz.block) if config.quantized_nontrainable_weights else None,
             grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
             grad_intra_quant=QuantSpec(qgz.intra_node_bits, qgz.block_size)
             if qgz.enabled and qgz.intra_node_bits is not None
@@ -215,7 +216,8 @@ class ZeroEngine:
     ) -> list[FlatUnit]:
         """Materialize, flatten and shard one unit at a time (root last)."""
         meta = materialize.is_meta(model)
-        grouped = dict((id(m), params) for m, params in group_parameters(model, unit_modules))
+        frozen = self.policy.shard_parameters  # See [Note: frozen weights in backward]
+        grouped = dict((id(m), params) for m, params in group_parameters(model, unit_modules, frozen))
         managed = {id(p) for params in grouped.values() for _, p in params}
         scopes = materialize.unit_scopes(model, unit_modules)
         options, world = self._unit_options(), self.topology.world
@@ -223,7 +225,8 @@ class ZeroEngine:
         built = []
         for module in [*(m for m in unit_modules if m is not model), model]:
             scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
-            flat, views = self._host_flat(params, options) if meta else (None, {})
+            trainable = [(n, p) for n, p in params if p.requires_grad]
+            flat, views = self._host_flat(trainable, options) if meta else (None, {})
             if meta:  # the unit's fp32 parameters are initialized straight into its flat buffer
                 materialize.initialize_scope(scope, model, seed, init_fn, views)
             materialize.place_fixed(
@@ -426,12 +429,13 @@ class ZeroEngine:
         """The ranks as the (tensor-parallel x data-parallel) mesh of the state layout (built once, on first use)."""
         return layout.LayoutMesh(self.topology)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, frozen: bool = True) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective).
-        With the disk tier the pieces are copies, unless the caller holds :meth:`states_resident`."""
+        With the disk tier the pieces are copies, unless the caller holds :meth:`states_resident`.
+        Without `frozen`, the units' frozen parameters (stage 3) are left out rather than gathered."""
         copies = self.disk is not None and not self.disk.is_resident
         with self.states_resident():
-            state = layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh)
+            state = layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh, frozen)
             return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:

@@ -45,6 +45,9 @@ TABLE = {
         {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, {"zero.hpz_partition_size": 8}),
     "zero_optimization.zero_quantized_gradients": (
         {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, {"zero.quantized_gradients": True}),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+        {"zero.quantized_nontrainable_weights": True}),
     "zero_optimization.offload_optimizer.device": (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
         {"zero.offload_optimizer": "cpu"}),

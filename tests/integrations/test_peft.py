@@ -1,5 +1,6 @@
 """PEFT (LoRA) through ZeroTrainer: a ``peft.get_peft_model`` Llama at stage 3 on 2 ranks trains as one
-plain ``transformers.Trainer`` process does, its frozen base carries no optimizer state, and
+plain ``transformers.Trainer`` process does, its frozen base is sharded in the units (each rank keeps half of
+it, in the compute dtype) and carries no master, gradient or optimizer state, and
 ``save_model()`` writes the adapter folder the Trainer writes for a PeftModel (``PeftModel.from_pretrained``
 loads it)."""
 
@@ -45,10 +46,12 @@ def _zero(out: str) -> dict:
 
     model = lora_model()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainer = ZeroTrainer(model, training_args(out, 2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
     trainer.train()
     engine = trainer.engine
     state_numel = sum(v.numel() for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0)
+    frozen_shards = sum(u.frozen.shard.numel() for u in engine.units if u.frozen is not None)
     trainer.save_model(f"{out}/adapter")
     engine.eval()
     with torch.no_grad():
@@ -56,6 +59,7 @@ def _zero(out: str) -> dict:
     return {
         "state": engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "managed": engine.param_count, "trainable": trainable, "state_numel": state_numel, "logits": logits,
+        "base": base, "frozen_shards": frozen_shards,
     }  # fmt: skip
 
 
@@ -67,9 +71,11 @@ def test_lora_at_stage_3_equals_plain_trainer_lora_and_saves_its_adapter(tmp_pat
     for rank in zero:
         assert max_difference(rank["state"], plain["state"]) < TOLERANCE
         assert len(rank["losses"]) == STEPS and rank["losses"] == pytest.approx(plain["losses"], abs=TOLERANCE)
-        # only the adapters are flattened, sharded and optimized: AdamW's two moments over this rank's half
+        # only the adapters have masters and optimizer state: AdamW's two moments over this rank's half
         assert rank["managed"] == rank["trainable"]
         assert rank["state_numel"] <= 2 * (rank["trainable"] // 2 + 64)
+        # the frozen base is sharded too: this rank's half of it (padding aside)
+        assert rank["base"] // 2 <= rank["frozen_shards"] <= rank["base"] // 2 + 3 * 64
     start = lora_model().state_dict()
     lora = [k for k in start if "lora_B" in k]
     assert lora and max_difference({k: plain["state"][k] for k in lora}, {k: start[k] for k in lora}) > 1e-3  # it trained

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp.checkpoint.layout import CheckpointError
+from zeropp.checkpoint.layout import CheckpointError, fixed_tensors
 from zeropp.checkpoint.pretrained import PretrainedError, open_safetensors, weight_files
 from zeropp.zero.precision import DTYPES
 from zeropp.zero.unit import FlatUnit
@@ -32,9 +32,9 @@ PEFT_PREFIX = "base_model.model."
 
 
 def frozen_parameters(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's frozen parameters (the engine keeps them whole on every rank), by name."""
-    managed = {id(p) for unit in units for p in unit.params}
-    return {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad and id(p) not in managed}
+    """The module's frozen parameters, whole, by name (at stage 3 gathered from the units: collective)."""
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    return {n: t for n, t in fixed_tensors(units, module).items() if n in frozen}
 
 
 def digest(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> str:

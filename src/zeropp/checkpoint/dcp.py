@@ -211,12 +211,12 @@ def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
 
 def _state_to_save(engine: ZeroEngine, base: dict[str, Any] | None = None) -> dict[str, Any]:
     try:
-        saved = engine.sharded_state_dict()
+        saved = engine.sharded_state_dict(frozen=base is None)  # a referenced base is not gathered
     except LayoutError as error:
         raise CheckpointError(str(error)) from None
     # See [Note: a frozen base by reference] (docs/design.md)
     for name in base["params"] if base else ():  # referenced, not copied
-        del saved[layout.fixed_key(name)]
+        saved.pop(layout.fixed_key(name), None)
     saved.update(_rng_states(engine))
     saved.update(_residuals(engine))
     return saved
@@ -278,14 +278,14 @@ def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str
 def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str, Any]:
     """zeropp.json's description of the engine; `referenced`: frozen parameters left out of ``fixed``."""
     optimizer = engine.optimizer
-    fixed = layout.fixed_tensors(engine.units, engine.module)
+    fixed = layout.fixed_shapes(engine.units, engine.module)
     return {
         "world_size": engine.topology.world_size,
         "nodes": engine.topology.nodes,
         "tensor_parallel_size": engine.topology.tensor_parallel.size,
         "stage": engine.config.stage,
         "params": layout.parameter_shapes(engine.units),
-        "fixed": {name: list(t.shape) for name, t in fixed.items() if name not in referenced},
+        "fixed": {name: shape for name, shape in fixed.items() if name not in referenced},
         "aliases": layout.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",

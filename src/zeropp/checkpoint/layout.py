@@ -7,7 +7,8 @@ consolidated ``full_state_dict`` and export. Keys:
   (a 0-d parameter as one element) on :class:`LayoutMesh`: each rank holds its piece;
 - ``optim.<name>.<key>``: the optimizer's per-element state of that parameter the same way, and
   its scalar states (Adam's ``step``) whole on every rank;
-- ``fixed.<name>``: what the engine keeps whole on every rank (frozen parameters, buffers).
+- ``fixed.<name>``: what the optimizer does not touch, whole: buffers and frozen parameters (at
+  stage 3 the units' frozen parameters are gathered whole to be saved: :func:`fixed_tensors`).
 
 A rank's piece of a parameter: its tensor-parallel piece (the DTensor parameter's own placement;
 a parameter the plan left whole is replicated over the tensor-parallel ranks), whose rows are cut
@@ -129,9 +130,10 @@ def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> N
 
 
 def sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: LayoutMesh
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: LayoutMesh, frozen: bool = True
 ) -> dict[str, Any]:
-    """The state in the layout above (collective: gathers one unit's flat buffers at a time)."""
+    """The state in the layout above (collective: gathers one unit's flat buffers at a time); without
+    `frozen`, the units' frozen parameters are left out."""
     state: dict[str, Any] = {}
     for unit in units:
         params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
@@ -148,7 +150,7 @@ def sharded_state_dict(
                     f"optimizer state {key!r} of {type(optimizer).__name__} is neither per-element "
                     "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
                 )
-    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module).items()})
+    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module, frozen).items()})
     return state
 
 
@@ -158,7 +160,8 @@ def sharded_state_template(
     mesh: LayoutMesh,
     optimizer_keys: Mapping[str, tuple[bool, torch.dtype]],
 ) -> dict[str, Any]:
-    """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own).
+    """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own, or
+    empty whole tensors for the units' frozen parameters).
 
     `optimizer_keys` maps each optimizer state key to (per-element, dtype); the optimizer may hold
     no state yet."""
@@ -172,7 +175,11 @@ def sharded_state_template(
             for key, (per_element, dtype) in optimizer_keys.items():
                 empty = torch.empty(stop - start if per_element else (), dtype=dtype, device=device)
                 state[optim_key(name, key)] = mesh.piece(empty, param, shape) if per_element else empty
-    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module).items()})
+    state.update({fixed_key(name): t for name, t in fixed_tensors(units, module, whole=False).items()})
+    for unit in units:
+        frozen = unit.frozen.names if unit.frozen is not None else ()
+        for name, shape in zip(frozen, unit.frozen.layout.shapes if frozen else (), strict=True):
+            state[fixed_key(name)] = torch.empty(shape, dtype=unit.compute_dtype, device=unit.options.device)
     return state
 
 
@@ -181,24 +188,33 @@ def load_sharded_state_dict(
 ) -> None:
     """Set masters, weights and optimizer state from `state` (layout above; collective)."""
     for unit in units:
-        master = [state[model_key(name)].to_local() for name in unit.names]
-        unit.load_master(unit.flat_from_param_chunks(master))
-        prefix = optim_key(unit.names[0], "")
-        loaded = {}
-        for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
-            values = [state[optim_key(name, key)] for name in unit.names]
-            if isinstance(values[0], DTensor):
-                flat = unit.flat_from_param_chunks([v.to_local() for v in values])
-                loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
-            else:
-                loaded[key] = values[0]
-        if loaded:
-            optimizer.state[unit.master] = loaded
+        if unit.names:  # a unit of frozen parameters only has no master to load
+            _load_master_and_optimizer(unit, optimizer, state)
         unit.clear_gradients()
-    for name, target in fixed_tensors(units, module).items():
+    for name, target in fixed_tensors(units, module, whole=False).items():
         source = state.get(fixed_key(name))
         if source is not None and source is not target:
             target.copy_(source)
+    for unit in units:
+        if unit.frozen is not None and all(fixed_key(name) in state for name in unit.frozen.names):
+            unit.reshard()
+            unit.frozen.load([state[fixed_key(name)] for name in unit.frozen.names])
+
+
+def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    master = [state[model_key(name)].to_local() for name in unit.names]
+    unit.load_master(unit.flat_from_param_chunks(master))
+    prefix = optim_key(unit.names[0], "")
+    loaded = {}
+    for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
+        values = [state[optim_key(name, key)] for name in unit.names]
+        if isinstance(values[0], DTensor):
+            flat = unit.flat_from_param_chunks([v.to_local() for v in values])
+            loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
+        else:
+            loaded[key] = values[0]
+    if loaded:
+        optimizer.state[unit.master] = loaded
 
 
 def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
@@ -208,6 +224,10 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
         flat = unit.gather_flat(unit.master.data)
         for p, view in zip(unit.params, unit.layout.split(flat), strict=True):
             full[id(p)] = _whole(p, view).to("cpu", copy=True)
+    for unit in units:  # frozen parameters of units (stage 3): gathered whole, in fp32
+        if unit.frozen is not None:
+            for p, value in zip(unit.frozen.params, unit.frozen.whole(), strict=True):
+                full[id(p)] = value.to("cpu", torch.float32)
     state = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in full:
@@ -234,12 +254,31 @@ def _managed(units: list[FlatUnit]) -> Iterator[tuple[str, nn.Parameter]]:
         yield from zip(unit.names, unit.params, strict=True)
 
 
-def fixed_tensors(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers: what the engine keeps whole on every rank."""
-    managed = {id(p) for _, p in _managed(units)}
-    return {
+def _unit_frozen(units: list[FlatUnit]) -> Iterator[tuple[str, nn.Parameter]]:
+    for unit in units:
+        if unit.frozen is not None:
+            yield from zip(unit.frozen.names, unit.frozen.params, strict=True)
+
+
+def fixed_tensors(units: list[FlatUnit], module: nn.Module, whole: bool = True) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters by ``state_dict`` name: the module's own tensors, and with `whole`
+    the units' frozen parameters (stage 3) gathered whole, new tensors (collective); without it those
+    are left out."""
+    managed = {id(p) for _, p in (*_managed(units), *_unit_frozen(units))}
+    fixed = {
         name: tensor.detach() for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) not in managed
     }
+    for unit in units if whole else ():
+        if unit.frozen is not None:
+            fixed.update(zip(unit.frozen.names, unit.frozen.whole(), strict=True))
+    return fixed
+
+
+def fixed_shapes(units: list[FlatUnit], module: nn.Module) -> dict[str, list[int]]:
+    """The shapes of :func:`fixed_tensors` (nothing gathered)."""
+    shapes = {name: list(t.shape) for name, t in fixed_tensors(units, module, whole=False).items()}
+    shapes.update({name: list(p.shape) for name, p in _unit_frozen(units)})
+    return shapes
 
 
 def parameter_shapes(units: list[FlatUnit]) -> dict[str, list[int]]:

@@ -11,8 +11,9 @@ parameters; for each parameter it touches, the rows holding that range are read 
 lazy slicing (``get_slice``) and cut to the elements needed, so a rank reads about its 1/N of the
 model (whole rows at the edges). With tensor parallelism the flat buffer holds each parameter's
 tensor-parallel piece, one block of the whole tensor or several side by side (GPT-2's strided
-c_attn, :func:`~zeropp.zero.dtensor_params.blocks`): the rows read are rows of those blocks. Frozen parameters and buffers, which every rank keeps whole, are
-read whole. Optimizer state is left as it is.
+c_attn, :func:`~zeropp.zero.dtensor_params.blocks`): the rows read are rows of those blocks. At
+stage 3 a unit's frozen parameters are read the same way into their compute-dtype shard; buffers
+(and frozen parameters below stage 3), which every rank keeps whole, are read whole. Optimizer state is left as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors import safe_open
 
 from zeropp.checkpoint import layout as state
 from zeropp.errors import ZeroppError
+from zeropp.index.flat import FlatLayout
 from zeropp.zero.dtensor_params import blocks
 
 if TYPE_CHECKING:
@@ -73,18 +75,29 @@ def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
         for unit in engine.units:
             start, stop = unit.layout.shard_range(unit.groups.shard.rank) if unit.shard_world > 1 else (0, None)
             stop = unit.layout.padded_numel if stop is None else stop
-            shard = torch.zeros(stop - start, dtype=torch.float32, device=unit.master.device)
-            for index, name in enumerate(unit.names):
-                first, last = unit.layout.param_range(index)
-                lo, hi = max(first, start), min(last, stop)
-                if lo < hi:
-                    key, handle = sources[name]
-                    piece = unit.layout.shapes[index], unit.params[index]
-                    shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *piece)
-            unit.load_master_shard(shard)
-        for name, tensor in state.fixed_tensors(engine.units, engine.module).items():
+            unit.load_master_shard(_read_shard(unit.layout, unit.names, unit.params, sources, start, stop))
+            if unit.frozen is not None:  # stage 3: frozen parameters straight into their shard, like the masters
+                frozen = unit.frozen
+                unit.reshard()
+                frozen.load_shard(_read_shard(frozen.layout, frozen.names, frozen.params, sources, *frozen.span))
+        for name, tensor in state.fixed_tensors(engine.units, engine.module, whole=False).items():
             key, handle = sources[name]
             tensor.copy_(handle.get_tensor(key))
+
+
+def _read_shard(
+    layout: FlatLayout, names: list[str], params: list[torch.Tensor], sources: dict, start: int, stop: int
+) -> torch.Tensor:
+    """Elements [start, stop) of the flat buffer of `params` (laid out by `layout`), read from `sources`, in fp32."""
+    shard = torch.zeros(stop - start, dtype=torch.float32)
+    for index, name in enumerate(names):
+        first, last = layout.param_range(index)
+        lo, hi = max(first, start), min(last, stop)
+        if lo < hi:
+            key, handle = sources[name]
+            piece = layout.shapes[index], params[index]
+            shard[lo - start : hi - start] = _read_elements(handle, key, lo - first, hi - first, *piece)
+    return shard
 
 
 def open_safetensors(file: Path) -> Any:
@@ -98,7 +111,7 @@ def _match(engine: ZeroEngine, stored: dict[str, Any]) -> dict[str, tuple[str, A
     """{tensor name: (stored key, file handle)} for every managed and fixed tensor; raise one line per
     missing, unexpected or wrongly shaped tensor."""
     wanted = dict(state.parameter_shapes(engine.units))
-    wanted.update({name: list(t.shape) for name, t in state.fixed_tensors(engine.units, engine.module).items()})
+    wanted.update(state.fixed_shapes(engine.units, engine.module))
     names_of: dict[str, list[str]] = {name: [name] for name in wanted}
     for alias, name in state.tied_aliases(engine.units, engine.module).items():
         names_of[name].append(alias)

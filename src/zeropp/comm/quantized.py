@@ -91,6 +91,34 @@ def all_gather_quantized(
     return pending
 
 
+def all_gather_message(
+    comm: Communicator,
+    out: torch.Tensor,
+    message: torch.Tensor,
+    width: int,
+    spec: QuantSpec,
+    group: Group,
+    kernels: QuantKernels,
+    *,
+    bucket_numel: int,
+    async_op: bool = False,
+) -> Pending:
+    """Gather every group rank's `message` (its shard of `width` values, quantized once and ``joined``:
+    frozen weights stored quantized) and dequantize all of them into `out`; nothing is quantized."""
+    n = group.size
+    gathered = messages.take((n, message.numel()), out.device)
+    works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]
+
+    def land() -> None:
+        kernels.dequantize(split(gathered, width, spec), out.dtype, out=out.view(n, width))
+        messages.give_back(gathered)
+
+    pending = Pending(works, land)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
 class MessagePool:
     """uint8 message buffers, taken for a collective and given back once it has completed and its
     contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap threshold

@@ -287,6 +287,7 @@ class _Reader:
             "zero_quantized_weights": ("zero.quantized_weights", self.boolean, False),
             "zero_hpz_partition_size": ("zero.hpz_partition_size", self.integer, 1),
             "zero_quantized_gradients": ("zero.quantized_gradients", self.boolean, False),
+            "zero_quantized_nontrainable_weights": ("zero.quantized_nontrainable_weights", self.boolean, False),
         }
         for ds, (ours, read, off) in zeropp.items():
             value = read(key + ds, values[ds])

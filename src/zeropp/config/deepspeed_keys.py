@@ -24,6 +24,7 @@ MAPPED = {
     "zero_optimization.zero_quantized_weights": "zero.quantized_weights (stage 3; noted below it, as DeepSpeed ignores it)",
     "zero_optimization.zero_hpz_partition_size": "zero.hpz_partition_size (stage 3; noted below it)",
     "zero_optimization.zero_quantized_gradients": "zero.quantized_gradients (stage 3; noted below it)",
+    "zero_optimization.zero_quantized_nontrainable_weights": "zero.quantized_nontrainable_weights (stage 3; noted below it)",
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer (cpu or nvme)",
     "zero_optimization.offload_optimizer.nvme_path": "zero.offload_path (device nvme; noted otherwise)",
     "zero_optimization.offload_optimizer.buffer_count": "zero.offload_buffer_count (device nvme; noted otherwise)",
@@ -92,7 +93,7 @@ NOTED = {
         "stage3_gather_fp16_weights_on_model_save", "stage3_model_persistence_threshold",
         "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
         "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-        "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "zero_quantized_nontrainable_weights",
+        "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
         "log_trace_cache_warnings", "cpu_offload_use_pin_memory", "legacy_stage1", "compute_grad_norm",
         "parameter_alignment", "pipeline_loading_checkpoint", "override_module_apply", "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory", "leaf_module",
@@ -161,7 +162,8 @@ ALIASES = {
 DEEPSPEED_DEFAULTS = {  # inside a block the file has, a key it leaves out means this in DeepSpeed
     "zero_optimization": {
         "stage": 0, "zero_quantized_weights": False, "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
-        "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e5,
+        "zero_quantized_nontrainable_weights": False, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+        "stage3_param_persistence_threshold": 1e5,
     },
     "fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
              "consecutive_hysteresis": False, "min_loss_scale": 1},

@@ -106,6 +106,9 @@ class ZeroConfig:
         1, "hpZ (ZeRO++): secondary weight partition over groups of this many consecutive ranks (1: off, 0: a node)"
     )
     qgz: QuantizedGradients = field(default_factory=QuantizedGradients)
+    quantized_nontrainable_weights: bool = setting(
+        False, "stage 3: frozen parameters' shards stored int8 (qwZ's block size) once, gathered as int8 + scales"
+    )
     quant_backend: Literal["auto", "torch", "triton"] = setting(
         "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
     )
@@ -168,6 +171,7 @@ class ZeroConfig:
                 (self.key("qwz")("enabled"), self.qwz.enabled, False),
                 (self.key("qgz")("enabled"), self.qgz.enabled, False),
                 ("zero.hpz_partition_size", self.hpz_partition_size, 1),
+                ("zero.quantized_nontrainable_weights", self.quantized_nontrainable_weights, False),
             ):
                 require(value == off, key, value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)")
         self.offload.validate(self.key("offload"), self.stage)

@@ -19,6 +19,12 @@ the master never aliases the parameters then) to host memory, and offload_params
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
 units being gathered.
 
+Frozen parameters (Ψf of them, ``requires_grad`` False: a LoRA run's base) cost their compute-dtype
+bytes only, pΨf at stages 0-2 (whole on every rank) and pΨf/N at stage 3 (sharded in their units),
+plus hpZ's copy pΨf/H: no gradient, master or optimizer state (Ψ above counts trainable parameters).
+With ``quantized_nontrainable_weights`` the stage-3 shard is int8 plus an fp32 scale per block of B:
+(1 + 4/B)Ψf/N.
+
 qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
 rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
 partial sums, split over its X ranks): :func:`qgz_residual_bytes`, while qgZ is on; the schedule
@@ -62,22 +68,26 @@ def analytic_model_state_bytes(
     optimizer_on_disk: bool = False,
     where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int] | None = None,
+    frozen: int = 0,
+    frozen_quant_block: int | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
     bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
-    `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on."""
+    `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on; `frozen`: Ψf;
+    `frozen_quant_block`: B when the frozen shards are stored int8 (stage 3)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
     master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
     k = optimizer_bytes + (0 if master_aliases_params else 4)
     n = world
-    params = p * psi / (n if stage >= 3 else 1)
+    frozen_p = 1 + 4 / frozen_quant_block if frozen_quant_block and stage >= 3 else p
+    params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
-    secondary = p * psi / hpz_group_size if hpz_group_size > 1 else 0
+    secondary = p * (psi + frozen) / hpz_group_size if hpz_group_size > 1 else 0
     disk = states if optimizer_on_disk else 0
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0

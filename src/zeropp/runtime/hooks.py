@@ -8,7 +8,9 @@ Hook order within one training step (sharded units, i.e. stage 3):
 3. pre-backward (first output gradient reaching the unit): gather again, prefetch the next units
    of the recorded backward order;
 4. each parameter's post-accumulate-grad hook adds its gradient into the unit's flat gradient
-   buffer; when the last one has arrived the unit reshards and its reduction starts (async);
+   buffer; when the last one has arrived the unit reshards and its reduction starts (async); a unit
+   holding frozen parameters also waits for the gradients of its forward inputs ([Note: frozen
+   weights in backward]);
 5. end of backward: units some of whose parameters got no gradient are reduced in a fixed order
    (every rank issues the same collectives), then every reduction is waited for.
 
@@ -53,19 +55,35 @@ class Runtime:
         self._reduce = False
         for unit in self.units:
             if not unit.resident:
-                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
                 unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
             for index, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_param_grad, unit, index))
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> None:
         unit.unshard()
         if self.in_backward:  # activation recompute: already gathered for backward
             return
         self.forward_order.record(unit)
         self._prefetch(self.forward_order, unit)
+        if unit.frozen is not None and torch.is_grad_enabled():
+            self._watch_input_grads(unit, (args, kwargs))
+
+    # See [Note: frozen weights in backward] (docs/design.md)
+    def _watch_input_grads(self, unit: FlatUnit, inputs: Any) -> None:
+        """Keep `unit` gathered in backward until the gradients of this call's inputs are computed."""
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            unit.await_input_grads()
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._on_input_grads, unit), mode="all"
+            )
+
+    def _on_input_grads(self, unit: FlatUnit, grads: Any) -> None:
+        if self.in_backward and unit.input_grads_done():
+            self._grads_ready(unit)
 
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:

@@ -43,21 +43,26 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def group_parameters(
-    model: nn.Module, unit_modules: Iterable[nn.Module]
+    model: nn.Module, unit_modules: Iterable[nn.Module], frozen: bool = False
 ) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """Assign each trainable parameter to exactly one unit; the root (`model`) unit comes last.
+    """Assign each trainable parameter (with `frozen`, each floating frozen one too: stage 3) to
+    exactly one unit; the root (`model`) unit comes last.
 
-    Frozen parameters (requires_grad=False) are left where they are: resident and replicated.
+    Without `frozen`, frozen parameters (requires_grad=False) are left where they are: resident and replicated.
     """
+
+    def grouped_here(p: nn.Parameter) -> bool:
+        return p.requires_grad or (frozen and p.is_floating_point())
+
     claims: dict[int, list[int]] = {}
     unit_modules = [m for m in unit_modules if m is not model]
     for index, module in enumerate(unit_modules):
         for p in module.parameters():
-            if p.requires_grad:
+            if grouped_here(p):
                 claims.setdefault(id(p), []).append(index)
     grouped: list[list[tuple[str, nn.Parameter]]] = [[] for _ in unit_modules] + [[]]
     for name, p in model.named_parameters(remove_duplicate=True):
-        if not p.requires_grad:
+        if not grouped_here(p):
             continue
         owners = claims.get(id(p), [])
         grouped[owners[0] if len(owners) == 1 else -1].append((name, p))

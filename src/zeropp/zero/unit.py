@@ -26,11 +26,13 @@ from torch.distributed.tensor import DTensor
 
 from zeropp.comm.communicator import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
-from zeropp.comm.quantized import all_gather_quantized, reduce_scatter_quantized
+from zeropp.comm.quantized import reduce_scatter_quantized
 from zeropp.index.flat import FlatLayout, secondary_range
 from zeropp.topology import ShardGroups
 from zeropp.zero.arena import Arena, Loans
 from zeropp.zero.dtensor_params import is_split, local_tensor, point_at
+from zeropp.zero.frozen import FrozenWeights
+from zeropp.zero.gather import start_weight_gather
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.stages import StagePolicy
 
@@ -72,6 +74,9 @@ class FlatUnit:
       size), cut when the unit reshards (after its gather completed, so never racing a prefetch) and
       gathered from while the weights are unchanged ([Note: hpZ validity and versioning]).
     - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives.
+
+    At stage 3 a unit also holds its modules' frozen parameters (``frozen``, :mod:`zeropp.zero.frozen`),
+    gathered and freed with the rest; the buffers above cover the trainable ones only, which may be none.
     """
 
     def __init__(
@@ -94,8 +99,9 @@ class FlatUnit:
         module's name in the model, which labels the unit's collectives ([Note: collective sequences])."""
         self.name = name or "(root)"
         self.module = module
-        self.names = [n for n, _ in named_params]
-        self.params = [p for _, p in named_params]
+        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
         self.comm = comm
         self.groups = groups
         self.policy = policy
@@ -105,14 +111,19 @@ class FlatUnit:
         self.allgather_bucket, self.reduce_bucket = options.allgather_bucket, options.reduce_bucket
         self.shard_world = groups.shard.size if policy.shard_optimizer else 1
         self.layout = self.layout_of(self.params, groups, policy, options)
+        frozen = [(n, p) for n, p in named_params if not p.requires_grad]
         self.resident = policy.keeps_resident(
-            self.layout.numel,
+            self.layout.numel + sum(local_tensor(p).numel() for _, p in frozen),
             options.persistence_threshold,
             groups.shard.size,
             options.compute_shard_device is not None,
         )
         device = options.device
-
+        self.frozen = (
+            FrozenWeights(frozen, comm, groups, options, resident=self.resident, broadcast=broadcast_initial)
+            if frozen
+            else None
+        )
         self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -130,6 +141,7 @@ class FlatUnit:
         self.training_state = TrainingState.IDLE
         self._gather: Pending | None = None
         self._grads_missing = 0
+        self._inputs_pending = 0  # forward calls whose input gradients backward has yet to compute
         self._unwritten: set[int] | None = None  # parameters with nothing in a fresh grad_flat yet
         self._tp_partial: set[int] = set()  # parameters whose gradients are partial sums over tp ranks
         self.reshard()
@@ -152,7 +164,7 @@ class FlatUnit:
                 view.copy_(local.detach())
             point_at(p, _RELEASED.to(p.dtype))
         full32 = flat.to(device)
-        if broadcast:  # the padding holds zeros everywhere already
+        if broadcast and self.params:  # the padding holds zeros everywhere already
             self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
         return full32
 
@@ -199,7 +211,9 @@ class FlatUnit:
             # See [Note: the storage-resize trick] (docs/design.md)
             self.compute_flat.untyped_storage().resize_(self.layout.padded_numel * self.compute_flat.element_size())
             with self.comm.trace.labelled(self.name):
-                self._gather = self._start_gather()
+                gathers = [self._start_gather()] if self.params else []
+                gathers += [self.frozen.start_gather()] if self.frozen is not None else []
+            self._gather = Pending(gathers)
             self.shard_state = ShardState.GATHERING
         if self.shard_state is ShardState.GATHERING and not async_op:
             self._gather.wait()
@@ -207,27 +221,8 @@ class FlatUnit:
             self.shard_state = ShardState.UNSHARDED
 
     def _start_gather(self) -> Pending:
-        options, bucket = self.options, self.allgather_bucket
-        if self.secondary_valid:  # hpZ: inside the secondary group, in the compute dtype
-            return self.comm.all_gather(
-                self.compute_flat, self.secondary_shard, self.groups.secondary, bucket_numel=bucket, async_op=True
-            )
-        # offloaded parameters, staged: the gather below is ordered after the copy (NCCL waits on the current
-        # stream; qwZ's side stream waits on it and records the staged shard)
-        source = self.compute_shard.to(options.device, non_blocking=True)
-        if options.weight_quant is not None:  # qwZ
-            return all_gather_quantized(
-                self.comm,
-                self.compute_flat,
-                source,
-                options.weight_quant,
-                self.groups.shard,
-                options.kernels,
-                bucket_numel=bucket,
-                async_op=True,
-                stream=options.quant_stream,
-            )
-        return self.comm.all_gather(self.compute_flat, source, self.groups.shard, bucket_numel=bucket, async_op=True)
+        secondary = self.secondary_shard if self.secondary_valid else None
+        return start_weight_gather(self.comm, self.options, self.groups, self.compute_flat, self.compute_shard, secondary)
 
     # See [Note: hpZ validity and versioning] (docs/design.md)
     @property
@@ -248,6 +243,8 @@ class FlatUnit:
             self._secondary_version = self.version
         # See [Note: the storage-resize trick]
         self.compute_flat.untyped_storage().resize_(0)
+        if self.frozen is not None:
+            self.frozen.release()
         self.shard_state = ShardState.SHARDED
 
     # -- training state --------------------------------------------------------------------------
@@ -256,6 +253,21 @@ class FlatUnit:
         """A backward pass starts: every parameter's gradient is awaited."""
         self.training_state = TrainingState.PRE_BACKWARD
         self._grads_missing = len(self.params)
+
+    # See [Note: frozen weights in backward] (docs/design.md)
+    def await_input_grads(self) -> None:
+        """A forward of this unit took inputs that require gradients: backward needs its weights until
+        those gradients are computed (:meth:`input_grads_done`), not only until its own gradients are in."""
+        self._inputs_pending += 1
+
+    def input_grads_done(self) -> bool:
+        """One forward call's input gradients are computed; return whether the unit's backward is now over."""
+        self._inputs_pending -= 1
+        return self._backward_over()
+
+    def _backward_over(self) -> bool:
+        done = self._grads_missing == 0 and self._inputs_pending == 0
+        return done and self.training_state is not TrainingState.POST_BACKWARD
 
     def enter_backward(self) -> bool:
         """The first output gradient reached the unit; return whether it must be gathered for backward
@@ -267,7 +279,7 @@ class FlatUnit:
 
     def add_grad(self, index: int, grad: torch.Tensor) -> bool:
         """Add parameter `index`'s gradient into the flat gradient buffer (allocated on first use);
-        return whether it was the last one this backward awaited."""
+        return whether it was the last one this backward awaited (and no input gradient is awaited)."""
         if self.training_state is TrainingState.POST_BACKWARD:
             raise RuntimeError(
                 f"zeropp: parameter {self.names[index]} received a second gradient after its unit was reduced "
@@ -290,7 +302,7 @@ class FlatUnit:
         else:
             self.grad_flat[start:stop].add_(grad.reshape(-1))
         self._grads_missing -= 1
-        return self._grads_missing == 0
+        return self._backward_over()
 
     def finish_backward(self) -> None:
         """Every gradient this backward will produce is in (some parameters may have got none)."""
@@ -302,6 +314,7 @@ class FlatUnit:
 
     def end_backward(self) -> None:
         self.training_state = TrainingState.IDLE
+        self._inputs_pending = 0
 
     # -- gradients -------------------------------------------------------------------------------
 
@@ -317,6 +330,8 @@ class FlatUnit:
             return self._reduce_gradients()
 
     def _reduce_gradients(self) -> Pending:
+        if not self.params:  # frozen parameters only: nothing to reduce
+            return Pending([])
         if self.grad_flat is None:  # no parameter of this unit got a gradient on this rank
             self.grad_flat = self._gradients.take(self.layout.padded_numel, self.grad_dtype).zero_()
         self._zero_unwritten()
@@ -480,6 +495,8 @@ class FlatUnit:
         """Make the compute-dtype parameters follow the updated fp32 master."""
         # See [Note: hpZ validity and versioning]
         self.version += 1
+        if not self.params:
+            return
         # non-blocking: the next gather reads the copy in stream order, and with offloaded masters the host
         # writes them again only after the next step's synchronize (ZeroEngine.step)
         if not self.resident:
@@ -499,4 +516,5 @@ class FlatUnit:
         """Every tensor this unit keeps (for measured model-state bytes)."""
         kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard)
         residuals = self.error_feedback.residuals.values() if self.error_feedback is not None else ()
-        return [t for t in (*kept, self.grad_flat, self.grad_shard, *residuals) if t is not None]
+        frozen = self.frozen.state_tensors() if self.frozen is not None else ()
+        return [t for t in (*kept, self.grad_flat, self.grad_shard, *residuals, *frozen) if t is not None]
