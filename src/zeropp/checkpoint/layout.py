@@ -20,8 +20,8 @@ loads at dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never de
 
 A unit's fp32 master is a contiguous shard of a padded flat buffer that spans several
 parameters' tensor-parallel pieces; the pieces here are cut per parameter. Going from one to the
-other is one all-gather per unit and per state (see :meth:`~zeropp.zero.unit.FlatUnit.param_chunks`
-and :meth:`~zeropp.zero.unit.FlatUnit.flat_from_param_chunks`).
+other is one all-gather per unit and per state (see :func:`param_chunks`
+and :func:`flat_from_param_chunks`).
 """
 
 from __future__ import annotations
@@ -137,11 +137,11 @@ def sharded_state_dict(
     state: dict[str, Any] = {}
     for unit in units:
         params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
-        for (name, param, shape), piece in zip(params, unit.param_chunks(unit.master.data), strict=True):
+        for (name, param, shape), piece in zip(params, param_chunks(unit, unit.master.data), strict=True):
             state[model_key(name)] = mesh.piece(piece, param, shape)
         for key, value in optimizer.state.get(unit.master, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == unit.master.shape:
-                for (name, param, shape), piece in zip(params, unit.param_chunks(value), strict=True):
+                for (name, param, shape), piece in zip(params, param_chunks(unit, value), strict=True):
                     state[optim_key(name, key)] = mesh.piece(piece, param, shape)
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
                 state.update({optim_key(name, key): value.clone() for name in unit.names})
@@ -203,13 +203,13 @@ def load_sharded_state_dict(
 
 def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     master = [state[model_key(name)].to_local() for name in unit.names]
-    unit.load_master(unit.flat_from_param_chunks(master))
+    unit.load_master(flat_from_param_chunks(unit, master))
     prefix = optim_key(unit.names[0], "")
     loaded = {}
     for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
         values = [state[optim_key(name, key)] for name in unit.names]
         if isinstance(values[0], DTensor):
-            flat = unit.flat_from_param_chunks([v.to_local() for v in values])
+            flat = flat_from_param_chunks(unit, [v.to_local() for v in values])
             loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
         else:
             loaded[key] = values[0]
@@ -293,3 +293,35 @@ def tied_aliases(units: list[FlatUnit], module: nn.Module) -> dict[str, str]:
         for key, tensor in module.state_dict(keep_vars=True).items()
         if id(tensor) in owner and owner[id(tensor)] != key
     }
+
+
+def param_chunks(unit: FlatUnit, shard: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's piece of every parameter of `unit`'s flat buffer whose shard is `shard`: its rows
+    cut like ``torch.chunk`` over the shard group (:meth:`FlatLayout.row_chunk`), flattened; the
+    sharding-independent layout of checkpoints. Collective."""
+    flat, group = unit.gather_flat(shard), unit.groups.shard
+    pieces = []
+    for index, view in enumerate(unit.layout.split(flat)):
+        start, stop = unit.layout.row_chunk(index, group.size, group.rank)
+        pieces.append(view.reshape(-1)[start:stop].clone())
+    return pieces
+
+def flat_from_param_chunks(unit: FlatUnit, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The whole padded flat buffer from every rank's :func:`param_chunks` (one all-gather).
+
+    Each rank sends its chunks padded to the largest chunk size of each parameter (rank 0's), so
+    the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a parameter's
+    chunks read in rank order, cut to its n elements, are the parameter (every chunk but the
+    last ones is the largest size)."""
+    group, layout = unit.groups.shard, unit.layout
+    widths = [stop - start for start, stop in (layout.row_chunk(i, group.size, 0) for i in range(len(chunks)))]
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    send = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=unit.options.device)
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        send[offset : offset + chunk.numel()].copy_(chunk.reshape(-1))
+    rows = torch.empty(group.size * send.numel(), dtype=send.dtype, device=send.device)
+    unit.comm.all_gather(rows, send, group, bucket_numel=unit.allgather_bucket)
+    rows = rows.view(group.size, -1)
+    numels = layout.numels
+    params = [rows[:, o : o + w].reshape(-1)[:n] for o, w, n in zip(offsets, widths, numels, strict=True)]
+    return layout.join(params, send.dtype, send.device)

@@ -430,7 +430,7 @@ class FlatUnit:
         else:
             self.grad_flat.zero_()
 
-    # -- whole flat buffers and per-parameter pieces (state dicts, checkpoints) --------------------
+    # -- whole flat buffers (state dicts, checkpoints) ----------------------------------------------
 
     def gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         """The whole padded flat buffer of which `shard` (aligned with ``master``) is this rank's piece."""
@@ -447,37 +447,6 @@ class FlatUnit:
             return flat
         start, stop = self.layout.shard_range(self.groups.shard.rank)
         return flat[start:stop]
-
-    def param_chunks(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's piece of every parameter of the flat buffer whose shard is `shard`: its rows
-        cut like ``torch.chunk`` over the shard group (:meth:`FlatLayout.row_chunk`), flattened; the
-        sharding-independent layout of checkpoints. Collective."""
-        flat, group = self.gather_flat(shard), self.groups.shard
-        pieces = []
-        for index, view in enumerate(self.layout.split(flat)):
-            start, stop = self.layout.row_chunk(index, group.size, group.rank)
-            pieces.append(view.reshape(-1)[start:stop].clone())
-        return pieces
-
-    def flat_from_param_chunks(self, chunks: list[torch.Tensor]) -> torch.Tensor:
-        """The whole padded flat buffer from every rank's :meth:`param_chunks` (one all-gather).
-
-        Each rank sends its chunks padded to the largest chunk size of each parameter (rank 0's), so
-        the pieces are equal; row r of the gathered matrix holds rank r's chunks, and a parameter's
-        chunks read in rank order, cut to its n elements, are the parameter (every chunk but the
-        last ones is the largest size)."""
-        group, layout = self.groups.shard, self.layout
-        widths = [stop - start for start, stop in (layout.row_chunk(i, group.size, 0) for i in range(len(chunks)))]
-        offsets = [sum(widths[:i]) for i in range(len(widths))]
-        send = torch.zeros(sum(widths), dtype=chunks[0].dtype, device=self.options.device)
-        for chunk, offset in zip(chunks, offsets, strict=True):
-            send[offset : offset + chunk.numel()].copy_(chunk.reshape(-1))
-        rows = torch.empty(group.size * send.numel(), dtype=send.dtype, device=send.device)
-        self.comm.all_gather(rows, send, group, bucket_numel=self.allgather_bucket)
-        rows = rows.view(group.size, -1)
-        numels = layout.numels
-        params = [rows[:, o : o + w].reshape(-1)[:n] for o, w, n in zip(offsets, widths, numels, strict=True)]
-        return layout.join(params, send.dtype, send.device)
 
     def load_master(self, flat: torch.Tensor) -> None:
         """Set the fp32 master from a whole flat buffer and make every copy of the weights follow it."""
