@@ -15,6 +15,8 @@ overrides, each small:
 - checkpoints: ``_save_optimizer_and_scheduler`` writes a zeropp sharded checkpoint into
   ``checkpoint-N/zeropp/`` plus the scheduler's state; ``_load_optimizer_and_scheduler`` reads them
   back; ``_load_from_checkpoint`` has nothing to do (the weights are in the sharded checkpoint);
+- ``_move_model_to_device`` leaves a meta-device model there; ``pretrained=`` loads its weights
+  into the shards once the engine is built;
 - ``save_model`` writes a ``save_pretrained`` folder of the consolidated weights.
 """
 
@@ -28,12 +30,14 @@ import torch
 import transformers
 from torch import nn
 
+from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
 from zeropp.integrations import settings
 from zeropp.integrations.loop import EngineModule, EngineOptimizer, build_engine, load_engine_state, save_engine_state
 from zeropp.integrations.settings import IntegrationError, ZeroSource
 from zeropp.topology import Topology, init_topology
+from zeropp.zero import materialize
 
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own name for it
 
@@ -64,7 +68,10 @@ class ZeroTrainer(transformers.Trainer):
     `zero_config`: a :class:`zeropp.ZeroConfig`, a dict of zeropp ``zero`` keys, or a DeepSpeed JSON
     path or dict (read by :func:`zeropp.config.deepspeed.translate`); None reads ``args.deepspeed``
     when set, else zeropp's defaults. `topology`: the ranks (default :func:`zeropp.init_topology`,
-    which adopts a process group accelerate already started)."""
+    which adopts a process group accelerate already started). `pretrained`: a safetensors file or a
+    Hugging Face folder whose weights are read straight into the shards
+    (:func:`zeropp.load_pretrained`: each rank reads its slices), typically for a model built on the
+    meta device, which the engine materializes unit by unit: no rank holds the whole model."""
 
     def __init__(
         self,
@@ -73,12 +80,14 @@ class ZeroTrainer(transformers.Trainer):
         *rest: Any,
         zero_config: ZeroSource = None,
         topology: Topology | None = None,
+        pretrained: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
         if args is not None and args.deepspeed:  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
             zero_config = args.deepspeed if zero_config is None else zero_config
             args = dataclasses.replace(args, deepspeed=None)
         self.zero_source = zero_config
+        self.pretrained = pretrained
         self.topology = topology or init_topology()
         self.engine: ZeroEngine | None = None
         self.engine_module: EngineModule | None = None
@@ -94,6 +103,11 @@ class ZeroTrainer(transformers.Trainer):
         args = super()._build_accelerator_args(**kwargs)
         args["mixed_precision"] = "no"  # bf16/fp16 are the engine's precision: no autocast, no GradScaler
         return args
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """A meta-device model stays there: the engine materializes it unit by unit."""
+        if not materialize.is_meta(model):
+            super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None:
@@ -115,10 +129,13 @@ class ZeroTrainer(transformers.Trainer):
         config = resolve_zero_config(
             self.zero_source, args, self.topology.world_size, getattr(getattr(model, "config", None), "hidden_size", None)
         )
-        return build_engine(
+        engine = build_engine(
             model, lambda masters: cls(masters, **kwargs), config, self.topology, seed=args.seed, decay=decay,
             decayed=[p for name, p in model.named_parameters() if name in decayed],
         )  # fmt: skip
+        if self.pretrained is not None:
+            load_pretrained(engine, self.pretrained)
+        return engine
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
