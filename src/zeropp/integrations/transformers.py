@@ -12,6 +12,8 @@ overrides, each small:
 - ``_wrap_model`` returns :class:`EngineModule` (forward through the engine, nothing for accelerate to wrap);
 - ``training_step`` calls ``engine.backward``; ``_clip_grad_norm`` leaves clipping to the engine;
 - ``_build_accelerator_args``: no autocast or GradScaler from accelerate (precision is the engine's);
+- fp16: a step the engine skipped leaves the scheduler unstepped (:class:`SkippedSteps`); ``log``
+  adds the loss scale and the skipped steps;
 - checkpoints: ``_save_optimizer_and_scheduler`` writes a zeropp sharded checkpoint into
   ``checkpoint-N/zeropp/`` plus the scheduler's state; ``_load_optimizer_and_scheduler`` reads them
   back; ``_load_from_checkpoint`` has nothing to do (the weights are in the sharded checkpoint);
@@ -62,6 +64,22 @@ def resolve_zero_config(
     )  # fmt: skip
 
 
+class SkippedSteps(transformers.TrainerCallback):
+    """After each optimizer step: a step the engine skipped (fp16 overflow) is reported to accelerate's
+    optimizer wrapper as skipped, as accelerate's DeepSpeed wrapper reports DeepSpeed's, so the Trainer
+    leaves the scheduler where it is (DeepSpeed's engine steps it only without overflow); counted for
+    the logs."""
+
+    def __init__(self, trainer: ZeroTrainer) -> None:
+        self.trainer = trainer
+        self.count = 0
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        skipped = self.trainer.engine.last_step_skipped
+        self.count += skipped
+        optimizer._is_overflow = skipped  # what AcceleratedOptimizer.step_was_skipped reads
+
+
 class ZeroTrainer(transformers.Trainer):
     """``transformers.Trainer`` training through a :class:`zeropp.ZeroEngine`.
 
@@ -92,6 +110,8 @@ class ZeroTrainer(transformers.Trainer):
         self.engine: ZeroEngine | None = None
         self.engine_module: EngineModule | None = None
         super().__init__(model, args, *rest, **kwargs)
+        self.skipped_steps = SkippedSteps(self)
+        self.add_callback(self.skipped_steps)
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise TrainerError("ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers")
         if self.args.n_gpu > 1:
@@ -170,6 +190,12 @@ class ZeroTrainer(transformers.Trainer):
         if self.engine is not None and self.control.should_log:
             grad_norm = self.engine.last_grad_norm  # of the step just taken
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """fp16: each training log also gives the loss scale and the steps skipped so far (overflows)."""
+        if self.engine is not None and self.engine.scaler.enabled and "loss" in logs:
+            logs = {**logs, "loss_scale": self.engine.scaler.scale, "skipped_steps": self.skipped_steps.count}
+        super().log(logs, *args, **kwargs)
 
     # -- checkpoints and the saved model -------------------------------------------------------------
 
