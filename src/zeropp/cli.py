@@ -5,7 +5,8 @@ zeropp train trains the embedded GPT on the embedded corpus, or a Hugging Face c
 
 zeropp train run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
 multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
-environment. On one machine the ranks are split into 2 simulated nodes unless --nodes says
+environment; started by srun or mpirun once per rank (no launcher flags), each task is a rank.
+On one machine the ranks are split into 2 simulated nodes unless --nodes says
 otherwise. Every config key is a flag of its own name (--stage 3 --precision bf16).
 At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); turn each off with
 --no-quantized-weights, --hpz-partition-size 1, --no-quantized-gradients.
@@ -36,6 +37,7 @@ from zeropp.app.launch import (
     PEER_LOST_STATUS,
     RANK_ENTRY,
     add_launch_flags,
+    adopt_task,
     describe_failure,
     follow_launcher,
     is_rank,
@@ -187,9 +189,10 @@ def _main(argv: list[str]) -> int:
         return _import_deepspeed(args.source, args.out_dir)
     if args.command == "bench":
         return importlib.import_module(f"zeropp.tools.bench.{args.what}").main(args.options)
-    if is_rank():
-        follow_launcher()
     try:
+        adopt_task(args)  # srun / mpirun, one task per rank
+        if is_rank():
+            follow_launcher()
         config, nodes = _train_config(args, argv)
     except (ConfigError, CheckpointError) as error:
         print(f"zeropp: error: {error}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 The launcher runs torch.distributed.run in its own process (it is torchrun's agent), and each rank
 runs ``zeropp train`` again, recognising itself by torchrun's environment (``TORCHELASTIC_RUN_ID``).
+Started by srun or mpirun once per rank instead, ``zeropp train`` is the rank itself (:func:`adopt_task`).
 A rank follows its launcher: it dies with it (``PR_SET_PDEATHSIG`` on Linux, and a watchdog thread
 that polls the parent pid everywhere), so killing ``zeropp train`` never leaves ranks training.
 """
@@ -20,10 +21,12 @@ import threading
 import time
 from typing import Any
 
+from zeropp.config.launcher import read_launch_environment
 from zeropp.errors import ConfigError
 from zeropp.topology import free_port
 
 DEFAULT_PORT = 29511  # several nodes must agree on one port; one node picks a free one
+TASK = "ZEROPP_TASK"  # set in a rank that srun or mpirun started (its launcher's name): see adopt_task
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
@@ -60,8 +63,24 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def is_rank() -> bool:
-    """True inside a rank that torchrun started (our launcher, or torchrun by hand)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    """True inside a rank that torchrun started (our launcher, or torchrun by hand), or a task that
+    srun or mpirun started as a rank (:func:`adopt_task`)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or TASK in os.environ
+
+
+def adopt_task(args: argparse.Namespace) -> bool:
+    """``zeropp train`` started once per rank by srun or mpirun (no torchrun, no launcher flags): write
+    the task's place as torchrun's variables, which the rank then reads as a torchrun rank does, and
+    say so (True). With launcher flags, or a world of one task, it launches torchrun as anywhere."""
+    if is_rank() or any(getattr(args, name) is not None for name in LAUNCH_FLAGS):
+        return False
+    found = read_launch_environment(os.environ)  # a contradiction: one line, before anything starts
+    if found.launcher in ("none", "torchrun") or found.world_size == 1:
+        return False
+    values = dict(RANK=found.rank, WORLD_SIZE=found.world_size, LOCAL_RANK=found.local_rank, MASTER_ADDR=found.master_addr,
+                  MASTER_PORT=found.master_port, LOCAL_WORLD_SIZE=found.local_world_size, **{TASK: found.launcher})  # fmt: skip
+    os.environ.update({name: str(value) for name, value in values.items() if value is not None})
+    return True
 
 
 def resolve(args: argparse.Namespace) -> int:

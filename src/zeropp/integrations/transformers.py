@@ -12,9 +12,13 @@ overrides, each small:
 - ``_wrap_model`` returns :class:`EngineModule` (forward through the engine, nothing for accelerate to wrap);
 - ``training_step`` calls ``engine.backward``; ``_clip_grad_norm`` leaves clipping to the engine;
 - ``_build_accelerator_args``: no autocast or GradScaler from accelerate (precision is the engine's);
+- fp16: a step the engine skipped leaves the scheduler unstepped (:class:`SkippedSteps`); ``log``
+  adds the loss scale and the skipped steps;
 - checkpoints: ``_save_optimizer_and_scheduler`` writes a zeropp sharded checkpoint into
   ``checkpoint-N/zeropp/`` plus the scheduler's state; ``_load_optimizer_and_scheduler`` reads them
   back; ``_load_from_checkpoint`` has nothing to do (the weights are in the sharded checkpoint);
+- ``_move_model_to_device`` leaves a meta-device model there; ``pretrained=`` loads its weights
+  into the shards once the engine is built;
 - ``save_model`` writes a ``save_pretrained`` folder of the consolidated weights.
 """
 
@@ -28,12 +32,14 @@ import torch
 import transformers
 from torch import nn
 
+from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
 from zeropp.integrations import settings
 from zeropp.integrations.loop import EngineModule, EngineOptimizer, build_engine, load_engine_state, save_engine_state
 from zeropp.integrations.settings import IntegrationError, ZeroSource
 from zeropp.topology import Topology, init_topology
+from zeropp.zero import materialize
 
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own name for it
 
@@ -58,13 +64,32 @@ def resolve_zero_config(
     )  # fmt: skip
 
 
+class SkippedSteps(transformers.TrainerCallback):
+    """After each optimizer step: a step the engine skipped (fp16 overflow) is reported to accelerate's
+    optimizer wrapper as skipped, as accelerate's DeepSpeed wrapper reports DeepSpeed's, so the Trainer
+    leaves the scheduler where it is (DeepSpeed's engine steps it only without overflow); counted for
+    the logs."""
+
+    def __init__(self, trainer: ZeroTrainer) -> None:
+        self.trainer = trainer
+        self.count = 0
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        skipped = self.trainer.engine.last_step_skipped
+        self.count += skipped
+        optimizer._is_overflow = skipped  # what AcceleratedOptimizer.step_was_skipped reads
+
+
 class ZeroTrainer(transformers.Trainer):
     """``transformers.Trainer`` training through a :class:`zeropp.ZeroEngine`.
 
     `zero_config`: a :class:`zeropp.ZeroConfig`, a dict of zeropp ``zero`` keys, or a DeepSpeed JSON
     path or dict (read by :func:`zeropp.config.deepspeed.translate`); None reads ``args.deepspeed``
     when set, else zeropp's defaults. `topology`: the ranks (default :func:`zeropp.init_topology`,
-    which adopts a process group accelerate already started)."""
+    which adopts a process group accelerate already started). `pretrained`: a safetensors file or a
+    Hugging Face folder whose weights are read straight into the shards
+    (:func:`zeropp.load_pretrained`: each rank reads its slices), typically for a model built on the
+    meta device, which the engine materializes unit by unit: no rank holds the whole model."""
 
     def __init__(
         self,
@@ -73,16 +98,20 @@ class ZeroTrainer(transformers.Trainer):
         *rest: Any,
         zero_config: ZeroSource = None,
         topology: Topology | None = None,
+        pretrained: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
         if args is not None and args.deepspeed:  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
             zero_config = args.deepspeed if zero_config is None else zero_config
             args = dataclasses.replace(args, deepspeed=None)
         self.zero_source = zero_config
+        self.pretrained = pretrained
         self.topology = topology or init_topology()
         self.engine: ZeroEngine | None = None
         self.engine_module: EngineModule | None = None
         super().__init__(model, args, *rest, **kwargs)
+        self.skipped_steps = SkippedSteps(self)
+        self.add_callback(self.skipped_steps)
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise TrainerError("ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers")
         if self.args.n_gpu > 1:
@@ -94,6 +123,11 @@ class ZeroTrainer(transformers.Trainer):
         args = super()._build_accelerator_args(**kwargs)
         args["mixed_precision"] = "no"  # bf16/fp16 are the engine's precision: no autocast, no GradScaler
         return args
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """A meta-device model stays there: the engine materializes it unit by unit."""
+        if not materialize.is_meta(model):
+            super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None:
@@ -115,10 +149,13 @@ class ZeroTrainer(transformers.Trainer):
         config = resolve_zero_config(
             self.zero_source, args, self.topology.world_size, getattr(getattr(model, "config", None), "hidden_size", None)
         )
-        return build_engine(
+        engine = build_engine(
             model, lambda masters: cls(masters, **kwargs), config, self.topology, seed=args.seed, decay=decay,
             decayed=[p for name, p in model.named_parameters() if name in decayed],
         )  # fmt: skip
+        if self.pretrained is not None:
+            load_pretrained(engine, self.pretrained)
+        return engine
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
@@ -153,6 +190,12 @@ class ZeroTrainer(transformers.Trainer):
         if self.engine is not None and self.control.should_log:
             grad_norm = self.engine.last_grad_norm  # of the step just taken
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """fp16: each training log also gives the loss scale and the steps skipped so far (overflows)."""
+        if self.engine is not None and self.engine.scaler.enabled and "loss" in logs:
+            logs = {**logs, "loss_scale": self.engine.scaler.scale, "skipped_steps": self.skipped_steps.count}
+        super().log(logs, *args, **kwargs)
 
     # -- checkpoints and the saved model -------------------------------------------------------------
 
