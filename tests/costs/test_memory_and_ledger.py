@@ -33,7 +33,8 @@ def _batch(step: int, rank: int, block_size: int = 32):
 def _engine(stage: int, topology, **zero):
     from zeropp import ZeroConfig, ZeroEngine
 
-    config = ZeroConfig(stage=stage, persistence_threshold=0, **zero)
+    # sequence_check_interval=0: the steps' traffic alone (the check's all-gather: tests/comm/test_sequence.py)
+    config = ZeroConfig(stage=stage, persistence_threshold=0, sequence_check_interval=0, **zero)
     return ZeroEngine(_gpt(), torch.optim.AdamW, dict(lr=1e-3), config, topology)
 
 

@@ -184,8 +184,10 @@ def save_engine_state(engine: ZeroEngine, folder: str | Path, step: int) -> Path
 
 
 def load_engine_state(engine: ZeroEngine, folder: str | Path) -> None:
-    """Load what :func:`save_engine_state` wrote into `folder` (collective); one line when there is none."""
+    """Load what :func:`save_engine_state` wrote into `folder` (collective); one line when there is none.
+    The optimizer's settings are the checkpoint's (the learning rate its scheduler had set): the
+    trainer resumes its own scheduler from the same folder, as it would with DeepSpeed's state."""
     found = find_latest(Path(folder) / ZEROPP_DIR)
     if found is None:
         raise IntegrationError(f"{str(folder)!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one that zeropp saved")
-    load_checkpoint(engine, found)
+    load_checkpoint(engine, found, optimizer_settings="checkpoint")
