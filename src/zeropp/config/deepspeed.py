@@ -21,69 +21,17 @@ DeepSpeed's names for it, and returns the zeropp keys set as dotted overrides fo
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from zeropp.config import deepspeed_keys as tables
 from zeropp.config.deepspeed_keys import AUTO
-from zeropp.config.sections import Config, ZeroConfig, load_config
+from zeropp.config.deepspeed_translation import Translation, check_total, shown
+from zeropp.config.sections import Config, ZeroConfig
 from zeropp.errors import ConfigError
-
-
-@dataclass
-class Translation:
-    """What a DeepSpeed config sets: zeropp overrides (dotted keys), the file's key and value behind each
-    (`sources`), the keys noted, the "auto" values resolved, and the train_batch_size to check the final
-    config against."""
-
-    overrides: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, tuple[str, Any]] = field(default_factory=dict)
-    noted: list[str] = field(default_factory=list)
-    resolved: dict[str, Any] = field(default_factory=dict)
-    train_batch_size: int | None = None
-    world_size: int = 1
-
-    def note(self) -> str | None:
-        """One line for the user: the keys accepted without effect and the "auto" values resolved."""
-        parts = []
-        if self.noted:
-            parts.append(f"accepted without effect here: {', '.join(self.noted)}")
-        if self.resolved:
-            parts.append("auto: " + ", ".join(f"{k} = {v}" for k, v in self.resolved.items()))
-        return f"DeepSpeed config: {'; '.join(parts)}" if parts else None
-
-    def check_batch(self, config: Config) -> None:
-        """Refuse a final config (after the flags) whose global batch is not train_batch_size."""
-        if self.train_batch_size is not None:
-            micro, steps = config.train.micro_batch_size, config.zero.gradient_accumulation_steps
-            _check_total(self.train_batch_size, micro, steps, self.world_size)
-
-    def config(self, base: Config | Mapping[str, Any] | None = None) -> Config:
-        """The Config these overrides give on top of `base` (a Config, a dict, or the defaults)."""
-        source = dataclasses.asdict(base) if isinstance(base, Config) else base
-        with self.worded():
-            config = load_config(source, self.overrides)
-        self.check_batch(config)
-        return config
-
-    @contextlib.contextmanager
-    def worded(self) -> Iterator[None]:
-        """Reword a ConfigError about a zeropp key this file set to the value it has from the file: it
-        names the file's key and value, then the zeropp key, then what is allowed."""
-        try:
-            yield
-        except ConfigError as error:
-            if error.key not in self.sources or self.overrides.get(error.key) != error.value:
-                raise
-            written, value = self.sources[error.key]
-            why = str(error).removeprefix(f"{error.key} = {error.value!r} ")
-            raise ConfigError(f"DeepSpeed {written} = {_shown(value)} (zeropp's {error.key}) {why}") from None
 
 
 def read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -164,7 +112,7 @@ class _Reader:
         return path
 
     def refuse(self, path: str, value: Any, expected: str) -> ConfigError:
-        return ConfigError(f"DeepSpeed {self.name(path)} = {_shown(value)} is not allowed; expected {expected}")
+        return ConfigError(f"DeepSpeed {self.name(path)} = {shown(value)} is not allowed; expected {expected}")
 
     # -- values ----------------------------------------------------------------------------------
 
@@ -226,7 +174,7 @@ class _Reader:
             if kind == "refused":
                 why, harmless = tables.REFUSED[path]
                 if harmless is tables.NEVER or not (value in (harmless, AUTO) or harmless == tables.OFF and _off(value)):
-                    raise ConfigError(f"DeepSpeed {self.name(path)} = {_shown(value)} is not allowed: {why}")
+                    raise ConfigError(f"DeepSpeed {self.name(path)} = {shown(value)} is not allowed: {why}")
                 if harmless == tables.OFF:
                     self.note(path)
             elif kind == "noted":
@@ -405,7 +353,7 @@ class _Reader:
                 micro = micro or total // (steps * self.world)
                 steps = steps or total // (micro * self.world)
             self.out.train_batch_size = total
-            _check_total(total, micro, steps, self.world)
+            check_total(total, micro, steps, self.world)
         for key, ours, value in ((keys[1], "train.micro_batch_size", micro),
                                  (keys[2], "zero.gradient_accumulation_steps", steps)):  # fmt: skip
             if value is not None and self.data.get(key) != AUTO:
@@ -487,20 +435,6 @@ class _Reader:
                 self.set(f"zero.{key}", self.boolean(path, value), path)
 
 
-def _check_total(total: int, micro: int, steps: int, world: int) -> None:
-    if micro * steps * world != total:
-        raise ConfigError(
-            f"DeepSpeed train_batch_size = {total} is not allowed; expected micro-batch {micro} x gradient "
-            f"accumulation {steps} x {world} ranks = {micro * steps * world}"
-        )
-
-
 def _off(value: Any) -> bool:
     """A block that turns its feature off (``{"enabled": false}``)."""
     return isinstance(value, dict) and value.get("enabled") is False
-
-
-def _shown(value: Any) -> str:
-    """A value as the file writes it, cut to one short line."""
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:56] + " ..."
