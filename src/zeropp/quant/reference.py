@@ -1,13 +1,15 @@
 """Torch reference implementation of ``zeropp.quant.QuantKernels`` (any device; the rounding rule of ``zeropp.quant``).
 
 Few passes over memory: a row is viewed as its full blocks plus a shorter tail (no padded copy);
-``|x|``, then the codes (divided, rounded, clamped, masked) live in one fp32 buffer; int4 is packed
+each block's ``max |x|`` is ``max(max x, -min x)`` (two vectorized reads, where ``|x|`` was a
+written pass; ``aminmax`` is slower); the codes (divided, rounded, clamped and
+masked where that can change them) live in one fp32 buffer; int4 is packed
 and unpacked through int16 words (contiguous passes, no strided byte ones); dequantization
 widens the int8 codes into its output and multiplies them by the scales there.
 ``row_order`` permutes the rows of the (small) quantized result, not of the input. ``out`` of
 ``quantize`` goes through a copy, which a fused kernel avoids. Temporaries that do not outlive a
 call live in :mod:`zeropp.quant.scratch` (on the CPU, reused from call to call), five slots shared
-by temporaries never alive at once: ``values`` (fp32: ``|x|`` then the codes; dequantized sources;
+by temporaries never alive at once: ``values`` (fp32: the codes; dequantized sources;
 values cast afterwards), ``sum`` (the fp32 sum of sources), ``words`` (int4 packing's pairs and
 words), ``shifted`` (their shifted copy), ``data`` (codes before ``row_order``). What a call returns
 is always its own memory.
@@ -31,18 +33,23 @@ def quantize(
     rows = x.reshape(-1, n).float()
     lead = (row_order.numel(),) if row_order is not None else tuple(x.shape[:-1])
     block, blocks = spec.block(n), spec.blocks(n)
-    codes = torch.abs(rows, out=scratch.empty("values", tuple(rows.shape), torch.float32, x.device))  # |x|, codes later
-    code_blocks = _block_views(codes, block)
+    codes = scratch.empty("values", tuple(rows.shape), torch.float32, x.device)
+    code_blocks, value_blocks = _block_views(codes, block), _block_views(rows, block)
     scales = torch.empty(rows.shape[0], blocks, dtype=torch.float32, device=x.device)
-    for magnitudes, columns in code_blocks:
-        torch.amax(magnitudes, dim=-1, out=scales[:, columns])
+    for values, columns in value_blocks:  # max |x| = max(max x, -min x): two reads, no |x| written
+        torch.maximum(torch.amax(values, dim=-1), torch.amin(values, dim=-1).neg_(), out=scales[:, columns])
+    scales.abs_()  # +0.0, never -0.0, for a block of zeros, as |x| gives
     scales = scales / torch.full_like(scales, spec.qmax)  # a true division on CUDA too (not x * (1/q))
     usable = (scales > 0) & torch.isfinite(scales)
     divisor = torch.where(usable, scales, torch.ones_like(scales))
-    for (values, columns), (into, _) in zip(_block_views(rows, block), code_blocks, strict=True):
+    for (values, columns), (into, _) in zip(value_blocks, code_blocks, strict=True):
         torch.div(values, divisor[:, columns, None], out=into)
-    codes.round_().clamp_(-spec.qmax, spec.qmax)
-    if x.device.type != "cpu" or not usable.all():  # on the CPU the check is cheaper than the pass
+    codes.round_()
+    # On the CPU the check is cheaper than the passes it saves: with every scale usable and normal,
+    # |x / scale| <= max|x| / scale rounds to at most qmax (two roundings off by 2^-24 each), so the
+    # clamp changes nothing and no block is masked. A subnormal scale's quotient can exceed qmax.
+    if x.device.type != "cpu" or not (usable & (scales >= torch.finfo(torch.float32).tiny)).all():
+        codes.clamp_(-spec.qmax, spec.qmax)
         for into, columns in code_blocks:
             into.masked_fill_(~usable[:, columns, None], 0)
     permuted = row_order is not None  # the rows in storage order are a temporary then

@@ -1,12 +1,15 @@
-"""``zeropp bench cluster``: zeropp beside DDP, FSDP2 and DeepSpeed on an emulated 2-node cluster (root).
+"""``zeropp bench cluster``: zeropp beside DDP, FSDP2 and DeepSpeed on an emulated cluster (root).
 
 Every configuration trains the embedded GPT (same init, data and AdamW, fp32, one sequence per rank:
-the paper's small-batch regime) on 2 emulated nodes x 2 ranks (``zeropp.tools.cluster``), at each
-inter-node bandwidth asked for. For each run: median step time, tokens/s, cross-node bytes per
-step (the ledger's, for zeropp; the wire's for all: bytes that crossed the links during the run
-divided by the steps, start-up included), peak memory per rank, and the speedup over zeropp
-ZeRO-3 at the same bandwidth. Writes results.json, results.md and one PNG per bandwidth plus a
-step-time plot to the results folder.
+the paper's small-batch regime) on emulated nodes (``zeropp.tools.cluster``; ``--nodes 2 3 4`` x
+``--ranks-per-node``, 2 x 2 by default), at each inter-node bandwidth asked for. For each run:
+median step time, tokens/s, cross-node bytes per step (the ledger's, for zeropp; the wire's for
+all: bytes that crossed the links during the run divided by the steps, start-up included), peak
+memory per rank, the speedup over zeropp ZeRO-3 at the same bandwidth and nodes, and for zeropp
+on a shaped link the step's lower bound, the fraction of it reached and the estimator's prediction
+(:mod:`zeropp.tools.bench.cluster_bound`; the unshaped runs, added when not asked for, give the
+compute, and every shaped link is probed first). Writes results.json, results.md and the plots
+(step time with the bound, cross-node bytes) to the results folder.
 
 DeepSpeed runs when it is installed (``pip install deepspeed``; ``DS_ACCELERATOR=cpu``, gloo); its
 ZeRO++ (qwZ/qgZ) is CUDA-only and fails on CPU, which is recorded as the result.
@@ -27,9 +30,10 @@ from typing import Any
 
 from zeropp.app.flags import as_flags
 from zeropp.app.summary import RunSummary
+from zeropp.tools.bench.cluster_bound import UNSHAPED, add_bounds, busiest_node_bytes, estimated_node_bytes
 from zeropp.tools.bench.peers import PeerSummary
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
-from zeropp.tools.cluster import run_cluster
+from zeropp.tools.cluster import probe_bandwidth, run_cluster
 from zeropp.tools.cluster.errors import ClusterError
 from zeropp.tools.cluster.links import check_privileges, parse_bandwidth
 
@@ -51,23 +55,25 @@ PEERS = {
     "DeepSpeed hpZ": "deepspeed-hpz",
     "DeepSpeed ZeRO++": "deepspeed-zeropp",
 }
-NODES, RANKS_PER_NODE = 2, 2
 
 
-def run_one(name: str, bandwidth: str, preset: str, steps: int) -> dict[str, Any]:
+def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: str, steps: int) -> dict[str, Any]:
     common = ["--preset", preset, "--steps", str(steps), "--micro-batch-size", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = Path(tmp) / "summary.json"
         if name in ZEROPP:
             args = [*common, "--eval-batches", "1", "--eval-interval", str(steps + 1), *ZEROPP[name]]
-            result = run_cluster(NODES, RANKS_PER_NODE, bandwidth, args, summary_path, timeout_s=900)
+            result = run_cluster(nodes, ranks_per_node, bandwidth, args, summary_path, timeout_s=900)
         else:
             args = ["--peer", PEERS[name], *common]
             result = run_cluster(
-                NODES, RANKS_PER_NODE, bandwidth, args, summary_path, module="zeropp.tools.bench.peers",
+                nodes, ranks_per_node, bandwidth, args, summary_path, module="zeropp.tools.bench.peers",
                 timeout_s=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
             )  # fmt: skip
-    row: dict[str, Any] = {"name": name, "bandwidth": bandwidth, "returncode": result.returncode}
+    row: dict[str, Any] = {
+        "name": name, "nodes": nodes, "ranks_per_node": ranks_per_node, "bandwidth": bandwidth,
+        "returncode": result.returncode,
+    }  # fmt: skip
     if result.returncode != 0 or not result.summary:
         lines = [line for tail in result.log_tails for line in tail if re.search(r"\w+Error: ", line)]
         lines = [line for line in lines if "ChildFailedError" not in line and "elastic" not in line]
@@ -80,66 +86,76 @@ def run_one(name: str, bandwidth: str, preset: str, steps: int) -> dict[str, Any
         median_step_time_s=s.median_step_time_s,
         tokens_per_s=s.tokens_per_s,
         wire_bytes_per_step=sum(result.wire_bytes.values()) / steps,
-        ledger_inter_bytes_per_step=ledger * NODES * RANKS_PER_NODE or None,
+        ledger_inter_bytes_per_step=ledger * nodes * ranks_per_node or None,
         peak_memory_bytes=max(s.peak_memory_bytes_per_rank),
         final_train_loss=s.final_train_loss,
     )
+    if isinstance(s, RunSummary):
+        row.update(
+            node_inter_bytes=busiest_node_bytes(s.inter_node_bytes_per_step_by_rank, ranks_per_node),
+            estimated_node_inter_bytes=estimated_node_bytes(s.config, nodes, ranks_per_node),
+        )
     return row
 
 
-def markdown(rows: list[dict[str, Any]], bandwidth: str) -> str:
+def markdown(rows: list[dict[str, Any]], nodes: int, bandwidth: str) -> str:
     base = next((r for r in rows if r["name"] == "zeropp ZeRO-3" and "error" not in r), None)
     lines = [
-        f"### inter-node bandwidth {bandwidth}",
+        f"### {nodes} nodes x {rows[0]['ranks_per_node']} ranks, inter-node bandwidth {bandwidth}",
         "",
         "| configuration | median step (s) | tokens/s | speedup vs zeropp ZeRO-3 | cross-node MB/step: ledger | wire | "
-        "peak memory/rank (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "peak memory/rank (MiB) | bound (s) | step / bound | estimator (s) | estimator error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | |")
             continue
         speedup = base["median_step_time_s"] / r["median_step_time_s"] if base else float("nan")
         ledger = f"{r['ledger_inter_bytes_per_step'] / 1e6:.2f}" if r["ledger_inter_bytes_per_step"] else "n/a"
+        bound = (
+            f"{r['bound_s']:.3f} | {r['of_bound']:.2f}x | {r['predicted_s']:.3f} | {r['estimator_error']:+.1%}"
+            if "bound_s" in r
+            else "| | |"
+        )
         lines.append(
             f"| {r['name']} | {r['median_step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {ledger} | "
-            f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['peak_memory_bytes'] / 2**20:,.0f} |"
+            f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['peak_memory_bytes'] / 2**20:,.0f} | {bound} |"
         )
     return "\n".join(lines)
 
 
-def plot(results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bandwidths = list(results)
-    fig, axes = plt.subplots(1, len(bandwidths), figsize=(6 * len(bandwidths), 5), squeeze=False)
-    for ax, bandwidth in zip(axes[0], bandwidths, strict=True):
-        rows = [r for r in results[bandwidth] if "error" not in r]
-        ax.barh([r["name"] for r in rows], [r["median_step_time_s"] for r in rows], color="tab:blue")
-        ax.set_title(f"inter-node {bandwidth}")
-        ax.set_xlabel("median step time (s)")
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=120)
-    fig, axes = plt.subplots(1, len(bandwidths), figsize=(6 * len(bandwidths), 5), squeeze=False)
-    for ax, bandwidth in zip(axes[0], bandwidths, strict=True):
-        rows = [r for r in results[bandwidth] if "error" not in r]
-        ax.barh([r["name"] for r in rows], [r["wire_bytes_per_step"] / 1e6 for r in rows], color="tab:orange")
-        ax.set_title(f"inter-node {bandwidth}")
-        ax.set_xlabel("cross-node wire MB per step (start-up included)")
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(out / "cross_node_bytes.png", dpi=120)
+    for metric, label, color, name in (
+        ("median_step_time_s", "median step time (s); black: the bound", "tab:blue", "step_time.png"),
+        ("wire_bytes_per_step", "cross-node wire MB per step (start-up included)", "tab:orange", "cross_node_bytes.png"),
+    ):
+        fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 5), squeeze=False)
+        for ax, ((nodes, bandwidth), group) in zip(axes[0], groups.items(), strict=True):
+            rows = [r for r in group if "error" not in r]
+            scale = 1 if metric == "median_step_time_s" else 1e-6
+            ax.barh([r["name"] for r in rows], [r[metric] * scale for r in rows], color=color)
+            if metric == "median_step_time_s":
+                bounded = [(i, r["bound_s"]) for i, r in enumerate(rows) if "bound_s" in r]
+                ax.scatter([b for _, b in bounded], [i for i, _ in bounded], marker="|", s=300, color="black")
+            ax.set_title(f"{nodes} nodes, inter-node {bandwidth}")
+            ax.set_xlabel(label)
+            ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
     plt.close("all")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp bench cluster", description=__doc__)
-    parser.add_argument("--bandwidths", nargs="+", default=["200mbit", "1gbit", "none"])
+    parser.add_argument("--bandwidths", nargs="+", default=["200mbit", "1gbit", UNSHAPED])
+    parser.add_argument("--nodes", nargs="+", type=int, default=[2], help="node counts to run, e.g. 2 3 4")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", nargs="+", help="configuration names to run (default: all)")
@@ -150,24 +166,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [n for n in names if not n.startswith("DeepSpeed")]
         print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
     names = [n for n in names if not args.only or n in args.only]
+    shaped = [b for b in args.bandwidths if parse_bandwidth(b) is not None]
     try:  # before anything is written
-        check_privileges(shaped=any(parse_bandwidth(b) is not None for b in args.bandwidths))
+        check_privileges(shaped=bool(shaped))
     except ClusterError as error:
         print(str(error).replace("zeropp cluster:", "zeropp bench cluster:"), file=sys.stderr)
         return error.code
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for bandwidth in args.bandwidths:
-        results[bandwidth] = []
-        for name in names:
-            row = run_one(name, bandwidth, args.preset, args.steps)
-            results[bandwidth].append(row)
-            print(json.dumps(row), flush=True)
-            (args.out / "results.json").write_text(
-                json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
-            )
-    report = "\n\n".join(markdown(rows, bandwidth) for bandwidth, rows in results.items())
-    publish_report(args.out, report, lambda: plot(results, args.out))
+    goodput = {b: probe_bandwidth(b)["goodput_bps"] for b in shaped}
+    print(json.dumps({"probed_goodput_bps": goodput}), flush=True)
+    bandwidths = [UNSHAPED, *shaped]  # the unshaped runs give each configuration's compute: the bound needs them
+    rows: list[dict[str, Any]] = []
+    for nodes in args.nodes:
+        for bandwidth in bandwidths:
+            for name in names:
+                rows.append(run_one(name, nodes, args.ranks_per_node, bandwidth, args.preset, args.steps))
+                print(json.dumps(rows[-1]), flush=True)
+                (args.out / "results.json").write_text(
+                    json.dumps({"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1)
+                )
+    add_bounds(rows, goodput)
+    (args.out / "results.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1)
+    )
+    groups = {(n, b): [r for r in rows if (r["nodes"], r["bandwidth"]) == (n, b)] for n in args.nodes for b in bandwidths}
+    report = "\n\n".join(markdown(group, *key) for key, group in groups.items())
+    publish_report(args.out, report, lambda: plot(groups, args.out))
     return 0
 
 

@@ -1,0 +1,52 @@
+"""The cluster benchmark's bound and prediction (zeropp.tools.bench.cluster_bound): arithmetic on rows as
+the benchmark writes them, and the estimator's bytes from a run's own config against a measured ledger."""
+
+import pytest
+
+from zeropp.config.sections import Config, ModelConfig, ZeroConfig
+from zeropp.tools.bench.cluster_bound import add_bounds, busiest_node_bytes, estimated_node_bytes
+from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_SWITCHES
+
+
+def test_busiest_node_sums_its_ranks():
+    assert busiest_node_bytes([1, 2, 10, 0, 4, 4], ranks_per_node=2) == 10
+    assert busiest_node_bytes([5, 7, 3], ranks_per_node=1) == 7
+
+
+def _row(name, bandwidth, step, node_bytes=None, estimated=None):
+    row = {"name": name, "nodes": 2, "bandwidth": bandwidth, "median_step_time_s": step}
+    if node_bytes is not None:
+        row.update(node_inter_bytes=node_bytes, estimated_node_inter_bytes=estimated)
+    return row
+
+
+def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_adds_them():
+    rows = [
+        _row("a", "none", 0.2, 1e6, 1e6),
+        _row("a", "200mbit", 1.0, 25e6, 25e6),  # wire: 8 * 25e6 / 190e6 = 1.0526 s > compute 0.2 s
+        _row("b", "none", 0.5, 1e5, 1e5),
+        _row("b", "200mbit", 0.6, 1e5, 2e5),  # wire 4.2 ms < compute: the bound is the compute
+        _row("c", "200mbit", 0.6, 1e5, 1e5),  # no unshaped run: no bound
+        _row("DDP", "200mbit", 0.6),  # no ledger: no bound
+    ]
+    add_bounds(rows, {"200mbit": 190e6})
+    a, b = rows[1], rows[3]
+    assert a["wire_s"] == pytest.approx(8 * 25e6 / 190e6)
+    assert a["bound_s"] == pytest.approx(a["wire_s"]) and a["of_bound"] == pytest.approx(1.0 / a["wire_s"])
+    assert a["predicted_s"] == pytest.approx(0.2 + 8 * 25e6 / 200e6)
+    assert a["estimator_error"] == pytest.approx(a["predicted_s"] / 1.0 - 1)
+    assert b["bound_s"] == 0.5 and b["of_bound"] == pytest.approx(1.2)
+    assert b["predicted_s"] == pytest.approx(0.5 + 8 * 2e5 / 200e6)
+    assert all("bound_s" not in r for r in (rows[0], rows[2], rows[4], rows[5]))
+
+
+@pytest.mark.parametrize(
+    ("switches", "measured"),
+    # the ledger's cross-node bytes per step, all 4 ranks of `zeropp bench cluster --only "zeropp ZeRO-3"
+    # "zeropp ZeRO++"` (preset small, fp32, 2 nodes x 2 ranks), 2026-11-26
+    [(ZEROPP_OFF, 33_368_844), (ZEROPP_SWITCHES, 3_780_260)],
+)
+def test_estimated_node_bytes_from_a_run_config_equal_the_measured_ledger(switches, measured):
+    config = Config(zero=ZeroConfig(stage=3, **switches), model=ModelConfig(preset="small")).to_dict()
+    config["topology"]["nodes"] = 2
+    assert estimated_node_bytes(config, nodes=2, ranks_per_node=2) == pytest.approx(measured / 2, rel=1e-9)
