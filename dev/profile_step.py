@@ -26,6 +26,17 @@ WORLD, NODES = 4, 2
 VARIANTS = {
     "zero3": dict(stage=3),
     "zeropp": dict(stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
+    "zeropp-intra8": dict(
+        stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True, gradient_intra_node_bits=8
+    ),
+    "zeropp-intra0": dict(
+        stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True, gradient_intra_node_bits=0
+    ),
+    "zeropp-1chunk": dict(
+        stage=3, quantized_weights=True, hpz_partition_size=0, quantized_gradients=True, qgz_pipeline_chunks=1
+    ),
+    "qwz+hpz": dict(stage=3, quantized_weights=True, hpz_partition_size=0),
+    "qgz": dict(stage=3, quantized_gradients=True),
 }
 
 

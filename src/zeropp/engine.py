@@ -198,8 +198,8 @@ class ZeroEngine:
             weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
             frozen_quant=QuantSpec(8, qwz.block) if config.quantized_nontrainable_weights else None,
             grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
-            grad_intra_quant=QuantSpec(qgz.intra_node_bits, qgz.block_size)
-            if qgz.enabled and qgz.intra_node_bits is not None
+            grad_intra_quant=QuantSpec(qgz.intra_node_bits or qgz.bits, qgz.block_size)
+            if qgz.enabled and qgz.intra_node_quantized
             else None,
             grad_hadamard=qgz.hadamard,
             grad_error_beta=qgz.error_beta if qgz.error_feedback == "loco" else None,

@@ -125,7 +125,7 @@ def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
         ("gradient_error_beta", 1.0, "[0, 1)"),
         ("gradient_error_reset_steps", -1, ">= 0"),
         ("quantized_gradients_until", 0.0, "(0, 1]"),
-        ("gradient_intra_node_bits", 2, "4, 8"),
+        ("gradient_intra_node_bits", 2, "0, 4, 8"),
         ("gradient_error_feedback", "ef21", "'off', 'loco'"),
     ):
         with pytest.raises(ConfigError, match=re.escape(allowed)):

@@ -36,7 +36,7 @@ def fresh_garbage_scratch():
 
     real = scratch.empty
     scratch.empty = _garbage
-    messages.take = lambda shape, device: _garbage("message", shape, torch.uint8, device)
+    messages.take = lambda shape, device, dtype=torch.uint8: _garbage("message", shape, dtype, device)
     messages.give_back = lambda *buffers: None  # nothing of the fresh run enters the pool
     try:
         yield
@@ -195,6 +195,7 @@ SCENARIOS = {
     "zeropp": {},
     "feedback-two-level": dict(gradient_error_feedback="loco", gradient_intra_node_bits=8),
     "one-chunk-int4-weights": dict(qgz_pipeline_chunks=1, weight_bits=4),
+    "unquantized-intra-node-hop": dict(gradient_intra_node_bits=0, gradient_error_feedback="loco"),
 }
 
 

@@ -230,6 +230,9 @@ MEASURED_SCENARIOS = {
         stage=3, precision="bf16", **ZEROPP_SWITCHES, gradient_intra_node_bits=8, gradient_hadamard=True,
         gradient_error_feedback="loco",
     ),
+    "zeropp-bf16-unquantized-intra-node-loco": dict(
+        stage=3, precision="bf16", **ZEROPP_SWITCHES, gradient_intra_node_bits=0, gradient_error_feedback="loco",
+    ),
     "zeropp-fp32-accumulate-resident-root": dict(
         stage=3, gradient_accumulation_steps=2, persistence_threshold=10_000, quantized_weights=True, weight_bits=4,
         weight_quantization="tensor", hpz_partition_size=2, quantized_gradients=True, gradient_bits=8,

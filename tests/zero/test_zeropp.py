@@ -52,8 +52,9 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
                     comm.ledger.reset()
                     out = torch.full((width,), float("nan"), dtype=dtype)
                     reduce_scatter_quantized(
-                        comm, out, inputs[rank].clone(), spec, kernels, groups, chunks=stages, bucket_numel=128
-                    ).wait()
+                        comm, out, inputs[rank].clone(), spec, kernels, groups,
+                        chunks=stages, bucket_numel=128, intra_spec=spec,
+                    ).wait()  # fmt: skip
                     bound = slice_absmax * (2 + 1 / (2 * spec.qmax)) / (2 * spec.qmax * world)
                     bound = bound + exact.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
                     error = (out.float() - exact).abs()
@@ -67,7 +68,8 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
     if rank == 0:
         poisoned[37 * (world - 1) + 5] = float("inf")  # slice owned by the last rank
     out = torch.zeros(37, dtype=torch.float16)
-    reduce_scatter_quantized(comm, out, poisoned, QuantSpec(4, 16), kernels, groups, chunks=2, bucket_numel=128).wait()
+    spec = QuantSpec(4, 16)
+    reduce_scatter_quantized(comm, out, poisoned, spec, kernels, groups, chunks=2, bucket_numel=128, intra_spec=spec).wait()
     overflow_seen = not bool(torch.isfinite(out).all())
     # qwZ: every rank receives exactly the dequantized quantization of every shard
     qwz_errors = {}
@@ -87,9 +89,10 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
     )
 
 
-def _check_qgz_ledger(comm, topo, spec, width, stages, bucket, failures, key, intra_spec=None) -> int:
+def _check_qgz_ledger(comm, topo, spec, width, stages, bucket, failures, key, intra_spec=None, plain_itemsize=0) -> int:
     """Bytes this rank sent, by the all-to-all model: (X-1)/X of hop 1 inside the node (`intra_spec`,
-    default `spec`), (Y-1)/Y of hop 2 across (`spec`)."""
+    default `spec`; unquantized rows of `plain_itemsize` bytes per value where given), (Y-1)/Y of hop 2
+    across (`spec`)."""
     from zeropp.index.flat import column_chunks
 
     x, y, world = topo.ranks_per_node, topo.nodes, topo.world_size
@@ -97,7 +100,8 @@ def _check_qgz_ledger(comm, topo, spec, width, stages, bucket, failures, key, in
     intra = inter = 0
     for start, stop in column_chunks(width, -(-width // bucket) * stages):
         c = stop - start
-        intra += world * (intra_spec.row_bytes(c) + 4 * intra_spec.blocks(c)) * (x - 1) // x
+        row = plain_itemsize * c or intra_spec.row_bytes(c) + 4 * intra_spec.blocks(c)
+        intra += world * row * (x - 1) // x
         inter += y * (spec.row_bytes(c) + 4 * spec.blocks(c)) * (y - 1) // y
     got = (comm.ledger.total(op="all_to_all", link="intra"), comm.ledger.total(op="all_to_all", link="inter"))
     if got != (intra, inter):
@@ -164,7 +168,17 @@ def two_level_qgz_worker(simulated_nodes: int) -> dict:
             error = (two_level - exact).abs()
             if not (error <= bound).all():
                 failures.append(f"{key}: two-level error {error.max():.3g} above bound {bound.min():.3g}")
-            one_level = reduce(inputs[rank], dtype)
+            one_level = reduce(inputs[rank], dtype, intra_spec=inter_spec)
+            comm.ledger.reset()
+            plain = reduce(inputs[rank], dtype, intra_spec=None)  # only hop 2 quantizes, the node's exact sums
+            _check_qgz_ledger(comm, topo, inter_spec, width, 2, 128, failures, f"{key}-plain", None, dtype.itemsize)
+            plain_bound = absmax * (1 + 1 / (2 * q2)) / (2 * q2 * world) if topo.nodes > 1 else absmax * 1e-6
+            plain_bound = plain_bound + exact.abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
+            if not ((plain - exact).abs() <= plain_bound).all():
+                failures.append(f"{key}: unquantized intra-node hop off by {(plain - exact).abs().max():.3g}")
+            plain_fed = reduce(inputs[rank], dtype, intra_spec=None, feedback=ErrorFeedback(0.0))
+            if not torch.equal(plain_fed, plain):
+                failures.append(f"{key}: error feedback's first reduction differs from the plain one (unquantized hop 1)")
             rotated = reduce(inputs[rank], dtype, intra_spec=intra_spec, hadamard_rotation=True)
             rms = [float((t - exact).pow(2).mean().sqrt()) for t in (one_level, two_level, rotated)]
             ratios[key] = (rms[1] / max(rms[0], 1e-30), rms[2] / max(rms[1], 1e-30))

@@ -400,7 +400,7 @@ class Trainer:
                 offload_optimizer=zero.offload.optimizer != "none",
                 offload_params=zero.offload.params != "none",
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them
-                qgz_residuals=(topo.ranks_per_node, topo.nodes)
+                qgz_residuals=(topo.ranks_per_node, topo.nodes, zero.qgz.intra_node_quantized)
                 if self.error_feedback and self.residuals_freed_at_step is None
                 else None,
             ),

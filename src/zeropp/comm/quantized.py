@@ -27,7 +27,11 @@ partial sum: |result - exact mean| <= (sum over ranks of a_rank / qmax_1 + sum o
 a_node / qmax_2) / (2 * W), plus the rounding of the output dtype (qmax_1, qmax_2: the hops' own).
 
 Options (ZeroConfig's ``gradient_*`` keys): two-level qgZ quantizes hop 1 with ``intra_spec`` (int8
-inside the node) and hop 2 with ``spec`` (int4 across nodes: cross-node bytes unchanged);
+inside the node) and hop 2 with ``spec`` (int4 across nodes: cross-node bytes unchanged); without an
+``intra_spec`` hop 1 carries the gradients unquantized (``gradient_intra_node_bits = 0``: the node's
+sums are exact in fp32 and quantized once, for hop 2; on a fast intra-node link this saves the
+largest quantization of the step, the whole unit's, at (X-1)/X of the unit in the gradient dtype
+sent inside the node);
 ``hadamard`` rotates every block before hop 1 and rotates the result back
 (:mod:`zeropp.quant.hadamard`; the bound above then holds in the rotated basis); ``feedback``
 compensates both hops' quantizations with this rank's residuals (:mod:`zeropp.comm.feedback`).
@@ -120,12 +124,12 @@ def all_gather_message(
 
 
 class MessagePool:
-    """uint8 message buffers, taken for a collective and given back once it has completed and its
-    contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap threshold
+    """Message buffers (uint8, or the gradient dtype for an unquantized hop), taken for a collective and
+    given back once it has completed and its contents have been read. Only CPU buffers are kept (a fresh one above glibc's mmap threshold
     faults its pages in at every use; CUDA's caching allocator reuses memory already, and a buffer
     recycled across streams could race).
 
-    A taken buffer is the most recently given back one of its shape. The pool holds at most
+    A taken buffer is the most recently given back one of its shape and dtype. The pool holds at most
     ``KEPT_PER_PEAK`` times the most bytes ever in use at once, dropping the longest unused buffers
     first: a bound set by the messages in flight (a unit's gathers and qgZ hops, times the prefetch
     depth), not by how many unit shapes a model has. The factor leaves room for one step's distinct
@@ -142,28 +146,29 @@ class MessagePool:
         self._kept = self._in_use = self._peak = 0  # bytes
         self.allocations = 0  # CPU buffers it had to allocate
 
-    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         if device.type != "cpu":
-            return torch.empty(shape, dtype=torch.uint8, device=device)
-        newest = next((i for i in range(len(self._free) - 1, -1, -1) if self._free[i].shape == shape), None)
+            return torch.empty(shape, dtype=dtype, device=device)
+        free = self._free
+        newest = next((i for i in range(len(free) - 1, -1, -1) if (free[i].shape, free[i].dtype) == (shape, dtype)), None)
         if newest is None:
-            buffer = torch.empty(shape, dtype=torch.uint8)
+            buffer = torch.empty(shape, dtype=dtype)
             self.allocations += 1
         else:
-            buffer = self._free.pop(newest)
-            self._kept -= buffer.numel()
-        self._in_use += buffer.numel()
+            buffer = free.pop(newest)
+            self._kept -= buffer.nbytes
+        self._in_use += buffer.nbytes
         self._peak = max(self._peak, self._in_use)
         return buffer
 
     def give_back(self, *buffers: torch.Tensor) -> None:
         for buffer in buffers:
             if buffer.device.type == "cpu":
-                self._in_use -= buffer.numel()
-                self._kept += buffer.numel()
+                self._in_use -= buffer.nbytes
+                self._kept += buffer.nbytes
                 self._free.append(buffer)
         while self._kept > self.KEPT_PER_PEAK * self._peak:
-            self._kept -= self._free.pop(0).numel()
+            self._kept -= self._free.pop(0).nbytes
 
     def kept_bytes(self) -> int:
         return self._kept
@@ -213,7 +218,7 @@ def reduce_scatter_quantized(
     *,
     chunks: int,
     bucket_numel: int,
-    intra_spec: QuantSpec | None = None,
+    intra_spec: QuantSpec | None,
     hadamard_rotation: bool = False,
     feedback: ErrorFeedback | None = None,
 ) -> Pending:
@@ -229,9 +234,7 @@ def reduce_scatter_quantized(
     assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
     pieces = math.ceil(shard.numel() / bucket_numel) * chunks
     rotation_block = spec.block_size if hadamard_rotation else None
-    reduction = _QgzReduction(
-        comm, shard, (intra_spec or spec, spec), kernels, groups, pieces, rotation_block, feedback
-    )
+    reduction = _QgzReduction(comm, shard, (intra_spec, spec), kernels, groups, pieces, rotation_block, feedback)
     reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
         return Pending([], reduction.land_one_node)
@@ -245,17 +248,18 @@ def reduce_scatter_quantized(
 
 @dataclass
 class _Arriving:
-    """A ``joined`` message in flight (one all-to-all) and the quantized rows it holds once waited for."""
+    """A ``joined`` message in flight (one all-to-all) and the quantized rows it holds once waited for;
+    without a `spec`, unquantized rows [rows, n] in the gradient dtype."""
 
     pending: Pending
     sent: torch.Tensor
     message: torch.Tensor
     n: int
-    spec: QuantSpec
+    spec: QuantSpec | None
 
-    def wait(self) -> Quantized:
+    def wait(self) -> Quantized | torch.Tensor:
         self.pending.wait()
-        return split(self.message, self.n, self.spec)
+        return self.message if self.spec is None else split(self.message, self.n, self.spec)
 
     def done(self) -> None:
         """What arrived has been read: both buffers go back to the pool."""
@@ -285,10 +289,13 @@ class _QgzReduction:
         self.intra: list[_Arriving | None] = []
         self.inter: list[_Arriving] = []
 
-    def _exchange(self, q: Quantized, group: Group) -> _Arriving:
-        message = joined(q, messages)
-        received = messages.take(tuple(message.shape), message.device)
-        return _Arriving(self.comm.all_to_all(received, message, group, async_op=True), message, received, q.n, q.spec)
+    def _exchange(self, q: Quantized | torch.Tensor, group: Group) -> _Arriving:
+        """Start the all-to-all of quantized rows (one ``joined`` message each), or of plain rows."""
+        quantized = isinstance(q, Quantized)
+        message = joined(q, messages) if quantized else q
+        received = messages.take(tuple(message.shape), message.device, message.dtype)
+        pending = self.comm.all_to_all(received, message, group, async_op=True)
+        return _Arriving(pending, message, received, q.n if quantized else q.shape[-1], q.spec if quantized else None)
 
     def start_intra(self, slices: torch.Tensor) -> None:
         """Hop 1 for every chunk: rows in send order, chunk j of the buffer (Y rows) to local rank j."""
@@ -298,12 +305,14 @@ class _QgzReduction:
             chunk = slices[:, start:stop]
             if self.rotation_block is not None:
                 chunk = self.rotate(chunk, self.rotation_block)
-            if self.feedback is None:
-                quantized = self.kernels.quantize(chunk, self.intra_spec, row_order=order)
+            if self.intra_spec is None:  # unquantized: the rows in send order, in a pooled buffer
+                sent = torch.index_select(chunk, 0, order, out=messages.take(tuple(chunk.shape), chunk.device, chunk.dtype))
+            elif self.feedback is None:
+                sent = self.kernels.quantize(chunk, self.intra_spec, row_order=order)
             else:
                 rows = chunk.index_select(0, order)
-                quantized = self.feedback.quantize(self.kernels, "intra", rows, self.intra_spec, start, slices.shape[1])
-            self.intra.append(self._exchange(quantized, self.groups.intra_node))
+                sent = self.feedback.quantize(self.kernels, "intra", rows, self.intra_spec, start, slices.shape[1])
+            self.intra.append(self._exchange(sent, self.groups.intra_node))
 
     def start_inter(self, block: bool) -> bool:
         """Start inter-node hops in chunk order, up to the first unfinished intra-node hop unless
@@ -318,14 +327,16 @@ class _QgzReduction:
             if not block and not arriving.pending.is_completed():
                 return False
             # X sources x Y slices (one per node, for this local rank) -> Y partial sums
-            sources = arriving.wait().reshape(x, y)
-            if self.feedback is None:
-                partial = self.kernels.dequantize_reduce_quantize(sources, self.inter_spec)
+            received = arriving.wait()
+            if self.feedback is None and isinstance(received, Quantized):
+                partial = self.kernels.dequantize_reduce_quantize(received.reshape(x, y), self.inter_spec)
             else:
-                sums = self.kernels.dequantize_reduce(sources, torch.float32)
+                sums = self._sums(received, x)
                 start = self.columns[len(self.inter)][0]
-                partial = self.feedback.quantize(
-                    self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel()
+                partial = (
+                    self.kernels.quantize(sums, self.inter_spec)
+                    if self.feedback is None
+                    else self.feedback.quantize(self.kernels, "inter", sums, self.inter_spec, start, self.shard.numel())
                 )
             arriving.done()
             self.intra[len(self.inter)] = None  # the received chunk is no longer needed
@@ -343,13 +354,27 @@ class _QgzReduction:
             self._reduce_into(arriving.wait(), self.shard[start:stop].view(1, -1))
             arriving.done()
 
-    def _reduce_into(self, received: Quantized, out: torch.Tensor) -> None:
+    def _sums(self, received: Quantized | torch.Tensor, sources: int) -> torch.Tensor:
+        """fp32 sums over the `sources` (dimension 0) of what a hop received: [rows / sources, columns]."""
+        if isinstance(received, Quantized):
+            return self.kernels.dequantize_reduce(received.reshape(sources, -1), torch.float32)
+        rows = received.view(sources, -1, received.shape[-1])  # ((x0 + x1) + x2) + ..., as dequantize_reduce sums
+        total = rows[0].to(torch.float32, copy=True) if sources == 1 else torch.add(rows[0].float(), rows[1])
+        for source in rows[2:]:
+            total += source
+        return total
+
+    def _reduce_into(self, received: Quantized | torch.Tensor, out: torch.Tensor) -> None:
         divisor = self.groups.shard.size
-        if self.rotation_block is None:
+        if self.rotation_block is None and isinstance(received, Quantized):
             self.kernels.dequantize_reduce(received, out.dtype, divisor=divisor, out=out)
             return
-        rotated = self.kernels.dequantize_reduce(received, torch.float32, divisor=divisor)
-        out.copy_(self.rotate(rotated.view(1, -1), self.rotation_block, inverse=True).view(out.shape))
+        # a one-element tensor: a true division, as dequantize_reduce divides
+        sources = (received.data if isinstance(received, Quantized) else received).shape[0]
+        mean = self._sums(received, sources).div_(torch.full((1,), divisor, dtype=torch.float32))
+        if self.rotation_block is not None:
+            mean = self.rotate(mean.view(1, -1), self.rotation_block, inverse=True)
+        out.copy_(mean.view(out.shape))
 
 
 @functools.lru_cache(maxsize=8)

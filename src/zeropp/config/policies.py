@@ -78,8 +78,10 @@ class QuantizedGradients:
     bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
     block_size: int = setting(256, "qgZ: gradients per quantization block")
     pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
-    intra_node_bits: Literal[4, 8] | None = setting(
-        None, "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across); unset: gradient_bits"
+    intra_node_bits: Literal[0, 4, 8] | None = setting(
+        None,
+        "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across; 0: unquantized "
+        "inside the node, the gradients as they are, summed in fp32, quantized once, across nodes); unset: gradient_bits",
     )
     hadamard: bool = setting(
         False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
@@ -101,6 +103,11 @@ class QuantizedGradients:
     def feedback(self) -> bool:
         """Whether qgZ is on with LoCo error feedback."""
         return self.enabled and self.error_feedback != "off"
+
+    @property
+    def intra_node_quantized(self) -> bool:
+        """Whether the intra-node hop is quantized (``intra_node_bits`` 0: it carries the gradients as they are)."""
+        return self.intra_node_bits != 0
 
     def validate(self, name: Name) -> None:
         check_choices(self, "", name)

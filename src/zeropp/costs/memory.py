@@ -67,7 +67,7 @@ def analytic_model_state_bytes(
     offload_params: bool = False,
     optimizer_on_disk: bool = False,
     where: Literal["all", "device", "host", "disk"] = "all",
-    qgz_residuals: tuple[int, int] | None = None,
+    qgz_residuals: tuple[int, int, bool] | None = None,
     frozen: int = 0,
     frozen_quant_block: int | None = None,
 ) -> float:
@@ -75,7 +75,8 @@ def analytic_model_state_bytes(
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
     bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
-    `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on; `frozen`: Ψf;
+    `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
+    feedback is on; `frozen`: Ψf;
     `frozen_quant_block`: B when the frozen shards are stored int8 (stage 3)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     p = BYTES[precision]
@@ -101,9 +102,10 @@ def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8
     return (depth + 1) * (4 + optimizer_bytes) * largest_unit
 
 
-def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:
-    """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ, and hop 2's 4Ψ/X across nodes."""
-    return 4 * psi + (4 * psi / ranks_per_node if nodes > 1 else 0)
+def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_quantized: bool = True) -> float:
+    """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ (none where hop 1 is unquantized), and
+    hop 2's 4Ψ/X across nodes."""
+    return (4 * psi if intra_node_quantized else 0) + (4 * psi / ranks_per_node if nodes > 1 else 0)
 
 
 @dataclass(frozen=True)

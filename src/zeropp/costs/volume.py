@@ -309,7 +309,8 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     """Reduce-scatter of a unit's gradients: a ring over the world, or qgZ's two all-to-all hops.
 
     qgZ (comm/quantized.py) cuts the shard's columns into chunks; per chunk of c columns, hop 1 sends
-    (X-1)/X of the W quantized rows inside the node (gradient_intra_node_bits) and hop 2 sends (Y-1)/Y
+    (X-1)/X of the W quantized rows inside the node (gradient_intra_node_bits; 0: c values of the gradient
+    dtype per row, no scales) and hop 2 sends (Y-1)/Y
     of the Y re-quantized partial sums to the other nodes (gradient_bits; X ranks per node, Y nodes,
     W = XY); data and scales (sent in one message, counted here one after the other).
     """
@@ -323,8 +324,11 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     pieces = math.ceil(shard / zero.reduce_bucket_numel) * qgz.pipeline_chunks
     for start, stop in column_chunks(shard, pieces):
         c = stop - start
-        for intra_row, inter_row in ((intra_spec.row_bytes(c), spec.row_bytes(c)), (SCALE_BYTES * spec.blocks(c),) * 2):
-            if per_node > 1:
+        intra_data, intra_scales = (
+            (intra_spec.row_bytes(c), SCALE_BYTES * intra_spec.blocks(c)) if qgz.intra_node_quantized else (c * grad, 0)
+        )
+        for intra_row, inter_row in ((intra_data, spec.row_bytes(c)), (intra_scales, SCALE_BYTES * spec.blocks(c))):
+            if per_node > 1 and intra_row:
                 yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * intra_row, 0.0)
             if nodes > 1:
                 yield Transfer("all_to_all", "backward", (nodes - 1) * inter_row, 1.0)

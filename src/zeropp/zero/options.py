@@ -25,7 +25,7 @@ class UnitOptions:
     weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
     frozen_quant: QuantSpec | None = None  # frozen parameters' shards stored quantized once (stage 3)
     grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
-    grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: grad_quant's)
+    grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: unquantized)
     grad_hadamard: bool = False  # qgZ: random Hadamard rotation of every block (zeropp.quant.hadamard)
     grad_error_beta: float | None = None  # qgZ: LoCo error feedback with this beta (None: off)
     qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket

@@ -45,6 +45,7 @@ ZEROPP = {
     "zeropp ZeRO-3 + hpZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"hpz_partition_size": 0})],
     "zeropp ZeRO-3 + qgZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_gradients": True})],
     "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
+    "zeropp ZeRO++ unquantized intra-node hop": ["--stage", "3", *ZEROPP_ON_FLAGS, "--gradient-intra-node-bits", "0"],
 }
 PEERS = {
     "DDP": "ddp",

@@ -49,6 +49,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++": ZEROPP_SWITCHES,
     "ZeRO++ + error feedback": {**ZEROPP_SWITCHES, "gradient_error_feedback": "loco"},
     "ZeRO++ two-level + Hadamard": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 8, "gradient_hadamard": True},
+    "ZeRO++ unquantized intra-node hop": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 0},
     "ZeRO++ qgZ first half": {**ZEROPP_SWITCHES, "quantized_gradients_until": 0.5},
     "ZeRO-3 + bf16 optimizer states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16"},
 }

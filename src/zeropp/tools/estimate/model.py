@@ -78,11 +78,12 @@ class Estimate:
         )
 
     @property
-    def qgz_residual_layout(self) -> tuple[int, int] | None:
-        """(ranks per node, nodes) where qgZ's error feedback keeps residuals, else None."""
+    def qgz_residual_layout(self) -> tuple[int, int, bool] | None:
+        """(ranks per node, nodes, intra-node hop quantized) where qgZ's error feedback keeps residuals, else None."""
         zero = self.zero
         feedback = zero.stage == 3 and zero.qgz.feedback
-        return (self.data_parallel.ranks_per_node, self.layout.nodes) if feedback else None
+        layout = (self.data_parallel.ranks_per_node, self.layout.nodes, zero.qgz.intra_node_quantized)
+        return layout if feedback else None
 
     def activation_checkpoint_bytes(self, where: str = "device") -> int:
         """Per rank, held from forward to backward (ZeRO-R: /tp with Pa, on the host with Pa+cpu)."""
