@@ -107,7 +107,11 @@ class ZeroConfig:
     )
     qgz: QuantizedGradients = field(default_factory=QuantizedGradients)
     quantized_nontrainable_weights: bool = setting(
-        False, "stage 3: frozen parameters' shards stored int8 (qwZ's block size) once, gathered as int8 + scales"
+        False,
+        "stage 3: frozen parameters' shards (and hpZ's copy) stored quantized once (qwZ's block size), gathered as they are",
+    )
+    nontrainable_weight_bits: Literal[8, 4] = setting(
+        8, "bits per stored frozen weight with quantized_nontrainable_weights"
     )
     quant_backend: Literal["auto", "torch", "triton"] = setting(
         "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
@@ -174,6 +178,11 @@ class ZeroConfig:
                 ("zero.quantized_nontrainable_weights", self.quantized_nontrainable_weights, False),
             ):
                 require(value == off, key, value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)")
+        if not self.quantized_nontrainable_weights:
+            require(
+                self.nontrainable_weight_bits == 8, "zero.nontrainable_weight_bits", self.nontrainable_weight_bits,
+                "8 unless zero.quantized_nontrainable_weights = true (the bits of the stored frozen weights)",
+            )  # fmt: skip
         self.offload.validate(self.key("offload"), self.stage)
         self.activations.validate(self.key("activations"))
         check_finite(self, "zero")
