@@ -273,17 +273,23 @@ def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig)
     ]
 
 
-def zero3_step_bytes(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> dict[str, dict[str, float]]:
+def zero3_step_bytes(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, frozen: Iterable[int] = ()
+) -> dict[str, dict[str, float]]:
     """{phase: {'intra', 'inter'}}: what plain ZeRO-3 (every ZeRO++ switch off) would send per rank,
-    mean over ranks, on these units under `zero`'s precision and accumulation.
+    mean over ranks, on these units (and the `frozen` weights of :func:`frozen_transfers`) under
+    `zero`'s precision and accumulation.
 
-    :func:`unit_transfers` at stage 3 without qwZ, hpZ or qgZ; the step's scalar all-reduces are left
-    out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring over the world, so a phase's
-    bytes split by the world ring's crossing share.
+    :func:`unit_transfers` at stage 3 without qwZ, hpZ, qgZ or quantized frozen weights; the step's
+    scalar all-reduces are left out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring
+    over the world, so a phase's bytes split by the world ring's crossing share.
     """
-    plain = dataclasses.replace(zero, stage=3, quantized_weights=False, quantized_gradients=False)
+    plain = dataclasses.replace(
+        zero, stage=3, quantized_weights=False, quantized_gradients=False, quantized_nontrainable_weights=False,
+        nontrainable_weight_bits=8,
+    )  # fmt: skip
     sent = dict.fromkeys(STEP_PHASES, 0)
-    for transfer in unit_transfers(units, layout, plain, hpz=1):
+    for transfer in (*unit_transfers(units, layout, plain, hpz=1), *frozen_transfers(frozen, layout, plain, hpz=1)):
         sent[transfer.phase] += transfer.sent
     crossing = _world_crossing(layout)
     return {phase: {"intra": b * (1 - crossing), "inter": b * crossing} for phase, b in sent.items()}
