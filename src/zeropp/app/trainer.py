@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zeropp.app import schedule
+from zeropp.app import lora, schedule
 from zeropp.app.data.batches import Batches
 from zeropp.app.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.app.models.source import model_source, training_text
@@ -119,19 +119,21 @@ class Trainer:
         text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = parallelize(self.source.build(), self.topology)
+        adapters = config.model.lora_rank is not None
         self.engine = ZeroEngine(
             model,
             OPTIMIZERS[config.optim.optimizer],
             self.hyperparameters(),
             config.zero,
             self.topology,
+            init_fn=lora.initializer(model) if adapters else None,
             seed=config.train.seed,
         )
         folder = config.zero.flight_record_dir or config.checkpoint.checkpoint_dir
         self.engine.comm.trace.folder = None if folder is None else Path(folder)  # See [Note: collective sequences]
         weights = config.train.init_from or self.source.weights
-        if weights is not None:
-            load_pretrained(self.engine, weights)
+        if weights is not None:  # a LoRA run's adapters keep their initial values
+            load_pretrained(self.engine, weights, base_only=adapters)
         self.start_step = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self.checkpoints: list[CheckpointRecord] = []

@@ -1,0 +1,97 @@
+"""``zeropp train --hf-model DIR --lora-rank R``: LoRA adapters trained with peft on a tiny Llama saved here
+(no downloads), 2 ranks, frozen base stored int8; the adapter written as a peft folder that
+``PeftModel.from_pretrained`` loads with the checkpoint's trained values; bad LoRA input refused in one line
+before any rank starts."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cli_runner import run_cli
+from launcher import free_port
+from test_cli_errors import one_line
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj", "--lora-dropout", "0.1")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """A tiny Llama with seeded random weights saved as a Hugging Face folder, and 40 lines of text."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("lora-inputs")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, vocab_size=256, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "base")
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+    (folder / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)))
+    return folder
+
+
+def test_lora_run_exports_an_adapter_peft_loads(inputs, tmp_path):
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    from zeropp.checkpoint.dcp import consolidated_state
+
+    base = inputs / "base"
+    result = run_cli(
+        "train", "--hf-model", str(base), "--data", str(inputs / "corpus.txt"), "--block-size", "32", *LORA,
+        "--quantized-nontrainable-weights", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1",
+        "--micro-batch-size", "2", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+        "--adapter-out", str(tmp_path / "adapter"), "--master-port", str(free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"wrote {tmp_path / 'adapter'}" in result.stdout and "peft adapter folder" in result.stdout
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    _, trained = consolidated_state(tmp_path / "ck" / "step-00000002", trained_only=True)
+    assert sorted(loaded) == sorted(trained) and len(trained) == 2 * 2 * 2  # A and B of q_proj and v_proj, 2 layers
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+    assert all(trained[k].abs().max() > 0 for k in trained if "lora_B" in k)  # B starts at zero and trained
+    config = model.peft_config["default"]
+    assert (config.r, config.lora_alpha, sorted(config.target_modules), config.lora_dropout) == (
+        4, 8, ["q_proj", "v_proj"], 0.1
+    )  # fmt: skip
+    # the frozen base is the folder's weights rounded to int8: at most half a step of the largest scale
+    # (a block of the flat buffer may cross parameters: the norms' ones set the scale of their neighbours)
+    _, state = consolidated_state(tmp_path / "ck" / "step-00000002")
+    weights = load_file(base / "model.safetensors")
+    half_step = max(w.abs().max() for w in weights.values()) / 127 / 2 * (1 + 1e-6)
+    for name, value in weights.items():
+        adapted = any(f"{t}.weight" in name for t in ("q_proj", "v_proj"))
+        ours = state["base_model.model." + (name.replace(".weight", ".base_layer.weight") if adapted else name)]
+        assert (ours - value).abs().max() <= half_step, name
+
+
+def test_bad_lora_input_is_refused_in_one_line(inputs, capsys, tmp_path):
+    from zeropp.cli import main
+
+    model = ["--hf-model", str(inputs / "base"), "--data", str(inputs / "corpus.txt"), "--block-size", "32"]
+    cases = [
+        ([*model, "--lora-rank", "0"], "model.lora_rank = 0", "an integer >= 1"),
+        (["--lora-rank", "4"], "model.lora_rank = 4", "unset without model.hf_model or model.hf_config"),
+        ([*model, "--lora-alpha", "16"], "model.lora_alpha = 16.0", "unless model.lora_rank is set"),
+        (
+            [*model, "--lora-rank", "4", "--lora-targets", "q_proj,qkv"],
+            "model.lora_targets = 'q_proj,qkv'", "no module named 'qkv'", "down_proj, embed_tokens",
+        ),
+        ([*model, "--lora-rank", "4", "--lora-dropout", "1"], "model.lora_dropout = 1.0", "[0, 1)"),
+        ([*model, "--adapter-out", str(tmp_path / "a")], "--adapter-out", "needs --lora-rank"),
+        ([*model, "--lora-rank", "4", "--adapter-out", str(tmp_path / "a")], "needs --checkpoint-dir"),
+    ]  # fmt: skip
+    for args, *fragments in cases:
+        assert main(["train", *args]) == 2, args
+        one_line(subprocess.CompletedProcess(args, 2, "", capsys.readouterr().err), *fragments)
