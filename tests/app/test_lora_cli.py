@@ -1,10 +1,12 @@
-"""``zeropp train --hf-model DIR --lora-rank R``: LoRA adapters trained with peft on a tiny Llama saved here
-(no downloads), 2 ranks, frozen base stored int8; the adapter written as a peft folder that
+"""``zeropp train --hf-model DIR --lora-rank R`` (zeropp.app.lora): LoRA adapters trained with peft on a tiny
+Llama saved here (no downloads), 2 ranks, frozen base stored int8; the adapter written as a peft folder that
 ``PeftModel.from_pretrained`` loads with the checkpoint's trained values; bad LoRA input refused in one line
-before any rank starts."""
+before any rank starts; on the meta device the adapters start as peft initializes them (B zero, A
+Kaiming-uniform), where the model's initializer alone would not."""
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 from pathlib import Path
@@ -16,7 +18,7 @@ from launcher import free_port
 from test_cli_errors import one_line
 
 pytest.importorskip("peft")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj", "--lora-dropout", "0.1")
 
@@ -24,8 +26,6 @@ LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_pro
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     """A tiny Llama with seeded random weights saved as a Hugging Face folder, and 40 lines of text."""
-    import transformers
-
     folder = tmp_path_factory.mktemp("lora-inputs")
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -41,7 +41,6 @@ def inputs(tmp_path_factory) -> Path:
 
 def test_lora_run_exports_an_adapter_peft_loads(inputs, tmp_path):
     import peft
-    import transformers
     from safetensors.torch import load_file
 
     from zeropp.checkpoint.dcp import consolidated_state
@@ -95,3 +94,29 @@ def test_bad_lora_input_is_refused_in_one_line(inputs, capsys, tmp_path):
     for args, *fragments in cases:
         assert main(["train", *args]) == 2, args
         one_line(subprocess.CompletedProcess(args, 2, "", capsys.readouterr().err), *fragments)
+
+
+def test_meta_adapters_start_as_peft_initializes_them():
+    from zeropp.app import lora
+    from zeropp.config.sections import ModelConfig
+    from zeropp.zero.grouping import repeated_blocks
+    from zeropp.zero.materialize import default_init, initialize_model
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, vocab_size=256,
+    )  # fmt: skip
+    adapters = {}
+    for name, init in (("peft", lora.initializer), ("default", default_init)):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = lora.add_adapters(model, ModelConfig(hf_config="llama.json", lora_rank=4))
+        initialize_model(model, repeated_blocks(model), 0, init(model))
+        adapters[name] = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(adapters["peft"]) == 8  # q_proj and v_proj (peft's Llama targets) of 2 layers, A and B
+    for name, value in adapters["peft"].items():
+        if "lora_B" in name:
+            assert not value.any(), name
+        else:  # kaiming_uniform_(a=sqrt(5)) over 32 inputs: U(-1/sqrt(32), 1/sqrt(32))
+            assert 0.5 / math.sqrt(32) < value.abs().max() <= 1 / math.sqrt(32), name
+    assert all(value.any() for name, value in adapters["default"].items() if "lora_B" in name)

@@ -72,8 +72,9 @@ def checkpoint_to_resume(config: Config) -> Path | None:
         return path
     saved = run_config.get("model", {})
     ours = dataclasses.asdict(config.model)
+    defaults = {f.name: f.default for f in dataclasses.fields(config.model)}  # keys newer than the checkpoint
     for key in sorted(ours):
-        if saved.get(key) != ours[key]:
+        if saved.get(key, defaults[key]) != ours[key]:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was saved with model.{key} = {saved.get(key)!r}, "
                 f"this run has model.{key} = {ours[key]!r}"
