@@ -6,6 +6,7 @@ Kaiming-uniform), where the model's initializer alone would not."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import subprocess
@@ -50,9 +51,16 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, tmp_path):
         "train", "--hf-model", str(base), "--data", str(inputs / "corpus.txt"), "--block-size", "32", *LORA,
         "--quantized-nontrainable-weights", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1",
         "--micro-batch-size", "2", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ck"),
-        "--adapter-out", str(tmp_path / "adapter"), "--master-port", str(free_port()),
+        "--adapter-out", str(tmp_path / "adapter"), "--summary-json", str(tmp_path / "summary.json"),
+        "--master-port", str(free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    adapters = 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)  # 2 layers: q_proj 32 -> 32, v_proj 32 -> 16 (2 kv heads)
+    assert summary["model"].endswith(", LoRA rank 4)") and summary["param_count"] == adapters
+    # model states: the adapters' 16 bytes a parameter and the int8 base's 1 + 4/256, over 2 ranks (padding aside)
+    analytic = summary["analytic_model_state_bytes_per_rank"]
+    assert all(analytic <= b <= analytic * 1.02 for b in summary["model_state_bytes_per_rank"]), summary
     assert f"wrote {tmp_path / 'adapter'}" in result.stdout and "peft adapter folder" in result.stdout
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}

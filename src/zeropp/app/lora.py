@@ -26,7 +26,8 @@ def _peft() -> Any:
         import peft
     except ImportError:
         raise ConfigError(
-            "LoRA (model.lora_rank) needs the optional package peft, which is not installed: pip install peft"
+            "LoRA (model.lora_rank) needs the optional package peft, which is not installed: "
+            "pip install -e '.[hf]' (or pip install peft)"
         ) from None
     return peft
 

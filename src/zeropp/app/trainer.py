@@ -40,6 +40,8 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
+from zeropp.zero.dtensor_params import local_tensor
+from zeropp.zero.options import frozen_quant
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
@@ -406,6 +408,8 @@ class Trainer:
                 qgz_residuals=(topo.ranks_per_node, topo.nodes)
                 if self.error_feedback and self.residuals_freed_at_step is None
                 else None,
+                frozen=sum(local_tensor(p).numel() for p in engine.module.parameters() if not p.requires_grad),
+                frozen_quant=frozen_quant(zero),
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,

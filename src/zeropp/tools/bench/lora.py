@@ -40,7 +40,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "LoRA + int8 frozen": {"quantized_nontrainable_weights": True},
     "LoRA + int4 frozen": {"quantized_nontrainable_weights": True, "nontrainable_weight_bits": 4},
 }
-LLAMA = dict(  # about 0.4M parameters; vocabulary: the corpus's bytes
+LLAMA = dict(  # 229,952 parameters; vocabulary: the corpus's bytes
     hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=128, vocab_size=256, bos_token_id=0, eos_token_id=0,
 )  # fmt: skip
@@ -106,7 +106,7 @@ def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]]) -> str:
         ),
         "",
         *markdown_table(
-            ["run", f"val loss, step {steps[-1]}", f"paired gap to {BASE}", "largest |mean gap| after warm-up",
+            ["run", f"val loss, step {steps[-1]}", f"paired gap to {BASE}", "largest absolute mean gap after warm-up",
              "model states per rank", "sent per rank per step"],
             rows,
         ),  # fmt: skip
