@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -40,28 +41,35 @@ def inputs(tmp_path_factory) -> Path:
     return folder
 
 
-def test_lora_run_exports_an_adapter_peft_loads(inputs, tmp_path):
+@pytest.fixture(scope="module")
+def run(inputs, tmp_path_factory) -> Path:
+    """2 LoRA steps at world 2 on the int8 base, checkpointed, the adapter exported (the run's folder)."""
+    folder = tmp_path_factory.mktemp("lora-run")
+    result = run_cli(
+        "train", "--hf-model", str(inputs / "base"), "--data", str(inputs / "corpus.txt"), "--block-size", "32",
+        *LORA, "--quantized-nontrainable-weights", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1",
+        "--micro-batch-size", "2", "--nproc-per-node", "2", "--checkpoint-dir", str(folder / "ck"),
+        "--adapter-out", str(folder / "adapter"), "--summary-json", str(folder / "summary.json"),
+        "--master-port", str(free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"wrote {folder / 'adapter'}" in result.stdout and "peft adapter folder" in result.stdout
+    return folder
+
+
+def test_lora_run_exports_an_adapter_peft_loads(inputs, run):
     import peft
     from safetensors.torch import load_file
 
     from zeropp.checkpoint.dcp import consolidated_state
 
-    base = inputs / "base"
-    result = run_cli(
-        "train", "--hf-model", str(base), "--data", str(inputs / "corpus.txt"), "--block-size", "32", *LORA,
-        "--quantized-nontrainable-weights", "--steps", "2", "--eval-interval", "2", "--eval-batches", "1",
-        "--micro-batch-size", "2", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ck"),
-        "--adapter-out", str(tmp_path / "adapter"), "--summary-json", str(tmp_path / "summary.json"),
-        "--master-port", str(free_port()),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    base, tmp_path = inputs / "base", run
     summary = json.loads((tmp_path / "summary.json").read_text())
     adapters = 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)  # 2 layers: q_proj 32 -> 32, v_proj 32 -> 16 (2 kv heads)
     assert summary["model"].endswith(", LoRA rank 4)") and summary["param_count"] == adapters
     # model states: the adapters' 16 bytes a parameter and the int8 base's 1 + 4/256, over 2 ranks (padding aside)
     analytic = summary["analytic_model_state_bytes_per_rank"]
     assert all(analytic <= b <= analytic * 1.02 for b in summary["model_state_bytes_per_rank"]), summary
-    assert f"wrote {tmp_path / 'adapter'}" in result.stdout and "peft adapter folder" in result.stdout
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     _, trained = consolidated_state(tmp_path / "ck" / "step-00000002", trained_only=True)
@@ -81,6 +89,26 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, tmp_path):
         adapted = any(f"{t}.weight" in name for t in ("q_proj", "v_proj"))
         ours = state["base_model.model." + (name.replace(".weight", ".base_layer.weight") if adapted else name)]
         assert (ours - value).abs().max() <= half_step, name
+
+
+def test_resume_refuses_other_lora_keys_and_reads_a_checkpoint_from_before_them(inputs, run, tmp_path):
+    from zeropp.app.trainer import checkpoint_to_resume
+    from zeropp.checkpoint.dcp import CheckpointError
+    from zeropp.config.sections import load_config
+
+    saved = run / "ck" / "step-00000002"
+    base = {"hf_model": str(inputs / "base"), "block_size": 32}
+    lora = {"lora_rank": 8, "lora_alpha": 8.0, "lora_targets": "q_proj,v_proj", "lora_dropout": 0.1}  # rank 4 saved
+    config = load_config({"model": base | lora, "checkpoint": {"resume": str(saved)}})
+    with pytest.raises(CheckpointError, match="saved with model.lora_rank = 4, this run has model.lora_rank = 8"):
+        checkpoint_to_resume(config)
+    older = tmp_path / "older"  # its config written before the model.lora_* keys existed
+    shutil.copytree(saved, older)
+    meta = json.loads((older / "zeropp.json").read_text())
+    meta["extra"]["config"]["model"] = {k: v for k, v in meta["extra"]["config"]["model"].items() if "lora" not in k}
+    (older / "zeropp.json").write_text(json.dumps(meta))
+    plain = load_config({"model": base, "checkpoint": {"resume": str(older)}})
+    assert checkpoint_to_resume(plain) == older
 
 
 def test_bad_lora_input_is_refused_in_one_line(inputs, capsys, tmp_path):
