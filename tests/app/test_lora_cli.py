@@ -70,6 +70,10 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, run):
     # model states: the adapters' 16 bytes a parameter and the int8 base's 1 + 4/256, over 2 ranks (padding aside)
     analytic = summary["analytic_model_state_bytes_per_rank"]
     assert all(analytic <= b <= analytic * 1.02 for b in summary["model_state_bytes_per_rank"]), summary
+    # plain ZeRO-3 gathers the fp32 base too: more than this run's int8 base, qwZ and qgZ send
+    sent, plain = ({link: summary[f"{prefix}{link}_node_bytes_per_step"] for link in ("intra", "inter")}
+                   for prefix in ("", "zero3_"))  # fmt: skip
+    assert sum(sent.values()) < sum(plain.values()) / 2, summary
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     _, trained = consolidated_state(tmp_path / "ck" / "step-00000002", trained_only=True)

@@ -378,7 +378,8 @@ class Trainer:
         zero = self.config.zero
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints
-        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
+        frozen = [u.frozen.layout.padded_numel for u in engine.units if u.frozen is not None and not u.resident]
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero, frozen)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
