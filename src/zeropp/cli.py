@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="at the end, write a PNG of the training and validation loss here (default: none)",
     )
     train.add_argument(
+        "--adapter-out", type=Path, metavar="DIR",
+        help="with --lora-rank and --checkpoint-dir: at the end, write the last checkpoint's adapter here as a peft "
+        "folder for PeftModel.from_pretrained (default: none; zeropp export --adapter-only writes one later)",
+    )  # fmt: skip
+    train.add_argument(
         "--deepspeed", type=Path, metavar="DS_CONFIG.json",
         help="a DeepSpeed JSON config, read as config keys: over --config, under the flags (default: none)",
     )  # fmt: skip
@@ -235,9 +240,11 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
             source = model_source(config)
             training_text(config, source)  # model, tokenizer and data: refused here in one line
             topology = config.topology
-            if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
+            if topology.tensor_parallel_size > 1 or config.model.lora_rank is not None:
                 with torch.device("meta"):
-                    plan_for(source.build(), topology.tensor_parallel_size, topology.sequence_parallel)
+                    model = source.build()  # LoRA: targets the model lacks
+                if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
+                    plan_for(model, topology.tensor_parallel_size, topology.sequence_parallel)
             if topology.sequence_parallel:
                 check_sequence_length(source.block_size, topology.tensor_parallel_size)
             preflight(config)
@@ -246,6 +253,8 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                     _check_output(f"--{flag.replace('_', '-')}", getattr(args, flag))
             if args.plot is not None:
                 require_matplotlib()
+            if args.adapter_out is not None:
+                _check_adapter_out(args.adapter_out, config)
             if config.checkpoint.checkpoint_dir is not None:  # one run per folder
                 runlock.hold_for_ranks(config.checkpoint.checkpoint_dir, args.master_port, args.node_rank)
     return config, nodes
@@ -272,6 +281,15 @@ def _check_output(flag: str, path: Path) -> None:
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as error:
         raise ConfigError(f"{flag} {str(path)!r} cannot be written ({error.strerror})") from None
+
+
+def _check_adapter_out(out: Path, config: Any) -> None:
+    """Refuse --adapter-out without an adapter or a checkpoint to export it from, or over a folder in use."""
+    for key, value in (("--lora-rank", config.model.lora_rank), ("--checkpoint-dir", config.checkpoint.checkpoint_dir)):
+        if value is None:
+            raise ConfigError(f"--adapter-out {str(out)!r} needs {key} (the adapter is exported from the last checkpoint)")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"--adapter-out {str(out)!r} exists and is not an empty folder")
 
 
 def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
@@ -329,6 +347,8 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
                 write_summary(summary, args.summary_json)
             if args.plot is not None:
                 plot_losses(log, args.plot, f"zeropp train: {summary.model.split(' (')[0]}, stage {summary.stage}")
+            if args.adapter_out is not None:
+                status = _export(Path(trainer.checkpoints[-1].path), args.adapter_out, adapter_only=True)
         trainer.engine.comm.barrier(trainer.topology.world)  # every rank is done before groups go
     except PeerLost as error:  # under zeropp train the launcher names the rank that died
         if LAUNCHER_PID not in os.environ:

@@ -55,7 +55,7 @@ from zeropp.zero.grouping import group_parameters, innermost_units, refuse_exper
 from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.options import UnitOptions
+from zeropp.zero.options import UnitOptions, frozen_quant
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
@@ -196,7 +196,7 @@ class ZeroEngine:
             allgather_bucket=config.allgather_bucket_numel,
             reduce_bucket=config.reduce_bucket_numel,
             weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
-            frozen_quant=QuantSpec(8, qwz.block) if config.quantized_nontrainable_weights else None,
+            frozen_quant=frozen_quant(config),
             grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
             grad_intra_quant=QuantSpec(qgz.intra_node_bits or qgz.bits, qgz.block_size)
             if qgz.enabled and qgz.intra_node_quantized

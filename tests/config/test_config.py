@@ -116,6 +116,18 @@ BAD = [
     pytest.param({"optim": {"beta2": 1.0}}, None, ("optim.beta2", "1.0", "[0, 1)"), id="beta2-1"),
     pytest.param({"optim": {"lr": float("nan")}}, None, ("optim.lr", "nan", "> 0"), id="lr-nan"),
     pytest.param({"train": {"steps": 0}}, None, ("train.steps", "0", ">= 1"), id="steps-0"),
+    pytest.param(
+        {"zero": {"quantized_nontrainable_weights": True, "nontrainable_weight_bits": 2}},
+        None,
+        ("zero.nontrainable_weight_bits", "2", "8", "4"),
+        id="frozen-bits-2",
+    ),
+    pytest.param(
+        {"zero": {"nontrainable_weight_bits": 4}},
+        None,
+        ("zero.nontrainable_weight_bits", "4", "zero.quantized_nontrainable_weights"),
+        id="frozen-bits-without-quantization",
+    ),
     pytest.param(None, {"zero.stage": 5}, ("zero.stage", "5"), id="override-stage-5"),
     pytest.param(None, {"zero.stge": 2}, ("stge",), id="override-unknown-key"),
     pytest.param(

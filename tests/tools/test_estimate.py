@@ -194,6 +194,34 @@ def test_qgz_and_qwz_bytes_by_hand():
     assert ledger.total(op="all_to_all", link="inter") == 2 * (1 * row)
 
 
+def test_lora_memory_and_bytes_by_hand():
+    """Ψ = 2^20, three quarters frozen, on 4 ranks in fp32 with Adam, frozen weights stored int4 in blocks
+    of 256: 16 bytes per trainable parameter over 4 ranks, 1/2 + 4/256 bytes per frozen one over 4
+    (plus hpZ's copy over 2), and every rank's int4 message gathered beside the fp32 weights."""
+    trainable, frozen, shard = 2**18, 3 * 2**18, 3 * 2**16
+    lora = dict(quantized_nontrainable_weights=True, nontrainable_weight_bits=4)
+    est = estimate(2**20, 4, 1, ZeroConfig(stage=3, **lora), frozen_fraction=0.75)
+    assert (est.psi, est.frozen_psi) == (trainable, frozen)
+    int4 = 1 / 2 + 4 / 256
+    assert est.model_state_bytes == 16 * trainable / 4 + int4 * frozen / 4
+    message = shard // 2 + 4 * shard // 256  # one rank's stored row: int4 data, then fp32 scales
+    for phase in ("forward", "backward"):
+        assert est.ledger().total(op="all_gather", phase=phase) == 3 / 4 * (4 * trainable + 4 * message)
+    plain = estimate(2**20, 4, 1, ZeroConfig(stage=3), frozen_fraction=0.75)
+    assert plain.model_state_bytes == 16 * trainable / 4 + 4 * frozen / 4
+    assert plain.ledger().total(op="all_gather", phase="forward") == 3 / 4 * 4 * 2**20
+    assert est.zero3_bytes()["forward"]["intra"] == plain.ledger().total(op="all_gather", phase="forward")
+    # hpZ over each node of 2: the copy of both, int4 messages for the frozen part; backward stays inside the node
+    hpz = estimate(2**20, 4, 2, ZeroConfig(stage=3, hpz_partition_size=2, **lora), frozen_fraction=0.75)
+    assert hpz.model_state_bytes == est.model_state_bytes + (4 * trainable + int4 * frozen) / 2
+    assert hpz.ledger().total(op="all_gather", phase="backward", link="inter") == 0
+    assert hpz.ledger().total(op="all_gather", phase="backward") == 1 / 2 * (4 * trainable + 4 * message)
+    # below stage 3 the frozen base is whole on every rank and never sent
+    stage2 = estimate(2**20, 4, 1, ZeroConfig(stage=2), frozen_fraction=0.75)
+    assert stage2.model_state_bytes == (4 + 4 / 4 + 12 / 4) * trainable + 4 * frozen
+    assert stage2.ledger().total(op="all_gather") == 4 * trainable * 3 / 4  # the updated trainable weights
+
+
 def test_time_model_is_the_busiest_link_of_each_kind_without_overlap():
     est = estimate(2**20, 8, 2, ZeroConfig(stage=3))
     ring = ring_bytes(4 * 2**20, 8)
@@ -417,6 +445,8 @@ def test_cli_tables(capsys, tmp_path):
         (["--world", "4", "--activation-checkpointing", "--cpu-checkpointing"], "--cpu-checkpointing = True"),
         (["--params", "1e9", "--world", "4", "--activation-checkpointing"], "--n-layer, --d-model, --block-size"),
         (["--params", "1e9", "--world", "4", "--n-layer", "2"], "--d-model, --block-size"),
+        (["--world", "4", "--frozen-fraction", "1"], "--frozen-fraction: '1' is not allowed"),
+        (["--world", "4", "--nontrainable-weight-bits", "4"], "--nontrainable-weight-bits = 4 is not allowed"),
     ],
 )
 def test_cli_bad_input_is_one_line_naming_the_flag(capsys, argv, names):

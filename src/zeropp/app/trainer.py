@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zeropp.app import schedule
+from zeropp.app import lora, schedule
 from zeropp.app.data.batches import Batches
 from zeropp.app.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.app.models.source import model_source, training_text
@@ -40,6 +40,8 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
+from zeropp.zero.dtensor_params import local_tensor
+from zeropp.zero.options import frozen_quant
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
@@ -72,8 +74,9 @@ def checkpoint_to_resume(config: Config) -> Path | None:
         return path
     saved = run_config.get("model", {})
     ours = dataclasses.asdict(config.model)
+    defaults = {f.name: f.default for f in dataclasses.fields(config.model)}  # keys newer than the checkpoint
     for key in sorted(ours):
-        if saved.get(key) != ours[key]:
+        if saved.get(key, defaults[key]) != ours[key]:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was saved with model.{key} = {saved.get(key)!r}, "
                 f"this run has model.{key} = {ours[key]!r}"
@@ -119,19 +122,21 @@ class Trainer:
         text = training_text(config, self.source)  # before any collective: a bad file fails here on every rank
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = parallelize(self.source.build(), self.topology)
+        adapters = config.model.lora_rank is not None
         self.engine = ZeroEngine(
             model,
             OPTIMIZERS[config.optim.optimizer],
             self.hyperparameters(),
             config.zero,
             self.topology,
+            init_fn=lora.initializer(model) if adapters else None,
             seed=config.train.seed,
         )
         folder = config.zero.flight_record_dir or config.checkpoint.checkpoint_dir
         self.engine.comm.trace.folder = None if folder is None else Path(folder)  # See [Note: collective sequences]
         weights = config.train.init_from or self.source.weights
-        if weights is not None:
-            load_pretrained(self.engine, weights)
+        if weights is not None:  # a LoRA run's adapters keep their initial values
+            load_pretrained(self.engine, weights, base_only=adapters)
         self.start_step = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self.checkpoints: list[CheckpointRecord] = []
@@ -373,7 +378,8 @@ class Trainer:
         zero = self.config.zero
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints
-        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero)
+        frozen = [u.frozen.layout.padded_numel for u in engine.units if u.frozen is not None and not u.resident]
+        zero3 = zero3_step_bytes(zero3_units((u.layout for u in engine.units), dp, zero), dp, zero, frozen)
         return RunSummary(
             final_train_loss=train_loss,
             final_val_loss=val_loss,
@@ -403,6 +409,8 @@ class Trainer:
                 qgz_residuals=(topo.ranks_per_node, topo.nodes, zero.qgz.intra_node_quantized)
                 if self.error_feedback and self.residuals_freed_at_step is None
                 else None,
+                frozen=sum(local_tensor(p).numel() for p in engine.module.parameters() if not p.requires_grad),
+                frozen_quant=frozen_quant(zero),
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,

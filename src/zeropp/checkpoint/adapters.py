@@ -24,11 +24,9 @@ import torch
 from torch import nn
 
 from zeropp.checkpoint.layout import CheckpointError, fixed_tensors
-from zeropp.checkpoint.pretrained import PretrainedError, open_safetensors, weight_files
+from zeropp.checkpoint.pretrained import PretrainedError, base_name, open_safetensors, weight_files
 from zeropp.zero.precision import DTYPES
 from zeropp.zero.unit import FlatUnit
-
-PEFT_PREFIX = "base_model.model."
 
 
 def frozen_parameters(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,12 +71,6 @@ def check_base(units: list[FlatUnit], module: nn.Module, meta: dict[str, Any], c
             f"checkpoint {str(checkpoint)!r} was trained on the frozen base {reference['path']!r}; "
             "this model's frozen parameters differ from it (sha256)"
         )
-
-
-def base_name(name: str) -> str:
-    """The base model's own name of a frozen parameter of a peft model (``base_model.model.`` and
-    ``.base_layer`` dropped); other names unchanged."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def read_base(meta: dict[str, Any]) -> dict[str, torch.Tensor]:

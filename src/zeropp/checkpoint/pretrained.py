@@ -14,6 +14,9 @@ tensor-parallel piece, one block of the whole tensor or several side by side (GP
 c_attn, :func:`~zeropp.zero.dtensor_params.blocks`): the rows read are rows of those blocks. At
 stage 3 a unit's frozen parameters are read the same way into their compute-dtype shard; buffers
 (and frozen parameters below stage 3), which every rank keeps whole, are read whole. Optimizer state is left as it is.
+
+A peft model's base (``base_only``) is read from the base model's own weights: the frozen parameters
+and buffers under the base's names (:func:`base_name`), the trainable adapters left as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+PEFT_PREFIX = "base_model.model."
 
 
 class PretrainedError(ZeroppError, RuntimeError):
@@ -65,17 +69,25 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     return keys
 
 
-def load_pretrained(engine: ZeroEngine, path: str | Path) -> None:
-    """Set the engine's weights from `path` (collective only in that every rank must call it)."""
+def base_name(name: str) -> str:
+    """The base model's own name of a frozen parameter of a peft model (``base_model.model.`` and
+    ``.base_layer`` dropped); other names unchanged."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def load_pretrained(engine: ZeroEngine, path: str | Path, *, base_only: bool = False) -> None:
+    """Set the engine's weights from `path` (collective only in that every rank must call it); with
+    `base_only` a peft model's frozen base and buffers from the base model's weights."""
     files = weight_files(path)
     with ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in set(files.values())}
-        sources = _match(engine, {key: handles[file] for key, file in files.items()})
+        sources = _match(engine, {key: handles[file] for key, file in files.items()}, base_only)
         stack.enter_context(engine.states_resident(changes=True))  # the disk tier's masters, written back
         for unit in engine.units:
             start, stop = unit.layout.shard_range(unit.groups.shard.rank) if unit.shard_world > 1 else (0, None)
             stop = unit.layout.padded_numel if stop is None else stop
-            unit.load_master_shard(_read_shard(unit.layout, unit.names, unit.params, sources, start, stop))
+            if not base_only:
+                unit.load_master_shard(_read_shard(unit.layout, unit.names, unit.params, sources, start, stop))
             if unit.frozen is not None:  # stage 3: frozen parameters straight into their shard, like the masters
                 frozen = unit.frozen
                 unit.reshard()
@@ -107,14 +119,14 @@ def open_safetensors(file: Path) -> Any:
         raise PretrainedError(f"cannot read {str(file)!r} ({str(error).splitlines()[0]})") from None
 
 
-def _match(engine: ZeroEngine, stored: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """{tensor name: (stored key, file handle)} for every managed and fixed tensor; raise one line per
-    missing, unexpected or wrongly shaped tensor."""
-    wanted = dict(state.parameter_shapes(engine.units))
+def _match(engine: ZeroEngine, stored: dict[str, Any], base_only: bool) -> dict[str, tuple[str, Any]]:
+    """{tensor name: (stored key, file handle)} for every managed (unless `base_only`) and fixed tensor;
+    raise one line per missing, unexpected or wrongly shaped tensor."""
+    wanted = {} if base_only else dict(state.parameter_shapes(engine.units))
     wanted.update(state.fixed_shapes(engine.units, engine.module))
-    names_of: dict[str, list[str]] = {name: [name] for name in wanted}
+    names_of: dict[str, list[str]] = {name: [base_name(name) if base_only else name] for name in wanted}
     for alias, name in state.tied_aliases(engine.units, engine.module).items():
-        names_of[name].append(alias)
+        names_of.get(name, []).append(alias)
     problems, sources, used = [], {}, set()
     for name, shape in wanted.items():
         key = next((k for k in names_of[name] if k in stored), None)

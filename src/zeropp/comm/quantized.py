@@ -107,14 +107,16 @@ def all_gather_message(
     bucket_numel: int,
     async_op: bool = False,
 ) -> Pending:
-    """Gather every group rank's `message` (its shard of `width` values, quantized once and ``joined``:
-    frozen weights stored quantized) and dequantize all of them into `out`; nothing is quantized."""
+    """Gather every group rank's `message` (rows of `width` values, quantized once and ``joined``: frozen
+    weights stored quantized; hpZ's copy holds several rows) and dequantize all of them into `out`;
+    nothing is quantized."""
     n = group.size
+    rows = n * message.numel() // (4 * spec.blocks(width) + spec.row_bytes(width))
     gathered = messages.take((n, message.numel()), out.device)
     works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]
 
     def land() -> None:
-        kernels.dequantize(split(gathered, width, spec), out.dtype, out=out.view(n, width))
+        kernels.dequantize(split(gathered.view(rows, -1), width, spec), out.dtype, out=out.view(rows, width))
         messages.give_back(gathered)
 
     pending = Pending(works, land)

@@ -107,7 +107,11 @@ class ZeroConfig:
     )
     qgz: QuantizedGradients = field(default_factory=QuantizedGradients)
     quantized_nontrainable_weights: bool = setting(
-        False, "stage 3: frozen parameters' shards stored int8 (qwZ's block size) once, gathered as int8 + scales"
+        False,
+        "stage 3: frozen parameters' shards (and hpZ's copy) stored quantized once (qwZ's block size), gathered as they are",
+    )
+    nontrainable_weight_bits: Literal[8, 4] = setting(
+        8, "bits per stored frozen weight with quantized_nontrainable_weights"
     )
     quant_backend: Literal["auto", "torch", "triton"] = setting(
         "auto", "quantization kernels: auto (Triton on CUDA when available, else torch), or force one"
@@ -174,6 +178,11 @@ class ZeroConfig:
                 ("zero.quantized_nontrainable_weights", self.quantized_nontrainable_weights, False),
             ):
                 require(value == off, key, value, f"{off!r} unless zero.stage = 3 (ZeRO++ builds on stage 3)")
+        if not self.quantized_nontrainable_weights:
+            require(
+                self.nontrainable_weight_bits == 8, "zero.nontrainable_weight_bits", self.nontrainable_weight_bits,
+                "8 unless zero.quantized_nontrainable_weights = true (the bits of the stored frozen weights)",
+            )  # fmt: skip
         self.offload.validate(self.key("offload"), self.stage)
         self.activations.validate(self.key("activations"))
         check_finite(self, "zero")
@@ -249,11 +258,30 @@ class ModelConfig:
     hf_config: str | None = setting(
         None, "train a randomly initialized Hugging Face causal LM of this local config.json"
     )
+    lora_rank: int | None = setting(
+        None, "train LoRA adapters of this rank (peft) on the Hugging Face model, its own weights frozen; unset: all"
+    )
+    lora_alpha: float | None = setting(None, "LoRA's scale numerator (alpha / rank); unset: peft's default, 8")
+    lora_targets: str | None = setting(
+        None, "comma-separated names of the modules LoRA adapts (q_proj,v_proj); unset: peft's for the model type"
+    )
+    lora_dropout: float = setting(0.0, "dropout on LoRA's input")
 
     def validate(self) -> None:
         check_choices(self, "model")
         if self.hf_model is not None and self.hf_config is not None:
             require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
+        if self.lora_rank is not None:
+            require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, "an integer >= 1, or unset (no LoRA)")
+            hf = self.hf_model or self.hf_config
+            require(hf is not None, "model.lora_rank", self.lora_rank, "unset without model.hf_model or model.hf_config")
+        for key, value, off in (("lora_alpha", self.lora_alpha, None), ("lora_targets", self.lora_targets, None),
+                                ("lora_dropout", self.lora_dropout, 0.0)):  # fmt: skip
+            if self.lora_rank is None:
+                require(value == off, f"model.{key}", value, f"{off!r} unless model.lora_rank is set")
+        if self.lora_alpha is not None:
+            require(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "a number > 0, or unset")
+        require(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "a number in [0, 1)")
         for key in ("n_layer", "n_head", "d_model", "block_size"):
             value = getattr(self, key)
             if value is not None:

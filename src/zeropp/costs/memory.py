@@ -22,8 +22,9 @@ units being gathered.
 Frozen parameters (Ψf of them, ``requires_grad`` False: a LoRA run's base) cost their compute-dtype
 bytes only, pΨf at stages 0-2 (whole on every rank) and pΨf/N at stage 3 (sharded in their units),
 plus hpZ's copy pΨf/H: no gradient, master or optimizer state (Ψ above counts trainable parameters).
-With ``quantized_nontrainable_weights`` the stage-3 shard is int8 plus an fp32 scale per block of B:
-(1 + 4/B)Ψf/N.
+With ``quantized_nontrainable_weights`` the stage-3 shard and hpZ's copy are b/8 bytes a weight (b =
+``nontrainable_weight_bits``, 8 or 4) plus an fp32 scale per block of B: (b/8 + 4/B)Ψf/N and
+(b/8 + 4/B)Ψf/H (:func:`frozen_weight_bytes`).
 
 qgZ's error feedback (:mod:`zeropp.comm.feedback`) keeps fp32 residuals: 4Ψ for the first hop (each
 rank quantizes its own whole gradient) and, across Y > 1 nodes, 4Ψ/X for the second (the node's
@@ -48,6 +49,7 @@ import torch
 
 from zeropp.config.policies import check_switches, flat_name
 from zeropp.errors import ConfigError
+from zeropp.quant.spec import QuantSpec
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_RECOMPUTED_ALL_REDUCES = 1  # zeropp's activation checkpointing (see Activations)
@@ -69,31 +71,37 @@ def analytic_model_state_bytes(
     where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int, bool] | None = None,
     frozen: int = 0,
-    frozen_quant_block: int | None = None,
+    frozen_quant: QuantSpec | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
     bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
     `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
-    feedback is on; `frozen`: Ψf;
-    `frozen_quant_block`: B when the frozen shards are stored int8 (stage 3)."""
+    feedback is on; `frozen`: Ψf; `frozen_quant`: how the frozen shards are stored at stage 3 (None: the
+    compute dtype)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
     master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
     k = optimizer_bytes + (0 if master_aliases_params else 4)
     n = world
-    frozen_p = 1 + 4 / frozen_quant_block if frozen_quant_block and stage >= 3 else p
+    frozen_p = frozen_weight_bytes(frozen_quant) if frozen_quant and stage >= 3 else p
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
-    secondary = p * (psi + frozen) / hpz_group_size if hpz_group_size > 1 else 0
+    secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
     disk = states if optimizer_on_disk else 0
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
     return {"all": total, "device": total - host - disk, "host": host, "disk": disk}[where]
+
+
+def frozen_weight_bytes(spec: QuantSpec) -> float:
+    """Bytes a frozen weight stored quantized takes: its data and its share of the block's fp32 scale
+    (one scale per shard, per-tensor quantization, is left out)."""
+    return spec.bits / 8 + (4 / spec.block_size if spec.block_size else 0)
 
 
 def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8) -> int:

@@ -41,6 +41,7 @@ from zeropp.costs.memory import BYTES, Activations
 from zeropp.index.flat import FlatLayout, column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
+from zeropp.zero.options import frozen_quant
 from zeropp.zero.stages import StagePolicy
 
 STEP_PHASES = ("forward", "backward", "step")
@@ -220,22 +221,22 @@ def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, 
 def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
     """The gathers of the units' frozen weights in one step (stage 3; `frozen`: each sharded unit's
     padded frozen numel): in forward and backward of every micro-batch, beside the unit's own gather,
-    over the world (qwZ: quantized; ``quantized_nontrainable_weights``: one message of int8 data and
-    fp32 scales per rank), or with hpZ inside the secondary group from the first use on (the copy is
-    cut once: frozen values never change). Nothing reduced, nothing gathered in the step. A unit whose
-    backward needs no weights (no gradient reaches it) is not gathered in backward."""
+    over the world (qwZ: quantized; ``quantized_nontrainable_weights``: every rank's stored message of
+    int8 or int4 data and fp32 scales), or with hpZ inside the secondary group from the first use on
+    (the copy is cut once: frozen values never change; stored messages too when quantized). Nothing
+    reduced, nothing gathered in the step. A unit whose backward needs no weights (no gradient
+    reaches it) is not gathered in backward."""
     world, compute, crossing = layout.world_size, BYTES[zero.precision], _world_crossing(layout)
-    spec = QuantSpec(8, zero.qwz.block)
+    spec = frozen_quant(zero)
     for padded in frozen:
+        shard = padded // world
+        stored = world * (spec.row_bytes(shard) + SCALE_BYTES * spec.blocks(shard)) if spec else padded * compute
         for _ in range(zero.gradient_accumulation_steps):
             for phase in ("forward", "backward"):
                 if hpz > 1:
-                    sent = ring_bytes(padded * compute, hpz)
-                    yield Transfer("all_gather", phase, sent, ring_crossing(hpz, layout.ranks_per_node))
-                elif zero.quantized_nontrainable_weights:
-                    shard = padded // world
-                    row = spec.row_bytes(shard) + SCALE_BYTES * spec.blocks(shard)
-                    yield Transfer("all_gather", phase, ring_bytes(world * row, world), crossing)
+                    yield Transfer("all_gather", phase, ring_bytes(stored, hpz), ring_crossing(hpz, layout.ranks_per_node))
+                elif spec is not None:
+                    yield Transfer("all_gather", phase, ring_bytes(stored, world), crossing)
                 else:
                     yield from _gather_weights(padded, compute, phase, world, crossing, zero)
 
@@ -272,17 +273,23 @@ def zero3_units(layouts: Iterable[FlatLayout], layout: Layout, zero: ZeroConfig)
     ]
 
 
-def zero3_step_bytes(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> dict[str, dict[str, float]]:
+def zero3_step_bytes(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, frozen: Iterable[int] = ()
+) -> dict[str, dict[str, float]]:
     """{phase: {'intra', 'inter'}}: what plain ZeRO-3 (every ZeRO++ switch off) would send per rank,
-    mean over ranks, on these units under `zero`'s precision and accumulation.
+    mean over ranks, on these units (and the `frozen` weights of :func:`frozen_transfers`) under
+    `zero`'s precision and accumulation.
 
-    :func:`unit_transfers` at stage 3 without qwZ, hpZ or qgZ; the step's scalar all-reduces are left
-    out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring over the world, so a phase's
-    bytes split by the world ring's crossing share.
+    :func:`unit_transfers` at stage 3 without qwZ, hpZ, qgZ or quantized frozen weights; the step's
+    scalar all-reduces are left out (a few bytes, and not ZeRO-3's traffic). Every transfer is a ring
+    over the world, so a phase's bytes split by the world ring's crossing share.
     """
-    plain = dataclasses.replace(zero, stage=3, quantized_weights=False, quantized_gradients=False)
+    plain = dataclasses.replace(
+        zero, stage=3, quantized_weights=False, quantized_gradients=False, quantized_nontrainable_weights=False,
+        nontrainable_weight_bits=8,
+    )  # fmt: skip
     sent = dict.fromkeys(STEP_PHASES, 0)
-    for transfer in unit_transfers(units, layout, plain, hpz=1):
+    for transfer in (*unit_transfers(units, layout, plain, hpz=1), *frozen_transfers(frozen, layout, plain, hpz=1)):
         sent[transfer.phase] += transfer.sent
     crossing = _world_crossing(layout)
     return {phase: {"intra": b * (1 - crossing), "inter": b * crossing} for phase, b in sent.items()}

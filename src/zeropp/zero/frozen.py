@@ -8,9 +8,11 @@ trick). A unit may hold frozen parameters only (a frozen embedding in the root).
 frozen parameters stay outside the units, whole on every rank, like buffers.
 
 With ``quantized_nontrainable_weights`` (issue 28's MixZ++ part) the shard is stored block-quantized
-once, as one ``joined`` int8 + fp32 scales message (``message``, no ``shard``), gathered as it is
-and dequantized into ``flat``: every rank computes with the same dequantized values, which are also
-what hpZ's copy, a resident unit and the saved ``fixed`` tensors hold.
+once (``nontrainable_weight_bits``: int8 or int4), as one ``joined`` data + fp32 scales message
+(``message``, no ``shard``), gathered as it is and dequantized into ``flat``: every rank computes
+with the same dequantized values, which are also what a resident unit and the saved ``fixed``
+tensors hold. hpZ's copy is then the messages of its secondary range's rows (each rank's row as that
+rank stores it), gathered inside the secondary group and dequantized the same way.
 
 When the unit is released after backward is the runtime's concern: [Note: frozen weights in backward].
 """
@@ -53,18 +55,17 @@ class FrozenWeights:
         full = self.layout.join([local_tensor(p).detach() for p in self.params], options.compute_dtype, options.device)
         if broadcast:
             comm.broadcast(full[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
-        start, stop = self.span
-        where = options.compute_shard_device
         self.shard: torch.Tensor | None = None
         self.message: torch.Tensor | None = None
-        if options.frozen_quant is None:
-            self.shard = options.host_empty(stop - start, options.compute_dtype, where).copy_(full[start:stop])
-        else:  # every rank's row quantized here (rows are independent): full holds what every rank computes with
-            full = self._quantize(full)
-        self.secondary: torch.Tensor | None = None
-        if groups.secondary is not None and not resident:  # valid for good: frozen values never change
-            start, stop = secondary_range(self.layout.padded_numel, groups.secondary.size, groups.secondary.rank)
-            self.secondary = full[start:stop].clone()
+        self.secondary: torch.Tensor | None = None  # hpZ's copy (valid for good: frozen values never change)
+        if options.frozen_quant is not None:  # every rank's row quantized here (rows are independent)
+            full = self._quantize(full)  # what every rank computes with
+        else:
+            where = options.compute_shard_device
+            self.shard = options.host_empty(self.layout.shard_numel, options.compute_dtype, where)
+            self.shard.copy_(full[slice(*self.span)])
+            if groups.secondary is not None and not resident:
+                self.secondary = full[slice(*self._secondary_span)].clone()
         self.flat = full if resident else torch.empty_like(full)
         del full
         for p, view in zip(self.params, self.layout.split(self.flat), strict=True):
@@ -76,31 +77,48 @@ class FrozenWeights:
         """[start, stop) of this rank's shard in the flat buffer."""
         return self.layout.shard_range(self.groups.shard.rank)
 
+    @property
+    def _secondary_span(self) -> tuple[int, int]:
+        """[start, stop) of the flat buffer that hpZ's copy holds."""
+        return secondary_range(self.layout.padded_numel, self.groups.secondary.size, self.groups.secondary.rank)
+
     def _quantize(self, full: torch.Tensor) -> torch.Tensor:
-        """Keep this rank's row of `full` (every rank's shard a row) quantized in ``message``; return
-        the dequantized values of every row."""
+        """Keep this rank's row of `full` (every rank's shard a row) quantized in ``message`` (and hpZ's
+        copy, its secondary range's rows, in ``secondary``); return the dequantized values of every row."""
         options, rows = self.options, full.view(self.groups.shard.size, -1)
         quantized = options.kernels.quantize(rows, options.frozen_quant)
-        mine = joined(quantized[self.groups.shard.rank : self.groups.shard.rank + 1])[0]
-        self.message = options.host_empty(mine.numel(), torch.uint8, options.compute_shard_device).copy_(mine)
+        rank, where = self.groups.shard.rank, options.compute_shard_device
+        mine = joined(quantized[rank : rank + 1])[0]
+        self.message = options.host_empty(mine.numel(), torch.uint8, where).copy_(mine)
+        if self.groups.secondary is not None and not self.resident:  # whole rows: the group size divides the world
+            start, stop = (i // self.layout.shard_numel for i in self._secondary_span)
+            self.secondary = joined(quantized[start:stop]).reshape(-1)
         return options.kernels.dequantize(quantized, full.dtype).reshape(-1)
 
     def start_gather(self) -> Pending:
         """Re-grow ``flat`` and start gathering into it (see [Note: the storage-resize trick])."""
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
-        if self.message is not None and self.secondary is None:
-            return self._gather_into(self.flat)
-        return start_weight_gather(self.comm, self.options, self.groups, self.flat, self.shard, self.secondary)
+        if self.message is None:
+            return start_weight_gather(self.comm, self.options, self.groups, self.flat, self.shard, self.secondary)
+        if self.secondary is not None:  # hpZ: the stored messages of the secondary range, inside its group
+            return self._gather_message(self.flat, self.secondary, self.groups.secondary)
+        return self._gather_message(self.flat, self.message, self.groups.shard)
+
+    def _gather_message(self, out: torch.Tensor, message: torch.Tensor, group) -> Pending:
+        """Every `group` rank's stored `message` (one or more shard rows) into `out`, dequantized."""
+        options = self.options
+        return all_gather_message(
+            self.comm, out, message.to(options.device), self.layout.shard_numel, options.frozen_quant,
+            group, options.kernels, bucket_numel=options.allgather_bucket, async_op=True,
+        )  # fmt: skip
 
     def _gather_into(self, out: torch.Tensor) -> Pending:
         """Every rank's shard into `out` over the shard group, exactly (the quantized message as stored)."""
-        options, group, bucket = self.options, self.groups.shard, self.options.allgather_bucket
+        options, group = self.options, self.groups.shard
         if self.message is None:
-            return self.comm.all_gather(out, self.shard.to(options.device), group, bucket_numel=bucket, async_op=True)
-        return all_gather_message(
-            self.comm, out, self.message.to(options.device), self.layout.shard_numel, options.frozen_quant,
-            group, options.kernels, bucket_numel=bucket, async_op=True,
-        )  # fmt: skip
+            shard = self.shard.to(options.device)
+            return self.comm.all_gather(out, shard, group, bucket_numel=options.allgather_bucket, async_op=True)
+        return self._gather_message(out, self.message, group)
 
     def release(self) -> None:
         if not self.resident:
@@ -118,24 +136,22 @@ class FrozenWeights:
         self.load_shard(full[slice(*self.span)], full)
 
     def load_shard(self, shard: torch.Tensor, full: torch.Tensor | None = None) -> None:
-        """Set this rank's shard (hpZ's copy and a resident ``flat`` follow: gathered when `full`, the
-        whole buffer, is not given); quantized frozen weights are quantized again."""
+        """Set this rank's shard (hpZ's copy and a resident ``flat`` follow: every rank's shard gathered
+        when `full`, the whole buffer, is not given); quantized frozen weights are quantized again."""
         options = self.options
+        if full is None and (self.secondary is not None or self.resident):
+            full = torch.empty(self.layout.padded_numel, dtype=options.compute_dtype, device=options.device)
+            values = shard.to(options.device, options.compute_dtype)
+            self.comm.all_gather(full, values, self.groups.shard, bucket_numel=options.allgather_bucket)
         if self.message is None:
             self.shard.copy_(shard)
+            if self.secondary is not None:
+                self.secondary.copy_(full[slice(*self._secondary_span)])
         elif full is not None:
             full = self._quantize(full)
         else:
             values = shard.to(options.device, options.compute_dtype).view(1, -1)
             self.message.copy_(joined(options.kernels.quantize(values, options.frozen_quant))[0])
-        if self.secondary is None and not self.resident:
-            return
-        if full is None:
-            full = torch.empty(self.layout.padded_numel, dtype=options.compute_dtype, device=options.device)
-            self._gather_into(full).wait()
-        if self.secondary is not None:
-            group = self.groups.secondary
-            self.secondary.copy_(full[slice(*secondary_range(self.layout.padded_numel, group.size, group.rank))])
         if self.resident:
             self.flat.copy_(full)
 

@@ -110,7 +110,7 @@ def initialize_scope(
             fresh[id(tensor)] = (f"{name}.{key}" if name else key, tensor)
     if not fresh:
         return
-    init = init_fn or _default_init(root)
+    init = init_fn or default_init(root)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(unit_seed(seed, scope[0][0]))
         for module in initializable:
@@ -149,7 +149,8 @@ def _sentinel(dtype: torch.dtype) -> float | int | bool:
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
-def _default_init(root: nn.Module) -> InitFn:
+def default_init(root: nn.Module) -> InitFn:
+    """The initializer without `init_fn`: a module's own ``reset_parameters()``, then the root's ``_init_weights``."""
     model_init = getattr(root, "_init_weights", None)
 
     def init(module: nn.Module) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropp.config.sections import ZeroConfig
 from zeropp.quant.spec import QuantKernels, QuantSpec
 from zeropp.zero.arena import Arena
 
@@ -40,3 +41,9 @@ class UnitOptions:
         where = where or self.device
         pin = where.type == "cpu" and self.device.type == "cuda"
         return torch.empty(numel, dtype=dtype, device=where, pin_memory=pin)
+
+
+def frozen_quant(zero: ZeroConfig) -> QuantSpec | None:
+    """How stage 3 stores frozen weights: with ``quantized_nontrainable_weights`` block-quantized to
+    ``nontrainable_weight_bits`` with qwZ's blocks; None: in the compute dtype."""
+    return QuantSpec(zero.nontrainable_weight_bits, zero.qwz.block) if zero.quantized_nontrainable_weights else None

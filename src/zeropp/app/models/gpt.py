@@ -37,7 +37,8 @@ PRESETS = {
 
 def gpt_config(model: ModelConfig) -> GPTConfig:
     """The GPT a config's model keys describe: the preset, with every key that is set overriding it."""
-    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k != "preset" and v is not None}
+    keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k in keys and v is not None}
     config = dataclasses.replace(PRESETS[model.preset], **overrides)
     if config.d_model % config.n_head:
         raise ConfigError(

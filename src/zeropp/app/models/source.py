@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp.app import hf
+from zeropp.app import hf, lora
 from zeropp.app.data.text import ByteTokenizer, HFTokenizer, text_splits
 from zeropp.config.sections import Config
 from zeropp.errors import ConfigError
@@ -60,9 +60,15 @@ def model_source(config: Config) -> ModelSource:
     folder = Path(model.hf_model).expanduser() if model.hf_model is not None else None
     tokenizer = config.train.tokenizer
     extra = {"hf_config": hf_config.to_dict(), "tokenizer": tokenizer and str(Path(tokenizer).expanduser().resolve())}
+
+    def build() -> nn.Module:
+        built = hf.build_model(hf_config)
+        return built if model.lora_rank is None else lora.add_adapters(built, model)
+
+    adapted = "" if model.lora_rank is None else f", LoRA rank {model.lora_rank}"
     return ModelSource(
-        f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config})",
-        lambda: hf.build_model(hf_config), hf.causal_lm_loss, block_size, hf_config.vocab_size,
+        f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config}{adapted})",
+        build, hf.causal_lm_loss, block_size, hf_config.vocab_size,
         hf_config.num_hidden_layers, hf_config.hidden_size, extra,
         folder if folder is not None and hf.has_weights(folder) else None,
     )  # fmt: skip

@@ -69,15 +69,15 @@ def weight_errors(args: argparse.Namespace) -> dict[str, float]:
     return measure({"base": base, "configs": {name: CONFIGS[name] for name in args.names}, "exact": "ZeRO-3"})
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def curves(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, list]]:
+def curves(runs: dict[str, dict[int, dict]], base_name: str = "ZeRO-3") -> dict[str, dict[str, list]]:
     """Per configuration: steps, mean and std of the validation loss over seeds, and the paired gap
-    to ZeRO-3 (relative, per seed) as mean and std."""
+    to `base_name`'s runs (relative, per seed) as mean and std."""
     out = {}
-    base = runs["ZeRO-3"]
+    base = runs[base_name]
     for name, by_seed in runs.items():
         seeds = sorted(s for s in by_seed if s in base)
         steps = [int(s) for s, _ in by_seed[seeds[0]]["val_losses"]]
@@ -86,14 +86,14 @@ def curves(runs: dict[str, dict[int, dict]]) -> dict[str, dict[str, list]]:
             losses = [by_seed[s]["val_losses"][i][1] for s in seeds]
             gaps = [by_seed[s]["val_losses"][i][1] / base[s]["val_losses"][i][1] - 1 for s in seeds]
             for key, value in zip(
-                ("mean", "std", "gap_mean", "gap_std"), (*_mean_std(losses), *_mean_std(gaps)), strict=True
+                ("mean", "std", "gap_mean", "gap_std"), (*mean_std(losses), *mean_std(gaps)), strict=True
             ):
                 rows[key].append(value)
         out[name] = rows
     return out
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     """Markdown lines of a table."""
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(r)} |" for r in rows)]
 
@@ -122,7 +122,7 @@ def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]], errors:
         f"world 4 = 2 simulated nodes x 2; validation loss over {args.eval_batches} batches per rank, "
         "mean ± std over seeds",
         "",
-        *_table(
+        *markdown_table(
             ["run", *(f"step {s}" for s in steps)],
             [
                 [name, *(f"{m:.4f} ± {d:.4f}" for m, d in zip(rows["mean"], rows["std"], strict=True))]
@@ -133,7 +133,7 @@ def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]], errors:
         f"ZeRO-3's seeds at step {steps[-1]}: std / mean = {spread:.2%}. Paired gap to ZeRO-3 "
         "(per seed: loss / ZeRO-3's loss − 1; mean ± std over seeds) after warm-up:",
         "",
-        *_table(
+        *markdown_table(
             ["run", *(f"step {steps[i]}" for i in after)],
             [
                 [name, *(f"{rows['gap_mean'][i]:+.2%} ± {rows['gap_std'][i]:.2%}" for i in after)]
@@ -141,7 +141,7 @@ def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]], errors:
             ],
         ),
         "",
-        *_table(
+        *markdown_table(
             [
                 "run",
                 "largest mean gap after warm-up",
@@ -155,15 +155,15 @@ def markdown(args: argparse.Namespace, runs: dict[str, dict[int, dict]], errors:
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, dict[int, dict]], out: Path) -> None:
-    """curves.png: the validation loss (left) and the paired gap to ZeRO-3 in % (right), mean ± std bands."""
+def plot(runs: dict[str, dict[int, dict]], out: Path, base_name: str = "ZeRO-3") -> None:
+    """curves.png: the validation loss (left) and the paired gap to `base_name` in % (right), mean ± std bands."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (losses, gaps) = plt.subplots(1, 2, figsize=(12, 5))
-    for name, rows in curves(runs).items():
+    for name, rows in curves(runs, base_name).items():
         for ax, mean, std, scale in ((losses, "mean", "std", 1), (gaps, "gap_mean", "gap_std", 100)):
             middle = [scale * m for m in rows[mean]]
             spread = [scale * s for s in rows[std]]
@@ -172,7 +172,7 @@ def plot(runs: dict[str, dict[int, dict]], out: Path) -> None:
             high = [m + s for m, s in zip(middle, spread, strict=True)]
             ax.fill_between(rows["steps"], low, high, alpha=0.15, color=line.get_color())
     losses.set_ylabel("validation loss (mean ± std over seeds)")
-    gaps.set_ylabel("paired gap to ZeRO-3, % (mean ± std over seeds)")
+    gaps.set_ylabel(f"paired gap to {base_name}, % (mean ± std over seeds)")
     for ax in (losses, gaps):
         ax.set_xlabel("step")
     losses.legend()

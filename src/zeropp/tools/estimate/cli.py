@@ -40,6 +40,7 @@ ZERO_FLAGS = (
     "stage", "precision", "grad_dtype", "gradient_accumulation_steps", "persistence_threshold", "shard_alignment",
     "reduce_bucket_numel", "quantized_weights", "weight_bits", "weight_block_size", "weight_quantization",
     "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks",
+    "quantized_nontrainable_weights", "nontrainable_weight_bits",
 )  # fmt: skip
 MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
@@ -75,6 +76,16 @@ def _param_count(text: str) -> int:
     return int(value)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a number in [0, 1), e.g. 0.99")
+    return value
+
+
 def _at_least(minimum: int):
     def parse(text: str) -> int:
         if not text.isdigit() or int(text) < minimum:
@@ -101,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--params", type=_param_count, metavar="N", help="parameter count Ψ, one flat unit (7.5e9)")
     model.add_argument("--config", type=Path, help="a zeropp TOML/JSON config: its zero, model and topology keys")
     add_config_flags(model, MODEL_FLAGS)
+    model.add_argument(
+        "--frozen-fraction", type=_fraction, default=0.0, metavar="F",
+        help="share of every unit's parameters that is frozen, a LoRA run's base (0.99); no gradient, master or "
+        "optimizer state; at stage 3 sharded and gathered per use (--quantized-nontrainable-weights: stored quantized)",
+    )  # fmt: skip
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--world", type=_at_least(1), metavar="N", help="ranks (GPUs) in all")
     nodes = cluster.add_mutually_exclusive_group()
@@ -205,6 +221,7 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         optimizer_bytes=args.optimizer_state_bytes,
         tensor_parallel=tp,
         activations=activations,
+        frozen_fraction=args.frozen_fraction,
     )
     result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth)
     result["model"] = {"params": args.params} if args.params is not None else dataclasses.asdict(config.model)

@@ -5,6 +5,11 @@ secondary copy) on the padded unit sizes the engine allocates, plus the activati
 (:class:`~zeropp.costs.memory.Activations`, ZeRO-R); bytes are :mod:`zeropp.costs.volume`'s transfers
 (what the ledger records); time is the busiest link of each kind without overlap (docs/estimate.md).
 
+A LoRA-style run (``frozen_fraction``) leaves that share of every unit's parameters frozen: no
+gradient, master or optimizer state; at stage 3 sharded in a flat buffer of its own and gathered per
+use (:func:`~zeropp.costs.volume.frozen_transfers`), stored quantized with
+``quantized_nontrainable_weights``; below stage 3 whole on every rank and never sent.
+
 With tensor parallelism (dp x tp ranks) a unit is one tensor-parallel rank's share of it (its split
 weights' local shards plus its whole ones) and the ZeRO formulas run over the dp ranks of a
 data-parallel group: the ZeRO paper's §7, Ψ/N_m per device for model parallelism of N_m.
@@ -21,17 +26,20 @@ from typing import Any
 from zeropp.comm.ledger import Ledger
 from zeropp.config.sections import ModelConfig, ZeroConfig
 from zeropp.costs.memory import BYTES, Activations, analytic_model_state_bytes
-from zeropp.costs.volume import STEP_PHASES, Transfer, step_transfers, zero3_step_bytes
+from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
+from zeropp.zero.options import frozen_quant
 from zeropp.zero.stages import StagePolicy
 
 
 @dataclass(frozen=True)
 class Unit:
-    numel: int
+    numel: int  # trainable
     padded: int
     resident: bool  # not gathered per use: stages 0-2, or at most zero.persistence_threshold elements
+    frozen: int = 0  # frozen parameters (a LoRA run's base)
+    frozen_padded: int = 0  # their flat buffer's padded numel at stage 3, else `frozen`
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class Estimate:
         return sum(u.padded for u in self.units)
 
     @property
+    def frozen_psi(self) -> int:
+        return sum(u.frozen for u in self.units)
+
+    @property
     def model_state_bytes(self) -> float:
         """Per rank. A resident unit at stage 3 keeps whole weights and no secondary copy: stage 2's formula."""
         zero, world = self.zero, self.data_parallel.world_size
@@ -73,6 +85,8 @@ class Estimate:
                 self.optimizer_bytes,
                 1 if u.resident else self.hpz_group_size,
                 qgz_residuals=self.qgz_residual_layout,
+                frozen=u.frozen_padded,
+                frozen_quant=frozen_quant(zero),
             )
             for u in self.units
         )
@@ -120,7 +134,14 @@ class Estimate:
 
     def zero3_bytes(self) -> dict[str, dict[str, float]]:
         """What plain ZeRO-3 would send on the same units ({phase: {link: mean bytes per rank}})."""
-        return zero3_step_bytes([(u.padded, u.resident) for u in self.units], self.data_parallel, self.zero)
+        return zero3_step_bytes(
+            [(u.padded, u.resident) for u in self.units], self.data_parallel, self.zero, self.gathered_frozen
+        )
+
+    @property
+    def gathered_frozen(self) -> list[int]:
+        """The padded frozen numel of every unit that gathers its frozen weights per use (stage 3)."""
+        return [u.frozen_padded for u in self.units if u.frozen and not u.resident and self.zero.stage == 3]
 
     def bytes_of(self, prefix: str) -> float:
         """Bytes per rank and step of the ledger's ops named `prefix`.*: ``tp``, the tensor-parallel
@@ -142,7 +163,9 @@ class Estimate:
     def as_dict(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, Any]:
         mean, zero3 = self.ledger(), self.zero3_bytes()
         return {
-            "params": self.psi,
+            "params": self.psi + self.frozen_psi,
+            "trainable_params": self.psi,
+            "frozen_params": self.frozen_psi,
             "padded_params": self.padded_psi,
             "unit_numels": [u.numel for u in self.units],
             "world_size": self.layout.world_size,
@@ -179,6 +202,7 @@ def estimate(
     optimizer_bytes: int = 8,
     tensor_parallel: int = 1,
     activations: Activations | None = None,
+    frozen_fraction: float = 0.0,
 ) -> Estimate:
     """Estimate one optimizer step of `model` on `world` ranks over `nodes` nodes under `zero`
     (ZeroConfig's defaults when None), with `tensor_parallel` ranks splitting each weight matrix.
@@ -188,6 +212,7 @@ def estimate(
     (:func:`gpt_unit_numels`). `activations`: the transformer's shape per micro-batch and the ZeRO-R
     switches, for the tensor-parallel traffic and the activation checkpoints (None: neither is
     priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master (Adam: 8).
+    `frozen_fraction`: the share of every unit's parameters that is frozen (rounded down).
     Raises ConfigError for a bad combination."""
     zero = zero or ZeroConfig()
     zero.validate()
@@ -197,16 +222,21 @@ def estimate(
     numels = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
     shard_world = dp if zero.stage >= 1 else 1
     policy = StagePolicy.for_stage(zero.stage)
-    units = tuple(
-        Unit(
-            n,
-            FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel,
-            policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none"),
-        )
-        for n in numels
-    )
-    transfers = step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations)
-    return Estimate(units, layout, zero, hpz, optimizer_bytes, tuple(transfers), activations)
+
+    def padded(n: int) -> int:
+        return FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel if n else 0
+
+    units = []
+    for n in numels:
+        frozen = math.floor(frozen_fraction * n)
+        resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
+        units.append(Unit(n - frozen, padded(n - frozen), resident, frozen, padded(frozen) if policy.shard_parameters else frozen))
+    est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations)
+    transfers = [
+        *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations),
+        *frozen_transfers(est.gathered_frozen, layout.data_parallel_layout(), zero, hpz),
+    ]
+    return dataclasses.replace(est, transfers=tuple(transfers))
 
 
 def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
