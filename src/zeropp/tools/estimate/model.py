@@ -73,6 +73,7 @@ class Estimate:
                 self.optimizer_bytes,
                 1 if u.resident else self.hpz_group_size,
                 qgz_residuals=self.qgz_residual_layout,
+                qwd_reference=zero.qwz.delta and not u.resident,
             )
             for u in self.units
         )
