@@ -152,9 +152,9 @@ SCENARIOS = {
     "qwd-int4": dict(QWD, weight_bits=4),
     "qwd-int8-accum2-prefetch2-eval": dict(QWD, gradient_accumulation_steps=2, prefetch=2),
 }
-# largest |w - w_ref| as a fraction of the largest |w_ref - w_start| after 4 SGD steps (test_zeropp's
-# measure; qwZ int8 on the raw weights: 0.007-0.014 there)
-TOLERANCE = {"qwd-int8": 0.01, "qwd-int4": 0.1, "qwd-int8-accum2-prefetch2-eval": 0.01}
+# largest |w - w_ref| as a fraction of the largest |w_ref - w_start| after 4 SGD steps, test_zeropp's measure
+# (measured: int8 0.0009, int4 0.013, accumulation 0.0004; qwZ on the raw weights: int8 0.007-0.014 there)
+TOLERANCE = {"qwd-int8": 0.003, "qwd-int4": 0.04, "qwd-int8-accum2-prefetch2-eval": 0.003}
 
 
 def training_worker() -> dict:
