@@ -74,8 +74,8 @@ class FlatUnit:
     - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
       size), cut when the unit reshards (after its gather completed, so never racing a prefetch) and
       gathered from while the weights are unchanged ([Note: hpZ validity and versioning]).
-    - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives;
-      qWD quantizes its change since ``reference`` instead (:mod:`zeropp.zero.reference`).
+    - qwZ quantizes the compute shard (qWD: its change since ``reference``, :mod:`zeropp.zero.reference`)
+      at every gather over the shard group and dequantizes what arrives.
 
     At stage 3 a unit also holds its modules' frozen parameters (``frozen``, :mod:`zeropp.zero.frozen`),
     gathered and freed with the rest; the buffers above cover the trainable ones only, which may be none.
@@ -152,7 +152,7 @@ class FlatUnit:
             self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
             size = self._secondary_range[1] - self._secondary_range[0]
             self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
-        delta = options.weight_delta and self.secondary_shard is not None and self.params  # qWD
+        delta = options.weight_delta and self.secondary_shard is not None and bool(self.params)  # qWD
         self.reference = WeightReference(self.secondary_shard, self.compute_shard.numel()) if delta else None
 
     def _take_parameters(self, initial_flat: torch.Tensor | None, broadcast: bool) -> torch.Tensor:
