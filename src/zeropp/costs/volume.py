@@ -251,18 +251,25 @@ def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hp
 
 
 def generation_transfers(
-    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, forwards: int, gathered: bool
+    units: Iterable[UnitSize],
+    layout: Layout,
+    zero: ZeroConfig,
+    hpz: int,
+    forwards: int,
+    gathered: bool,
+    *,
+    first: bool = False,
 ) -> Iterator[Transfer]:
     """The weight all-gathers of one ``engine.generate`` call of `forwards` forward passes (one per new
     token), in the ledger's eval phase: every sharded unit once inside ``engine.gathered()``, else once
     per forward. A unit's first gather after its weights changed goes over the world (qwZ: quantized;
-    qWD: :func:`_changed_weights` after a step); with hpZ the later ones stay inside the secondary group.
-    Resident units move nothing."""
+    qWD: :func:`_changed_weights`, `first`: no gather since construction or a load); with hpZ the later
+    ones stay inside the secondary group. Resident units move nothing."""
     compute, across_world = BYTES[zero.precision], _world_crossing(layout)
     for padded, resident in units:
         if resident:
             continue
-        yield from _changed_weights(padded, compute, "eval", layout, zero, hpz, first=False)
+        yield from _changed_weights(padded, compute, "eval", layout, zero, hpz, first)
         for _ in range(0 if gathered else forwards - 1):
             if hpz > 1:
                 yield Transfer("all_gather", "eval", ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
