@@ -2,7 +2,8 @@
 
 - qwZ (:func:`all_gather_quantized`): every rank's block-quantized shard (int8 or int4 data plus
   fp32 scales) is all-gathered and dequantized on arrival, own shard included, so every rank
-  computes with the same weights.
+  computes with the same weights. qWD (:mod:`zeropp.comm.quantized_delta`) gathers the shards'
+  changes the same way (:func:`gather_rows`).
 - qgZ (:func:`reduce_scatter_quantized`): a reduce-scatter-mean made of two all-to-alls. The
   flat gradient (W = X ranks per node * Y nodes slices, slice z owned by rank z) is quantized
   in the send order of :func:`~zeropp.index.flat.qgz_send_order`, exchanged inside the node,
