@@ -58,15 +58,15 @@ def ledger_worker() -> dict:
             engine.backward(engine(x % 256, y % 256))
             assert engine.step()
             steps.append(engine.comm.ledger.as_dict())
-        out[name] = dict(steps=steps, priced=priced, inter=[engine_inter(s) for s in steps])
+        out[name] = dict(steps=steps, priced=priced, inter=[_inter(s) for s in steps])
     return out
 
 
-def engine_inter(ledger: dict) -> float:
+def _inter(ledger: dict) -> float:
     return sum(links.get("inter", 0) for phases in ledger.values() for links in phases.values())
 
 
-def test_qwd_ledger_is_the_traffic_model_and_sends_under_a_sixth_of_zero3_across_nodes():
+def test_qwd_ledger_is_the_traffic_model_and_sends_at_most_0_17_of_zero3s_cross_node_bytes():
     per_rank = run_ranks(ledger_worker, 4, nodes=2)
     for rank, results in enumerate(per_rank):
         for name, got in results.items():
