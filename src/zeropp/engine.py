@@ -104,6 +104,13 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
+        if self.config.qwz.delta and self.groups.secondary is None:  # See [Note: qWD's reference]
+            key = self.config.key("qwz")("quantization")
+            raise ConfigError(
+                f"{key} = 'delta' needs hpZ, which is off on this topology (zero.hpz_partition_size = "
+                f"{self.config.hpz_partition_size}, {self.topology.layout.nodes} node(s)); use 'block' or 'tensor'",
+                key, "delta",
+            )  # fmt: skip
         self.module = model
         # gradient buffers (MD: one buffer, allocated after the first step); allocations counted per step
         self.gradient_buffers = Arena(
@@ -196,6 +203,7 @@ class ZeroEngine:
             allgather_bucket=config.allgather_bucket_numel,
             reduce_bucket=config.reduce_bucket_numel,
             weight_quant=QuantSpec(qwz.bits, qwz.block) if qwz.enabled else None,
+            weight_delta=qwz.delta,
             frozen_quant=frozen_quant(config),
             grad_quant=QuantSpec(qgz.bits, qgz.block_size) if qgz.enabled else None,
             grad_intra_quant=QuantSpec(qgz.intra_node_bits or qgz.bits, qgz.block_size)

@@ -155,6 +155,8 @@ def test_every_flat_key_and_alias_is_still_a_flag():
         ({"offload_params": "cpu"}, "zero.offload_params"),
         ({"offload": {"params": "cpu"}}, "zero.offload.params"),
         ({"weight_block_size": "big"}, "zero.weight_block_size"),
+        ({"quantized_weights": True, "weight_quantization": "delta"}, "zero.weight_quantization"),  # hpZ off
+        ({"qwz": {"enabled": True, "quantization": "delta"}}, "zero.qwz.quantization"),
     ],
 )
 def test_an_error_names_the_key_as_written(zero, key):

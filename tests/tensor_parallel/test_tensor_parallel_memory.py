@@ -141,13 +141,16 @@ def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nod
     estimate's."""
     from zeropp.config.sections import ZEROPP_SWITCHES
 
-    configs = {"zero3": dict(stage=3), "zeropp": dict(stage=3, **ZEROPP_SWITCHES)}
+    qwd = dict(stage=3, **ZEROPP_SWITCHES, weight_bits=4, weight_quantization="delta")  # the second step: changes
+    configs = {"zero3": dict(stage=3), "zeropp": dict(stage=3, **ZEROPP_SWITCHES), "zeropp-qwd": qwd}
     per_rank = run_ranks(one_step_per_config, world=8, nodes=2, configs=configs)
     inter = {}
     for name, zero in configs.items():
         _, est = estimate_for(8, 2, zero)
         for rank, results in enumerate(per_rank):
             assert results[name]["ledger"] == est.ledger(rank).as_dict(), (name, rank)
+            if name == "zeropp-qwd":  # qWD's own rows of the reference beside hpZ's copy
+                assert results[name]["memory"] == est.model_state_bytes, rank
         inter[name] = sum(
             links["inter"]
             for results in per_rank
@@ -157,6 +160,6 @@ def test_zeropp_with_tensor_parallel_sends_at_most_a_quarter_of_zero3_across_nod
     intra, across, secondary = per_rank[0]["zeropp"]["groups"]
     assert (intra, across, secondary) == ((0, 2), (0, 4), (0, 2))  # rank 0's data-parallel group is 0, 2, 4, 6
     assert per_rank[3]["zeropp"]["groups"] == ((1, 3), (3, 7), (1, 3))
-    ratio = inter["zeropp"] / inter["zero3"]
-    print(f"cross-node bytes, ZeRO++ / ZeRO-3 with tp 2 on 2 nodes x 4 (fp32): {ratio:.4f}")
-    assert 0 < ratio <= 0.25
+    ratio, qwd_ratio = inter["zeropp"] / inter["zero3"], inter["zeropp-qwd"] / inter["zero3"]
+    print(f"cross-node bytes / ZeRO-3's with tp 2 on 2 nodes x 4 (fp32): ZeRO++ {ratio:.4f}, int4 qWD {qwd_ratio:.4f}")
+    assert 0 < qwd_ratio < ratio <= 0.25

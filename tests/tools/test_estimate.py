@@ -222,6 +222,23 @@ def test_lora_memory_and_bytes_by_hand():
     assert stage2.ledger().total(op="all_gather") == 4 * trainable * 3 / 4  # the updated trainable weights
 
 
+def test_qwd_bytes_by_hand():
+    """The same unit with int4 qWD: the forward gather is the reference inside the node (bf16, hpZ's group
+    of 2) and the int4 changes over the 4 ranks; the first step after construction or a load gathers the
+    bf16 weights over the 4 ranks instead. Rank 1's ring successor is on the other node."""
+    from zeropp.costs.volume import step_transfers
+
+    zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, weight_bits=4, weight_quantization="delta")
+    units, layout, shard = [(2**16, False)], Layout(4, 2), 2**14
+    later = [t for t in step_transfers(units, layout, zero, 2) if t.op == "all_gather" and t.phase == "forward"]
+    first = [t for t in step_transfers(units, layout, zero, 2, first=True) if t.op == "all_gather" and t.phase == "forward"]
+    reference, changes = 2 * 2**16 // 2, 3 * (shard // 2 + 4 * shard // 256)
+    assert [(t.sent, t.crosses(1, layout)) for t in later] == [(reference, False), (3 * shard // 2, True), (3 * 4 * shard // 256, True)]
+    assert sum(t.sent for t in later) == reference + changes
+    assert [(t.sent, t.crosses(1, layout)) for t in first] == [(3 * 2 * shard, True)]
+    assert estimate(2**16, 4, 2, zero).ledger(rank=1).total(op="all_gather", phase="forward", link="inter") == changes
+
+
 def test_time_model_is_the_busiest_link_of_each_kind_without_overlap():
     est = estimate(2**20, 8, 2, ZeroConfig(stage=3))
     ring = ring_bytes(4 * 2**20, 8)

@@ -77,7 +77,10 @@ def zeropp_worker(zero: dict) -> dict:
         tokens = engine.generate(
             input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, gathered=gathered
         )
-        transfers = generation_transfers(units, topology.layout, config, engine.hpz_group_size, NEW_TOKENS, gathered)
+        # the first pass is the first gather since construction (qWD: the full weights)
+        transfers = generation_transfers(
+            units, topology.layout, config, engine.hpz_group_size, NEW_TOKENS, gathered, first=not gathered
+        )
         out[gathered] = (
             tokens,
             engine.comm.ledger.total(op="all_gather", phase="eval"),
@@ -86,9 +89,14 @@ def zeropp_worker(zero: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("zero", [dict(quantized_weights=True), dict(hpz_partition_size=2)], ids=["qwz", "hpz"])
-def test_with_qwz_or_hpz_both_modes_give_the_same_tokens_and_the_formulas_bytes(zero):
-    for result in run_ranks(zeropp_worker, 2, zero=zero):
+QWD = dict(quantized_weights=True, weight_bits=4, weight_quantization="delta", hpz_partition_size=0)
+
+
+@pytest.mark.parametrize(
+    "zero, world", [(dict(quantized_weights=True), 2), (dict(hpz_partition_size=2), 2), (QWD, 4)], ids=["qwz", "hpz", "qwd"]
+)
+def test_with_qwz_or_hpz_both_modes_give_the_same_tokens_and_the_formulas_bytes(zero, world):
+    for result in run_ranks(zeropp_worker, world, nodes=world // 2, zero=zero):
         assert torch.equal(result[True][0], result[False][0])
         for _, ledger, formula in result.values():
             assert ledger == formula > 0

@@ -403,6 +403,7 @@ class Trainer:
                 zero.grad_dtype,
                 optimizer_bytes=4 if zero.optimizer_state_dtype == "bf16" else 8,
                 hpz_group_size=engine.hpz_group_size,
+                qwd_reference=zero.qwz.delta,
                 offload_optimizer=zero.offload.optimizer != "none",
                 offload_params=zero.offload.params != "none",
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them

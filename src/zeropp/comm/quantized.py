@@ -2,7 +2,8 @@
 
 - qwZ (:func:`all_gather_quantized`): every rank's block-quantized shard (int8 or int4 data plus
   fp32 scales) is all-gathered and dequantized on arrival, own shard included, so every rank
-  computes with the same weights.
+  computes with the same weights. qWD (:mod:`zeropp.comm.quantized_delta`) gathers the shards'
+  changes the same way (:func:`gather_rows`).
 - qgZ (:func:`reduce_scatter_quantized`): a reduce-scatter-mean made of two all-to-alls. The
   flat gradient (W = X ranks per node * Y nodes slices, slice z owned by rank z) is quantized
   in the send order of :func:`~zeropp.index.flat.qgz_send_order`, exchanged inside the node,
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,22 +76,44 @@ def all_gather_quantized(
     result is waited for.
     """
     n, width = group.size, shard.numel()
-    with _on(stream):
+    with on_stream(stream):
         if stream is not None:  # e.g. an offloaded shard staged on the caller's stream, which may free it
             shard.record_stream(stream)
-        message = joined(kernels.quantize(shard.view(1, -1), spec), messages)
-        gathered = messages.take((n, message.shape[-1]), out.device)
+        quantized = kernels.quantize(shard.view(1, -1), spec)
+
+    def land(received: Quantized) -> None:
+        kernels.dequantize(received, out.dtype, out=out.view(n, width))
+
+    return gather_rows(comm, quantized, group, land, bucket_numel=bucket_numel, async_op=async_op, stream=stream)
+
+
+def gather_rows(
+    comm: Communicator,
+    row: Quantized,
+    group: Group,
+    land: Callable[[Quantized], None],
+    *,
+    bucket_numel: int,
+    async_op: bool = False,
+    stream: torch.cuda.Stream | None = None,
+) -> Pending:
+    """Gather every group rank's quantized `row` (one ``joined`` message each; with a CUDA `stream`, issued
+    on it), then hand the group's rows to `land` on the caller's stream; the messages go back to the pool."""
+    n, device = group.size, row.data.device
+    with on_stream(stream):
+        message = joined(row, messages)
+        gathered = messages.take((n, message.shape[-1]), device)
         works = [comm.all_gather(gathered, message.view(-1), group, bucket_numel=bucket_numel, async_op=True)]
 
-    def land() -> None:
+    def finish() -> None:
         if stream is not None:
-            consumer = torch.cuda.current_stream(out.device)
+            consumer = torch.cuda.current_stream(device)
             consumer.wait_stream(stream)
             gathered.record_stream(consumer)  # allocated on the side stream, read on this one
-        kernels.dequantize(split(gathered, width, spec), out.dtype, out=out.view(n, width))
+        land(split(gathered, row.n, row.spec))
         messages.give_back(message, gathered)
 
-    pending = Pending(works, land)
+    pending = Pending(works, finish)
     if not async_op:
         pending.wait()
     return pending
@@ -202,7 +226,7 @@ def split(messages: torch.Tensor, n: int, spec: QuantSpec) -> Quantized:
     return Quantized(messages[:, scale_bytes:].view(spec.data_dtype), scales, n, spec)
 
 
-def _on(stream: torch.cuda.Stream | None):
+def on_stream(stream: torch.cuda.Stream | None):
     """Issue work on `stream` after what the current stream has queued (its input is ready then)."""
     if stream is None:
         return contextlib.nullcontext()

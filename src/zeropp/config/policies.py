@@ -42,14 +42,21 @@ class QuantizedWeights:
     enabled: bool = setting(False, "qwZ (ZeRO++, stage 3): all-gather weights block-quantized")
     bits: Literal[8, 4] = setting(8, "qwZ: bits per quantized weight")
     block_size: int = setting(256, "qwZ: weights per quantization block (one scale each)")
-    quantization: Literal["block", "tensor"] = setting(
-        "block", "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline)"
+    quantization: Literal["block", "tensor", "delta"] = setting(
+        "block",
+        "qwZ: block, one scale per block; tensor, one per shard (the comparison baseline); delta, qWD: the change "
+        "since the last gathered weights in blocks (needs hpZ), the first gather after construction or a load unquantized",
     )
 
     @property
     def block(self) -> int | None:
         """Weights per scale: the block size, or None for one scale per shard."""
-        return self.block_size if self.quantization == "block" else None
+        return None if self.quantization == "tensor" else self.block_size
+
+    @property
+    def delta(self) -> bool:
+        """Whether qwZ gathers the weights' change since the last gather (qWD) instead of the weights."""
+        return self.enabled and self.quantization == "delta"
 
     def validate(self, name: Name) -> None:
         check_choices(self, "", name)

@@ -170,6 +170,13 @@ class ZeroConfig:
             self.hpz_partition_size,
             "an integer >= 0 (1: off, 0: the ranks of one node, N: groups of N ranks)",
         )
+        if self.qwz.delta:  # See [Note: qWD's reference] (docs/design.md)
+            require(
+                self.hpz_partition_size != 1,
+                self.key("qwz")("quantization"),
+                "delta",
+                "'block' or 'tensor' unless hpZ is on (zero.hpz_partition_size 0 or > 1: qWD's reference is hpZ's copy)",
+            )
         if self.stage != 3:
             for key, value, off in (
                 (self.key("qwz")("enabled"), self.qwz.enabled, False),

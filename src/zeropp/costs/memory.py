@@ -14,7 +14,8 @@ stage 3   pΨ/N + gΨ/N + KΨ/N
 With bf16/fp16 and Adam this is the paper's 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N. With fp32,
 stages 1 and 2 keep a separate fp32 master shard beside the full fp32 parameters (K = 12).
 hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary groups of H ranks
-(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16). ZeRO-Offload moves KΨ/N (the master and optimizer state;
+(ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16); qWD keeps this rank's rows of its reference beside it, pΨ/N
+more (the whole reference is hpZ's copy). ZeRO-Offload moves KΨ/N (the master and optimizer state;
 the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
 units being gathered.
@@ -72,6 +73,7 @@ def analytic_model_state_bytes(
     qgz_residuals: tuple[int, int, bool] | None = None,
     frozen: int = 0,
     frozen_quant: QuantSpec | None = None,
+    qwd_reference: bool = False,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
@@ -79,7 +81,8 @@ def analytic_model_state_bytes(
     bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
     `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
     feedback is on; `frozen`: Ψf; `frozen_quant`: how the frozen shards are stored at stage 3 (None: the
-    compute dtype)."""
+    compute dtype); `qwd_reference`: qWD's own rows of the reference, p Ψ/N on top of hpZ's copy (See
+    [Note: qWD's reference])."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
@@ -91,6 +94,7 @@ def analytic_model_state_bytes(
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
     secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
+    secondary += p * psi / n if qwd_reference and stage >= 3 else 0
     disk = states if optimizer_on_disk else 0
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0

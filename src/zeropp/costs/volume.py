@@ -83,15 +83,22 @@ def ring_crossing(group_size: int, ranks_per_node: int) -> float:
 
 
 def step_transfers(
-    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, activations: Activations | None = None
+    units: Iterable[UnitSize],
+    layout: Layout,
+    zero: ZeroConfig,
+    hpz: int,
+    activations: Activations | None = None,
+    *,
+    first: bool = False,
 ) -> Iterator[Transfer]:
     """The engine's collectives in one step on the (data-parallel x tensor-parallel) `layout`:
     :func:`unit_transfers` over a data-parallel group, the tensor-parallel traffic of `activations`
     (:func:`activation_transfers`; None: no tensor-parallel traffic is priced), then the step's
     scalars (the gradient norm, and fp16's overflow check: one fp32 all-reduce each, over the ranks
-    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group)."""
+    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group).
+    `first`: the step after construction or a load (qWD sends the full weights then)."""
     tp = layout.tensor_parallel_size
-    yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz)
+    yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz, first=first)
     if activations is not None:
         micro = zero.gradient_accumulation_steps
         yield from activation_transfers(activations, tp, BYTES[zero.precision], micro)
@@ -189,13 +196,16 @@ def activation_transfers(activations: Activations, tp: int, element_bytes: int, 
                 yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
 
 
-def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
+def unit_transfers(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, *, first: bool = False
+) -> Iterator[Transfer]:
     """Every unit's collectives in one step, `hpz` the secondary group size (1: off).
 
     Stage 0 all-reduces gradients once per step; stage 1 reduce-scatters them once per step and stage 2
     and 3 every micro-batch; resident units all-gather the updated weights in the step. A sharded unit
-    gathers in forward and backward of every micro-batch: over the world (qwZ: quantized), or, with hpZ,
-    inside its secondary group in the compute dtype once the step's first forward has cut the copy.
+    gathers in forward and backward of every micro-batch: over the world (qwZ: quantized; qWD:
+    :func:`_changed_weights`, `first`: the step after construction or a load), or, with hpZ, inside its
+    secondary group in the compute dtype once the step's first forward has cut the copy.
     """
     world, per_node = layout.world_size, layout.ranks_per_node
     compute, grad = BYTES[zero.precision], BYTES[zero.grad_dtype or zero.precision]
@@ -215,7 +225,7 @@ def unit_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, 
                 if hpz > 1 and (index, phase) != (0, "forward"):
                     yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, per_node))
                 else:
-                    yield from _gather_weights(padded, compute, phase, world, across_world, zero)
+                    yield from _changed_weights(padded, compute, phase, layout, zero, hpz, first)
 
 
 def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hpz: int) -> Iterator[Transfer]:
@@ -242,17 +252,25 @@ def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hp
 
 
 def generation_transfers(
-    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, hpz: int, forwards: int, gathered: bool
+    units: Iterable[UnitSize],
+    layout: Layout,
+    zero: ZeroConfig,
+    hpz: int,
+    forwards: int,
+    gathered: bool,
+    *,
+    first: bool = False,
 ) -> Iterator[Transfer]:
     """The weight all-gathers of one ``engine.generate`` call of `forwards` forward passes (one per new
     token), in the ledger's eval phase: every sharded unit once inside ``engine.gathered()``, else once
-    per forward. A unit's first gather after its weights changed goes over the world (qwZ: quantized);
-    with hpZ the later ones stay inside the secondary group. Resident units move nothing."""
+    per forward. A unit's first gather after its weights changed goes over the world (qwZ: quantized;
+    qWD: :func:`_changed_weights`, `first`: no gather since construction or a load); with hpZ the later
+    ones stay inside the secondary group. Resident units move nothing."""
     compute, across_world = BYTES[zero.precision], _world_crossing(layout)
     for padded, resident in units:
         if resident:
             continue
-        yield from _gather_weights(padded, compute, "eval", layout.world_size, across_world, zero)
+        yield from _changed_weights(padded, compute, "eval", layout, zero, hpz, first)
         for _ in range(0 if gathered else forwards - 1):
             if hpz > 1:
                 yield Transfer("all_gather", "eval", ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
@@ -297,6 +315,22 @@ def zero3_step_bytes(
 
 def _world_crossing(layout: Layout) -> float:
     return ring_crossing(layout.world_size, layout.ranks_per_node)
+
+
+def _changed_weights(
+    padded: int, compute: int, phase: str, layout: Layout, zero: ZeroConfig, hpz: int, first: bool
+) -> Iterator[Transfer]:
+    """A sharded unit's gather after its weights changed: over the world (qwZ: quantized). With qWD
+    (See [Note: qWD's reference]) the reference inside the secondary group in the compute dtype and each
+    rank's change quantized over the world (qwZ's bytes), or, on the `first` gather after construction
+    or a load, the full weights unquantized over the world."""
+    world, crossing = layout.world_size, _world_crossing(layout)
+    if zero.qwz.delta:
+        if first:
+            yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
+            return
+        yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
+    yield from _gather_weights(padded, compute, phase, world, crossing, zero)
 
 
 def _gather_weights(

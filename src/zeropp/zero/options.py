@@ -24,6 +24,7 @@ class UnitOptions:
     allgather_bucket: int
     reduce_bucket: int
     weight_quant: QuantSpec | None = None  # qwZ: gather weights over the shard group quantized
+    weight_delta: bool = False  # qWD: qwZ gathers the change since the last gather (zero.reference)
     frozen_quant: QuantSpec | None = None  # frozen parameters' shards stored quantized once (stage 3)
     grad_quant: QuantSpec | None = None  # qgZ: reduce gradients by quantized hierarchical all-to-all
     grad_intra_quant: QuantSpec | None = None  # qgZ's intra-node hop (None: unquantized)

@@ -34,6 +34,7 @@ from zeropp.zero.dtensor_params import is_split, local_tensor, point_at
 from zeropp.zero.frozen import FrozenWeights
 from zeropp.zero.gather import start_weight_gather
 from zeropp.zero.options import UnitOptions
+from zeropp.zero.reference import WeightReference
 from zeropp.zero.stages import StagePolicy
 
 _RELEASED = torch.empty(0)
@@ -73,7 +74,8 @@ class FlatUnit:
     - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
       size), cut when the unit reshards (after its gather completed, so never racing a prefetch) and
       gathered from while the weights are unchanged ([Note: hpZ validity and versioning]).
-    - qwZ quantizes the compute shard at every gather over the shard group and dequantizes what arrives.
+    - qwZ quantizes the compute shard (qWD: its change since ``reference``, :mod:`zeropp.zero.reference`)
+      at every gather over the shard group and dequantizes what arrives.
 
     At stage 3 a unit also holds its modules' frozen parameters (``frozen``, :mod:`zeropp.zero.frozen`),
     gathered and freed with the rest; the buffers above cover the trainable ones only, which may be none.
@@ -150,6 +152,8 @@ class FlatUnit:
             self._secondary_range = secondary_range(self.layout.padded_numel, secondary.size, secondary.rank)
             size = self._secondary_range[1] - self._secondary_range[0]
             self.secondary_shard = torch.empty(size, dtype=compute_dtype, device=device)
+        delta = options.weight_delta and self.secondary_shard is not None and bool(self.params)  # qWD
+        self.reference = WeightReference(self.secondary_shard, self.compute_shard.numel()) if delta else None
 
     def _take_parameters(self, initial_flat: torch.Tensor | None, broadcast: bool) -> torch.Tensor:
         """The parameters' values as one fp32 flat buffer on the device; the parameters' own copies are
@@ -222,7 +226,9 @@ class FlatUnit:
 
     def _start_gather(self) -> Pending:
         secondary = self.secondary_shard if self.secondary_valid else None
-        return start_weight_gather(self.comm, self.options, self.groups, self.compute_flat, self.compute_shard, secondary)
+        return start_weight_gather(
+            self.comm, self.options, self.groups, self.compute_flat, self.compute_shard, secondary, self.reference
+        )
 
     # See [Note: hpZ validity and versioning] (docs/design.md)
     @property
@@ -241,6 +247,8 @@ class FlatUnit:
             start, stop = self._secondary_range
             self.secondary_shard.copy_(self.compute_flat[start:stop])
             self._secondary_version = self.version
+            if self.reference is not None:  # See [Note: qWD's reference] (docs/design.md)
+                self.reference.record(self.shard_of(self.compute_flat), self.version)
         # See [Note: the storage-resize trick]
         self.compute_flat.untyped_storage().resize_(0)
         if self.frozen is not None:
@@ -455,6 +463,8 @@ class FlatUnit:
     def load_master_shard(self, shard: torch.Tensor) -> None:
         """Set this rank's fp32 master shard and make every copy of the weights follow it."""
         self.reshard()
+        if self.reference is not None:
+            self.reference.forget()
         self.master.data.copy_(shard)
         self.publish_master()
 
@@ -483,7 +493,8 @@ class FlatUnit:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor this unit keeps (for measured model-state bytes)."""
-        kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard)
+        reference = self.reference.shard if self.reference is not None else None
+        kept = (self.master.data, self.compute_flat, self.compute_shard, self.secondary_shard, reference)
         residuals = self.error_feedback.residuals.values() if self.error_feedback is not None else ()
         frozen = self.frozen.state_tensors() if self.frozen is not None else ()
         return [t for t in (*kept, self.grad_flat, self.grad_shard, *residuals, *frozen) if t is not None]

@@ -11,7 +11,9 @@ runs of one seed are paired: their differences are the configurations', not the 
 - ZeRO++ with qgZ for the first half of the run and a full-precision reduce-scatter after (the
   paper's schedule);
 - ZeRO-3 with Adam's moments stored in bf16 (``--optimizer-state-dtype bf16``: 12 bytes of model
-  states per parameter instead of 16).
+  states per parameter instead of 16);
+- with the best gradient path (error feedback, two-level qgZ, Hadamard) and hpZ: qwZ int4 on the raw
+  weights, and qWD (``--weight-quantization delta``: the weights' change since the last gather) int4 and int8.
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -44,6 +46,13 @@ from zeropp.tools.bench.weight_error import base_config, measure
 # leaves it at a step that depends on chance.
 LR, WARMUP_STEPS, STEPS = 1e-3, 50, 300
 
+# ZeRO++ with the best gradient path today: qgZ's error feedback and two-level qgZ with the Hadamard rotation
+BEST_QGZ = {
+    **ZEROPP_SWITCHES,
+    "gradient_error_feedback": "loco",
+    "gradient_intra_node_bits": 8,
+    "gradient_hadamard": True,
+}
 CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3": ZEROPP_OFF,
     "ZeRO++": ZEROPP_SWITCHES,
@@ -52,6 +61,9 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++ unquantized intra-node hop": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 0},
     "ZeRO++ qgZ first half": {**ZEROPP_SWITCHES, "quantized_gradients_until": 0.5},
     "ZeRO-3 + bf16 optimizer states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16"},
+    "ZeRO++ int4 qwZ": {**BEST_QGZ, "weight_bits": 4},
+    "ZeRO++ int4 qWD": {**BEST_QGZ, "weight_bits": 4, "weight_quantization": "delta"},
+    "ZeRO++ int8 qWD": {**BEST_QGZ, "weight_quantization": "delta"},
 }
 
 

@@ -87,6 +87,7 @@ class Estimate:
                 qgz_residuals=self.qgz_residual_layout,
                 frozen=u.frozen_padded,
                 frozen_quant=frozen_quant(zero),
+                qwd_reference=zero.qwz.delta and not u.resident,
             )
             for u in self.units
         )

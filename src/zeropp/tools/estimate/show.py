@@ -51,7 +51,7 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         f"{zero.stage} / {zero.precision} (gradients {zero.grad_dtype or zero.precision}), "
         f"{zero.gradient_accumulation_steps} micro-batch(es) per step",
     )
-    switches = [f"qwZ int{zero.qwz.bits}"] if zero.qwz.enabled else []
+    switches = [f"{'qWD' if zero.qwz.delta else 'qwZ'} int{zero.qwz.bits}"] if zero.qwz.enabled else []
     switches += [f"hpZ (groups of {est.hpz_group_size})"] if est.hpz_group_size > 1 else []
     switches += [f"qgZ int{zero.qgz.bits}"] if zero.qgz.enabled else []
     head.add_row("ZeRO++", ", ".join(switches) or "off")
