@@ -84,15 +84,53 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, run):
     assert (config.r, config.lora_alpha, sorted(config.target_modules), config.lora_dropout) == (
         4, 8, ["q_proj", "v_proj"], 0.1
     )  # fmt: skip
-    # the frozen base is the folder's weights rounded to int8: at most half a step of the largest scale
-    # (a block of the flat buffer may cross parameters: the norms' ones set the scale of their neighbours)
+    # the checkpoint references the base folder (hashed from its files: the engine's int8 base is not them)
+    # instead of copying it; a full export reads the base back from the folder, unchanged
+    meta = json.loads((tmp_path / "ck" / "step-00000002" / "zeropp.json").read_text())
+    assert meta["frozen_base"]["path"] == str(base.resolve()) and meta["frozen_base"]["hashed"] == "files"
     _, state = consolidated_state(tmp_path / "ck" / "step-00000002")
     weights = load_file(base / "model.safetensors")
-    half_step = max(w.abs().max() for w in weights.values()) / 127 / 2 * (1 + 1e-6)
     for name, value in weights.items():
         adapted = any(f"{t}.weight" in name for t in ("q_proj", "v_proj"))
         ours = state["base_model.model." + (name.replace(".weight", ".base_layer.weight") if adapted else name)]
-        assert (ours - value).abs().max() <= half_step, name
+        assert torch.equal(ours, value), name
+    # the checkpoint holds the adapters' weights and optimizer states (and the ranks' RNG), not the base
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ck" / "step-00000002")).read_metadata().state_dict_metadata
+    assert {k for k in saved if not k.startswith("rng.")} == {
+        f"{kind}.{name}{suffix}" for name in trained for kind, suffix in
+        (("model", ""), ("optim", ".exp_avg"), ("optim", ".exp_avg_sq"), ("optim", ".step"))
+    }  # fmt: skip
+
+
+def test_lora_run_resumes_from_its_referenced_base(inputs, run, tmp_path):
+    """One more step from the run's checkpoint: the base is read from the folder again and checked by
+    its hash; a changed base folder is refused in one line."""
+    args = (
+        "train", "--hf-model", str(inputs / "base"), "--data", str(inputs / "corpus.txt"), "--block-size", "32",
+        *LORA, "--quantized-nontrainable-weights", "--steps", "3", "--eval-interval", "3", "--eval-batches", "1",
+        "--micro-batch-size", "2", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+        "--resume", str(run / "ck" / "step-00000002"),
+    )  # fmt: skip
+    result = run_cli(*args, "--master-port", str(free_port()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "ck" / "step-00000003").is_dir()
+    changed = tmp_path / "changed"
+    shutil.copytree(inputs / "base", changed)
+    checkpoint = tmp_path / "moved"
+    shutil.copytree(run / "ck" / "step-00000002", checkpoint)
+    meta = json.loads((checkpoint / "zeropp.json").read_text())
+    meta["frozen_base"]["path"] = str(changed)
+    (checkpoint / "zeropp.json").write_text(json.dumps(meta))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(changed / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    refused = run_cli(*args[:-1], str(checkpoint), "--master-port", str(free_port()))
+    assert refused.returncode != 0
+    assert "changed since the checkpoint was saved (sha256)" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_resume_refuses_other_lora_keys_and_reads_a_checkpoint_from_before_them(inputs, run, tmp_path):

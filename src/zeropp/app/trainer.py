@@ -137,6 +137,8 @@ class Trainer:
         weights = config.train.init_from or self.source.weights
         if weights is not None:  # a LoRA run's adapters keep their initial values
             load_pretrained(self.engine, weights, base_only=adapters)
+        # a LoRA run's checkpoints reference the base folder it read instead of copying the base
+        self.frozen_base = weights if adapters and config.train.init_from is None else None
         self.start_step = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self.checkpoints: list[CheckpointRecord] = []
@@ -181,7 +183,9 @@ class Trainer:
         extra = {"config": self.config.to_dict(), **self.source.checkpoint_extra}
         tick = time.perf_counter()
         with self.engine.comm.ledger.in_phase("other"):
-            path = save_checkpoint(self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last)
+            path = save_checkpoint(
+                self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last, frozen_base=self.frozen_base
+            )
         seconds = time.perf_counter() - tick
         size = sum(f.stat().st_size for f in path.iterdir())
         self.checkpoints.append(CheckpointRecord(steps_done, str(path), size, seconds))

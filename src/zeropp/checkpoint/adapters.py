@@ -6,7 +6,10 @@ trainable parameters' masters and optimizer states and the buffers, not the froz
 zeropp.json's ``frozen_base`` holds the path, the frozen parameters' names and shapes and the sha256
 of their values (:func:`digest`). Loading checks the engine's frozen parameters against that hash;
 a full export reads them from the path (peft's names for base weights mapped to the base's own:
-:func:`base_name`) and checks them the same way.
+:func:`base_name`) and checks them the same way. Where the engine stores its frozen weights
+quantized (``quantized_nontrainable_weights``) its values are not the path's, and depend on the
+shard layout: the hash is then the path's own values' (``hashed: "files"``, read at every save),
+and loading checks the path against it.
 
 A PEFT model (the engine's module has ``peft_config``) records its active adapter's config in
 zeropp.json (``adapter``, :func:`adapter_meta`), which ``zeropp export --adapter-only`` writes as
@@ -45,8 +48,11 @@ def digest(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> str:
     return sha.hexdigest()
 
 
-def base_reference(units: list[FlatUnit], module: nn.Module, path: str | Path, precision: str) -> dict[str, Any]:
-    """zeropp.json's ``frozen_base``: the path, the frozen parameters' shapes and their sha256."""
+def base_reference(
+    units: list[FlatUnit], module: nn.Module, path: str | Path, precision: str, quantized: bool = False
+) -> dict[str, Any]:
+    """zeropp.json's ``frozen_base``: the path, the frozen parameters' shapes and their sha256 (with
+    `quantized` frozen weights, of the values at the path)."""
     frozen = frozen_parameters(units, module)
     if not frozen:
         raise CheckpointError(
@@ -56,16 +62,19 @@ def base_reference(units: list[FlatUnit], module: nn.Module, path: str | Path, p
         raise CheckpointError(
             f"frozen_base {str(path)!r} does not exist; expected the base model's safetensors file or folder"
         )
-    return {
-        "path": str(Path(path).resolve()),
-        "params": {name: list(t.shape) for name, t in frozen.items()},
-        "sha256": digest(frozen, DTYPES[precision]),
-    }
+    reference = {"path": str(Path(path).resolve()), "params": {name: list(t.shape) for name, t in frozen.items()}}
+    if not quantized:
+        return {**reference, "sha256": digest(frozen, DTYPES[precision])}
+    return {**reference, "hashed": "files", "sha256": digest(_read_frozen(reference, precision), torch.float32)}
 
 
 def check_base(units: list[FlatUnit], module: nn.Module, meta: dict[str, Any], checkpoint: str | Path) -> None:
-    """Refuse (one line) an engine whose frozen parameters are not the checkpoint's base."""
+    """Refuse (one line) an engine whose frozen parameters are not the checkpoint's base (a base hashed
+    from its files: the files are checked)."""
     reference = meta["frozen_base"]
+    if reference.get("hashed") == "files":
+        read_base(meta)
+        return
     if digest(frozen_parameters(units, module), DTYPES[meta["precision"]]) != reference["sha256"]:
         raise CheckpointError(
             f"checkpoint {str(checkpoint)!r} was trained on the frozen base {reference['path']!r}; "
@@ -77,6 +86,14 @@ def read_base(meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The frozen parameters of a checkpoint's ``frozen_base`` read from its path, in fp32, checked
     against its sha256."""
     reference = meta["frozen_base"]
+    tensors = _read_frozen(reference, meta["precision"])
+    if digest(tensors, torch.float32) != reference["sha256"]:
+        raise CheckpointError(f"the frozen base {reference['path']!r} changed since the checkpoint was saved (sha256)")
+    return tensors
+
+
+def _read_frozen(reference: dict[str, Any], precision: str) -> dict[str, torch.Tensor]:
+    """The referenced frozen parameters as stored at the path, rounded to `precision`, in fp32."""
     try:
         files = weight_files(reference["path"])
     except PretrainedError as error:
@@ -87,9 +104,7 @@ def read_base(meta: dict[str, Any]) -> dict[str, torch.Tensor]:
         if key is None:
             raise CheckpointError(f"the checkpoint's frozen base {reference['path']!r} holds no {base_name(name)!r}")
         with open_safetensors(files[key]) as handle:
-            tensors[name] = handle.get_tensor(key).to(DTYPES[meta["precision"]]).float()
-    if digest(tensors, torch.float32) != reference["sha256"]:
-        raise CheckpointError(f"the frozen base {reference['path']!r} changed since the checkpoint was saved (sha256)")
+            tensors[name] = handle.get_tensor(key).to(DTYPES[precision]).float()
     return tensors
 
 

@@ -153,7 +153,8 @@ def save_checkpoint(
     rank = engine.topology.rank
     base = None
     if frozen_base is not None:
-        base = adapters.base_reference(engine.units, engine.module, frozen_base, engine.config.precision)
+        quantized = engine.config.quantized_nontrainable_weights
+        base = adapters.base_reference(engine.units, engine.module, frozen_base, engine.config.precision, quantized)
     _refuse_non_finite(engine, final)
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
