@@ -55,7 +55,7 @@ from zeropp.zero.grouping import group_parameters, innermost_units, refuse_exper
 from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.options import UnitOptions, frozen_quant
+from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
@@ -104,13 +104,7 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
         self.hpz_group_size = self.groups.hpz_group_size
-        if self.config.qwz.delta and self.groups.secondary is None:  # See [Note: qWD's reference]
-            key = self.config.key("qwz")("quantization")
-            raise ConfigError(
-                f"{key} = 'delta' needs hpZ, which is off on this topology (zero.hpz_partition_size = "
-                f"{self.config.hpz_partition_size}, {self.topology.layout.nodes} node(s)); use 'block' or 'tensor'",
-                key, "delta",
-            )  # fmt: skip
+        refuse_qwd_without_hpz(self.config, self.hpz_group_size, self.topology.layout.nodes)
         self.module = model
         # gradient buffers (MD: one buffer, allocated after the first step); allocations counted per step
         self.gradient_buffers = Arena(

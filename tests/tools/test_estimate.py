@@ -222,6 +222,13 @@ def test_lora_memory_and_bytes_by_hand():
     assert stage2.ledger().total(op="all_gather") == 4 * trainable * 3 / 4  # the updated trainable weights
 
 
+def test_qwd_on_one_node_is_refused_as_the_engine_refuses_it():
+    zero = ZeroConfig(stage=3, **ZEROPP_SWITCHES, weight_quantization="delta")
+    with pytest.raises(ConfigError, match=r"^zero.weight_quantization = 'delta' needs hpZ, which is off .* 1 node\(s\)"):
+        estimate(2**16, 4, 1, zero)
+    assert estimate(2**16, 4, 2, zero).hpz_group_size == 2
+
+
 def test_qwd_bytes_by_hand():
     """The same unit with int4 qWD: the forward gather is the reference inside the node (bf16, hpZ's group
     of 2) and the int4 changes over the 4 ranks; the first step after construction or a load gathers the

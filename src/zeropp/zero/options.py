@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
 from zeropp.quant.spec import QuantKernels, QuantSpec
 from zeropp.zero.arena import Arena
 
@@ -48,3 +49,15 @@ def frozen_quant(zero: ZeroConfig) -> QuantSpec | None:
     """How stage 3 stores frozen weights: with ``quantized_nontrainable_weights`` block-quantized to
     ``nontrainable_weight_bits`` with qwZ's blocks; None: in the compute dtype."""
     return QuantSpec(zero.nontrainable_weight_bits, zero.qwz.block) if zero.quantized_nontrainable_weights else None
+
+
+def refuse_qwd_without_hpz(zero: ZeroConfig, hpz_group_size: int, nodes: int) -> None:
+    """qWD's reference is hpZ's secondary copy (See [Note: qWD's reference]): refuse it, in one line,
+    on a topology where hpZ is off."""
+    if zero.qwz.delta and hpz_group_size <= 1:
+        key = zero.key("qwz")("quantization")
+        raise ConfigError(
+            f"{key} = 'delta' needs hpZ, which is off on this topology (zero.hpz_partition_size = "
+            f"{zero.hpz_partition_size}, {nodes} node(s)); use 'block' or 'tensor'",
+            key, "delta",
+        )  # fmt: skip

@@ -29,7 +29,7 @@ from zeropp.costs.memory import BYTES, Activations, analytic_model_state_bytes
 from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
-from zeropp.zero.options import frozen_quant
+from zeropp.zero.options import frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.stages import StagePolicy
 
 
@@ -220,6 +220,7 @@ def estimate(
     layout = Layout(world, nodes, tensor_parallel)
     dp = layout.data_parallel_size
     hpz = layout.hpz_group_size(zero.hpz_partition_size)
+    refuse_qwd_without_hpz(zero, hpz, nodes)  # as the engine does
     numels = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
     shard_world = dp if zero.stage >= 1 else 1
     policy = StagePolicy.for_stage(zero.stage)
