@@ -101,6 +101,22 @@ def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8
     return (depth + 1) * (4 + optimizer_bytes) * largest_unit
 
 
+def disk_params_ring_bytes(largest_shard: int, precision: str, window: int) -> int:
+    """Host bytes of compute shards the parameters' disk tier (offload_params = "nvme") holds at most
+    while the model runs: the unit being gathered and the `window` (``max(offload_buffer_count,
+    prefetch)``) read ahead of it, `largest_shard` elements each on this rank (See [Note: the disk tier's ring])."""
+    return (window + 1) * BYTES[precision] * largest_shard
+
+
+def disk_params_step_bytes(shard_numel: int, precision: str, micro_batches: int, hpz: bool = False) -> tuple[int, int]:
+    """(read, written) bytes of the parameters' disk tier per optimizer step, for `shard_numel` elements
+    on disk on this rank: every gather reads the shard (a forward and a backward per micro-batch), but
+    with hpZ only the first forward after the step does (later gathers read the secondary copy, valid
+    until the weights change); the step writes each shard once."""
+    shard = BYTES[precision] * shard_numel
+    return (shard if hpz else 2 * micro_batches * shard), shard
+
+
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int) -> float:
     """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ, and hop 2's 4Ψ/X across nodes."""
     return 4 * psi + (4 * psi / ranks_per_node if nodes > 1 else 0)

@@ -22,6 +22,7 @@ from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
     from zeropp.zero.disk import DiskTier
+    from zeropp.zero.disk_params import ParamFiles
     from zeropp.zero.unit import FlatUnit
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -82,11 +83,13 @@ def step_units(
     coefficient: torch.Tensor | None,
     host_copies: bool,
     disk: DiskTier | None,
+    params: ParamFiles | None = None,
 ) -> None:
     """Hand each master its fp32 gradient (unscaled, clipped) and step the optimizer over the batches
     of :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
     live in host memory, and every unit's gradient copy there is issued before any is waited for.
-    `disk`: the states stream through the disk tier (See [Note: the disk tier's ring])."""
+    `disk`: the states stream through the disk tier, `params`: the compute shards are written back to
+    theirs (See [Note: the disk tier's ring])."""
     copies: dict[int, torch.Tensor] = {}
     device = units[0].options.device if units else None
     if host_copies:
@@ -111,4 +114,9 @@ def step_units(
         optimizer.step()
         for unit in batch:
             unit.master.grad = None
-            unit.publish_master()
+            if params is not None:
+                params.publish(unit)
+            else:
+                unit.publish_master()
+    if params is not None:
+        params.flush()
