@@ -12,7 +12,7 @@ DeepSpeed's names for it, and returns the zeropp keys set as dotted overrides fo
 - DeepSpeed's bucket sizes count a whole collective's elements, zeropp's one rank's: divided by the world size.
 - Keys that change nothing here (``NOTED``; ZeRO++ and parameter offload below stage 3, which DeepSpeed
   ignores too) are listed in one note; keys zeropp cannot honour are refused in one line saying why
-  (``REFUSED``, and values such as an NVMe offload); any other key with the keys allowed there.
+  (``REFUSED``, and values such as two different NVMe folders); any other key with the keys allowed there.
 - Every error names the key as the file wrote it; one that zeropp's own checks raise later (a range, hpZ's
   node layout) names the zeropp key it set too (:meth:`Translation.worded`).
 - ``train_batch_size`` must equal micro-batch × accumulation steps × world size; one of the three
@@ -256,19 +256,21 @@ class _Reader:
         block = self.block("zero_optimization", ds)
         self.check_keys(where, block)
         device = block.get("device", "none")
-        if device == "nvme" and ours == "offload_params":
-            raise ConfigError(
-                f'DeepSpeed {self.name(where)}.device = "nvme" is not allowed: zeropp does not keep parameters on disk yet '
-                '(offload_optimizer.device "nvme" puts the optimizer states there; offload_param.device "cpu" works)'
-            )
         if device not in ("cpu", "none", "nvme"):
             raise self.refuse(f"{where}.device", device, '"cpu", "nvme" or "none"')
         for key, flat in (("nvme_path", "offload_path"), ("buffer_count", "offload_buffer_count")):
-            if ours == "offload_optimizer" and key in block:
-                if device == "nvme":
-                    self.set(f"zero.{flat}", block[key], f"{where}.{key}")
-                else:  # DeepSpeed reads them for nvme only
-                    self.note(f"{where}.{key}", f'device "{device}"')
+            if key not in block:
+                continue
+            if device != "nvme":  # DeepSpeed reads them for nvme only
+                self.note(f"{where}.{key}", f'device "{device}"')
+                continue
+            earlier = self.out.overrides.get(f"zero.{flat}")  # offload_optimizer's: zeropp keeps one folder and count
+            if earlier is None or earlier == block[key]:
+                self.set(f"zero.{flat}", block[key], f"{where}.{key}")
+            elif key == "nvme_path":
+                raise self.refuse(f"{where}.{key}", block[key], f"{shown(earlier)}, offload_optimizer's: one offload_path")
+            else:
+                self.note(f"{where}.{key}", f"zero.offload_buffer_count = {earlier}, offload_optimizer's")
         self.offload_device(f"{where}.device", ours, device, stage)
 
     def offload_device(self, path: str, ours: str, device: str, stage: int) -> None:

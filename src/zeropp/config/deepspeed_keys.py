@@ -28,7 +28,9 @@ MAPPED = {
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer (cpu or nvme)",
     "zero_optimization.offload_optimizer.nvme_path": "zero.offload_path (device nvme; noted otherwise)",
     "zero_optimization.offload_optimizer.buffer_count": "zero.offload_buffer_count (device nvme; noted otherwise)",
-    "zero_optimization.offload_param.device": "zero.offload_params (stage 3; noted below it, as DeepSpeed ignores it)",
+    "zero_optimization.offload_param.device": "zero.offload_params (cpu or nvme; stage 3, noted below it, as DeepSpeed ignores it)",
+    "zero_optimization.offload_param.nvme_path": "zero.offload_path (device nvme; refused when offload_optimizer's differs)",
+    "zero_optimization.offload_param.buffer_count": "zero.offload_buffer_count (device nvme; offload_optimizer's wins, noted)",
     "zero_optimization.cpu_offload": "zero.offload_optimizer = cpu when true",
     "zero_optimization.cpu_offload_param": "zero.offload_params = cpu when true (stage 3)",
     "fp16.enabled": "zero.precision",
@@ -101,7 +103,8 @@ NOTED = {
     "zero_optimization.offload_optimizer": (
         "pin_memory", "fast_init", "pipeline_read", "pipeline_write", "cpuadam_cores_perc",
     ),
-    "zero_optimization.offload_param": ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path"),
+    # buffer_size: a buffer holds one unit's shard here; max_in_cpu: the ring bounds host memory
+    "zero_optimization.offload_param": ("pin_memory", "buffer_size", "max_in_cpu"),
     "fp16": ("auto_cast",),
     # DeepSpeed's bf16 has no loss scaling; fp16's keys written in a bf16 block change nothing here
     "bf16": ("immediate_grad_update", "check_grad_overflow", "loss_scale", "initial_scale_power", "loss_scale_window",
