@@ -17,6 +17,7 @@ from zeropp.costs.memory import (
     disk_params_ring_bytes,
     disk_params_step_bytes,
     disk_tier_ring_bytes,
+    disk_tier_step_bytes,
 )
 from zeropp.errors import ConfigError
 from zeropp.zero.disk import DiskTier, rank_folder
@@ -91,7 +92,8 @@ def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
     for plain, streamed in zip(off, disk, strict=True):
         for key, tensor in plain["state"].items():
             assert torch.equal(tensor, streamed["state"][key]), key
-        per_step = 12 * streamed["psi_shard"]  # fp32 master + Adam's two moments, every unit read and written
+        per_step, _ = disk_tier_step_bytes(streamed["psi_shard"])  # fp32 master + Adam's moments, every unit
+        assert per_step == 12 * streamed["psi_shard"]
         assert [io[0] for io in streamed["io"][1:]] == [(per_step, per_step)] * (STEPS - 1)
         assert streamed["io"][0][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
         if stage == 3:  # in memory when the step starts: the fp32 parameters' and the gradients' shards

@@ -40,6 +40,7 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
+from zeropp.zero.disk_params import io_bytes
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
@@ -351,8 +352,7 @@ class Trainer:
             step_bytes["inter"],
             self.init_peak_memory,
             self.step_peak_memory,
-            engine.disk.bytes_read / steps if engine.disk else 0.0,
-            engine.disk.bytes_written / steps if engine.disk else 0.0,
+            *(nbytes / steps for nbytes in io_bytes(engine.disk, engine.param_disk)),
         )
         fields = len(dataclasses.fields(RankRecord))
         rows = self.per_rank(

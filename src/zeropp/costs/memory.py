@@ -17,7 +17,10 @@ hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary gr
 (ZeRO++ Fig. 4: 16Ψ/N + 2Ψ/H in bf16). ZeRO-Offload moves KΨ/N (the master and optimizer state;
 the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
-units being gathered.
+units being gathered. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead: in
+host memory only their rings stay (a few units' worth, :func:`disk_tier_ring_bytes`,
+:func:`disk_params_ring_bytes`, whatever the model's size), and each step moves
+:func:`disk_tier_step_bytes` and :func:`disk_params_step_bytes` through them.
 
 Frozen parameters (Ψf of them, ``requires_grad`` False: a LoRA run's base) cost their compute-dtype
 bytes only, pΨf at stages 0-2 (whole on every rank) and pΨf/N at stage 3 (sharded in their units),
@@ -66,6 +69,7 @@ def analytic_model_state_bytes(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     optimizer_on_disk: bool = False,
+    params_on_disk: bool = False,
     where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int] | None = None,
     frozen: int = 0,
@@ -74,10 +78,15 @@ def analytic_model_state_bytes(
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
-    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
+    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here; with
+    `params_on_disk` (offload_params = "nvme") the compute-dtype shard pΨ/N too (its ring:
+    :func:`disk_params_ring_bytes`). `optimizer_bytes`: 8 for Adam, 4 with its moments in bf16
+    (``optimizer_state_dtype = "bf16"``: bf16 weights and gradients, fp32 master, bf16 moments are
+    2 + 2 + 4 + 4 = 12 bytes per parameter, 12Ψ/N at stage 3, where Table 1 counts 16).
     `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on; `frozen`: Ψf;
     `frozen_quant_block`: B when the frozen shards are stored int8 (stage 3)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
+    offload_params = offload_params or params_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
     master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
@@ -88,7 +97,7 @@ def analytic_model_state_bytes(
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
     secondary = p * (psi + frozen) / hpz_group_size if hpz_group_size > 1 else 0
-    disk = states if optimizer_on_disk else 0
+    disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
@@ -99,6 +108,14 @@ def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8
     """Host bytes the disk tier's ring holds at most during a step: ``depth + 1`` units' fp32 master and
     optimizer state, `largest_unit` parameters each on this rank (See [Note: the disk tier's ring])."""
     return (depth + 1) * (4 + optimizer_bytes) * largest_unit
+
+
+def disk_tier_step_bytes(shard_numel: int, optimizer_bytes: int = 8) -> tuple[int, int]:
+    """(read, written) bytes of the optimizer's disk tier per optimizer step, for `shard_numel` master
+    elements on this rank: every unit's fp32 master and optimizer state read once and written once (the
+    first step reads the masters only: the optimizer creates its state)."""
+    per_step = (4 + optimizer_bytes) * shard_numel
+    return per_step, per_step
 
 
 def disk_params_ring_bytes(largest_shard: int, precision: str, window: int) -> int:

@@ -137,3 +137,9 @@ def resident(disk: DiskTier | None, params: ParamFiles | None, changes: bool) ->
         if tier is not None:
             stack.enter_context(tier.resident(changes))
     return stack
+
+
+def io_bytes(*tiers: DiskFiles | None) -> tuple[int, int]:
+    """(read, written) bytes of the disk tiers given (None: absent), since their construction."""
+    present = [tier for tier in tiers if tier is not None]
+    return sum(t.bytes_read for t in present), sum(t.bytes_written for t in present)
