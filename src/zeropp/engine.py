@@ -56,7 +56,7 @@ from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions
-from zeropp.zero.precision import DTYPES, LossScaler
+from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.unit import FlatUnit
@@ -91,9 +91,10 @@ class ZeroEngine:
         is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
         if optimizer_kwargs and not is_class:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
-        if self.config.optimizer_state_dtype != "fp32":  # Adam's moments stored in bf16
+        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
+        if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
-            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype), False
+            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0]), False
             optimizer_kwargs = None
         self.topology = topology or init_topology()
         self.comm = Communicator(self.topology, ledger)
@@ -249,6 +250,8 @@ class ZeroEngine:
                 self.disk.add(unit.master)
             if unit is not None and self.param_disk is not None:
                 self.param_disk.add(unit)
+            if unit is not None and self.config.master_dtype != "fp32":
+                keep_master_in(unit, DTYPES[self.config.master_dtype])
         return built
 
     # -- forward ---------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ TABLE = {
         {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}}, {"zero.offload_params": "cpu"}),
     "fp16.enabled": ({"fp16": {"enabled": True}}, {"zero.precision": "fp16"}),
     "bf16.enabled": ({"bf16": {"enabled": True}}, {"zero.precision": "bf16"}),
+    "bf16.bf16_master_weights_and_grads": (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {"zero.master_dtype": "bf16"}),
+    "bf16.bf16_optimizer_states": (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+        {"zero.master_dtype": "bf16", "zero.optimizer_state_dtype": "bf16"}),
     "fp16.loss_scale": (
         {"fp16": {"enabled": True, "loss_scale": 128}},
         {"zero.loss_scale.initial_scale": 128.0, "zero.loss_scale.growth_factor": 1.0,
@@ -290,8 +295,9 @@ def test_train_batch_size_checked_and_derived():
          'DeepSpeed activation_checkpointing.partition_activations = "yes" is not allowed; expected true or false'),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
          "DeepSpeed fp16.enabled and bf16.enabled are both true; expected at most one"),
-        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-         "DeepSpeed bf16.bf16_master_weights_and_grads = true is not allowed: zeropp keeps fp32 master weights"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+         "DeepSpeed bf16.bf16_optimizer_states = true is not allowed; expected false unless "
+         "bf16.bf16_master_weights_and_grads is true"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
          "DeepSpeed zero_optimization.offload_optimizer.ratio = 0.3 is not allowed: partial offload is not implemented"),
         ({"zero_optimization": {"stage": 4}}, "DeepSpeed zero_optimization.stage = 4 is not allowed; expected one of 0, 1, 2, 3"),

@@ -399,6 +399,7 @@ class Trainer:
                 hpz_group_size=engine.hpz_group_size,
                 offload_optimizer=zero.offload.optimizer != "none",
                 offload_params=zero.offload.params != "none",
+                master_dtype=zero.master_dtype,
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them
                 qgz_residuals=(topo.ranks_per_node, topo.nodes)
                 if self.error_feedback and self.residuals_freed_at_step is None

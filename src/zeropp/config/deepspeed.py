@@ -287,6 +287,8 @@ class _Reader:
             self.check_keys(name, block)
             if name == "fp16":
                 self.loss_scale({**tables.DEEPSPEED_DEFAULTS["fp16"], **block})
+            else:
+                self.bf16_states(block)
             if block.get("enabled", False) != AUTO:
                 enabled[name] = self.boolean(f"{name}.enabled", block.get("enabled", False))
         on = [kind for kind, value in enabled.items() if value]
@@ -296,6 +298,18 @@ class _Reader:
             self.set("zero.precision", on[0], f"{on[0]}.enabled")
         elif len(enabled) == len(present):  # every block says false: DeepSpeed trains in fp32
             self.set("zero.precision", "fp32", f"{present[0]}.enabled")
+
+    def bf16_states(self, bf16: dict[str, Any]) -> None:
+        """DeepSpeed's bf16 masters (and gradients, bf16 already here) and bf16 optimizer states, which
+        DeepSpeed allows only with them."""
+        masters = self.boolean("bf16.bf16_master_weights_and_grads", bf16.get("bf16_master_weights_and_grads", False))
+        states = self.boolean("bf16.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False))
+        if states and not masters:
+            raise self.refuse("bf16.bf16_optimizer_states", True, "false unless bf16.bf16_master_weights_and_grads is true")
+        for key, ours, on in (("bf16_master_weights_and_grads", "master_dtype", masters),
+                              ("bf16_optimizer_states", "optimizer_state_dtype", states)):  # fmt: skip
+            if on:
+                self.set(f"zero.{ours}", "bf16", f"bf16.{key}")
 
     def loss_scale(self, fp16: dict[str, Any]) -> None:
         """Set even when fp16 is off (zeropp ignores it then), so a later --precision fp16 uses it."""

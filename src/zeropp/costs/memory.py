@@ -70,6 +70,7 @@ def analytic_model_state_bytes(
     offload_params: bool = False,
     optimizer_on_disk: bool = False,
     params_on_disk: bool = False,
+    master_dtype: str = "fp32",
     where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int] | None = None,
     frozen: int = 0,
@@ -82,15 +83,20 @@ def analytic_model_state_bytes(
     `params_on_disk` (offload_params = "nvme") the compute-dtype shard pΨ/N too (its ring:
     :func:`disk_params_ring_bytes`). `optimizer_bytes`: 8 for Adam, 4 with its moments in bf16
     (``optimizer_state_dtype = "bf16"``: bf16 weights and gradients, fp32 master, bf16 moments are
-    2 + 2 + 4 + 4 = 12 bytes per parameter, 12Ψ/N at stage 3, where Table 1 counts 16).
+    2 + 2 + 4 + 4 = 12 bytes per parameter, 12Ψ/N at stage 3, where Table 1 counts 16). `master_dtype`
+    "bf16" (``master_dtype = "bf16"``): a bf16 master plus its bf16 Kahan compensation, 2 + 2 bytes;
+    where the master is the bf16 weights themselves (stages 0 and 3) only the compensation is added:
+    2 (weights = master) + 2 (gradients) + 2 (compensation) + 4 (bf16 moments) = 10 bytes per parameter,
+    14 with fp32 moments.
     `qgz_residuals`: (ranks per node, nodes) when qgZ's error feedback is on; `frozen`: Ψf;
     `frozen_quant_block`: B when the frozen shards are stored int8 (stage 3)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     offload_params = offload_params or params_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
-    master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
-    k = optimizer_bytes + (0 if master_aliases_params else 4)
+    master_aliases_params = precision == master_dtype and stage in (0, 3) and not offload_optimizer
+    compensation = 0 if master_dtype == "fp32" else BYTES[master_dtype]  # Kahan's, in the master's dtype
+    k = optimizer_bytes + compensation + (0 if master_aliases_params else BYTES[master_dtype])
     n = world
     frozen_p = 1 + 4 / frozen_quant_block if frozen_quant_block and stage >= 3 else p
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)

@@ -11,7 +11,8 @@ runs of one seed are paired: their differences are the configurations', not the 
 - ZeRO++ with qgZ for the first half of the run and a full-precision reduce-scatter after (the
   paper's schedule);
 - ZeRO-3 with Adam's moments stored in bf16 (``--optimizer-state-dtype bf16``: 12 bytes of model
-  states per parameter instead of 16).
+  states per parameter instead of 16);
+- ZeRO-3 with bf16 masters too (``--master-dtype bf16``, Kahan-compensated: 10 bytes per parameter).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -51,6 +52,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++ two-level + Hadamard": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 8, "gradient_hadamard": True},
     "ZeRO++ qgZ first half": {**ZEROPP_SWITCHES, "quantized_gradients_until": 0.5},
     "ZeRO-3 + bf16 optimizer states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16"},
+    # bf16 masters, Kahan-compensated, with bf16 moments: 10 bytes of model states per parameter (--precision bf16)
+    "ZeRO-3 + bf16 masters and states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16", "master_dtype": "bf16"},
 }
 
 

@@ -90,6 +90,7 @@ class Estimate:
                 offload_params=offload.params != "none" and not u.resident,
                 optimizer_on_disk=offload.optimizer == "nvme",
                 params_on_disk=offload.params == "nvme" and not u.resident,
+                master_dtype=zero.master_dtype,
                 where=where,
                 qgz_residuals=self.qgz_residual_layout,
             )
