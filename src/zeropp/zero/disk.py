@@ -185,6 +185,22 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+HOST_MMAP_THRESHOLD = 1 << 20
+
+
+def fix_mmap_threshold() -> None:
+    """Have glibc map every host allocation of 1 MiB or more and unmap it when freed, for the rest of the
+    process. The disk tiers allocate and free unit-sized buffers all through a step; by default glibc
+    raises its mmap threshold (up to 32 MiB) after the first such free and serves later buffers from
+    its heap, which keeps their memory resident once freed: the process then holds much more than the
+    rings (a 0.2B GPT with both tiers, bf16, one rank: a step's peak resident set 1.78 GB by default,
+    0.98 GB with the threshold fixed). A no-op where the C library has no ``mallopt``."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)
+
+
 def rank_folder(path: str, rank: int) -> Path:
     """This rank's scratch folder under `path` (checked by the config), emptied of what a crashed run
     left there."""

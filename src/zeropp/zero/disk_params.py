@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from zeropp.config.sections import ZeroConfig
-from zeropp.zero.disk import DiskFiles, DiskTier, check_free_space, rank_folder
+from zeropp.zero.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
 from zeropp.zero.precision import DTYPES
 from zeropp.zero.unit import FlatUnit, ShardState
 
@@ -124,6 +124,7 @@ def disk_tiers_for(
     needed = {"optimizer states": 12 if optimizer else 0, "parameters": compute_bytes if params else 0}
     what = " and ".join(name for name, per_param in needed.items() if per_param)
     check_free_space(folder, sum(needed.values()) * trainable // shard_ranks, what)
+    fix_mmap_threshold()
     depth = offload.buffer_count
     disk = DiskTier(folder, depth) if optimizer else None
     return disk, (ParamFiles(folder, depth, config.prefetch) if params else None)
