@@ -48,7 +48,7 @@ from zeropp.runtime.activation_checkpointing import (
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
-from zeropp.zero.disk import disk_tier_for
+from zeropp.zero.disk_params import disk_tiers_for, resident
 from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
@@ -56,7 +56,7 @@ from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
-from zeropp.zero.precision import DTYPES, LossScaler
+from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.unit import FlatUnit
@@ -91,9 +91,10 @@ class ZeroEngine:
         is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
         if optimizer_kwargs and not is_class:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
-        if self.config.optimizer_state_dtype != "fp32":  # Adam's moments stored in bf16
+        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
+        if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
-            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype), False
+            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0]), False
             optimizer_kwargs = None
         self.topology = topology or init_topology()
         self.comm = Communicator(self.topology, ledger)
@@ -117,16 +118,17 @@ class ZeroEngine:
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
         shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
-        self.disk = disk_tier_for(self.config.offload, self.topology.rank, model, shard_ranks)
-        if self.disk is not None:
-            weakref.finalize(self, self.disk.close)
+        # offload_optimizer / offload_params = "nvme"
+        self.disk, self.param_disk = disk_tiers_for(self.config, self.topology.rank, model, shard_ranks)
+        for tier in (t for t in (self.disk, self.param_disk) if t is not None):
+            weakref.finalize(self, tier.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
         masters = [unit.master for unit in self.units]
         self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
-        self.runtime = Runtime(self.units, self.policy, self.config.prefetch)
+        self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
         self.states = StateOffloader(self.units, self.optimizer, self.topology.device)
         if self.config.compile:
             compile_units(self.units)
@@ -209,7 +211,7 @@ class ZeroEngine:
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
             master_device=torch.device("cpu") if config.offload.optimizer != "none" else None,
-            compute_shard_device=torch.device("cpu") if config.offload.params == "cpu" else None,
+            compute_shard_device=torch.device("cpu") if config.offload.params != "none" else None,
             grad_arena=self.gradient_buffers,
         )
 
@@ -248,6 +250,10 @@ class ZeroEngine:
             built.extend([unit] if unit is not None else [])
             if unit is not None and self.disk is not None:  # to its file before the next unit is built
                 self.disk.add(unit.master)
+            if unit is not None and self.param_disk is not None:
+                self.param_disk.add(unit)
+            if unit is not None and self.config.master_dtype != "fp32":
+                keep_master_in(unit, DTYPES[self.config.master_dtype])
         return built
 
     # -- forward ---------------------------------------------------------------------------------
@@ -320,7 +326,7 @@ class ZeroEngine:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
-                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk)
+                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -402,8 +408,9 @@ class ZeroEngine:
 
     def states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
         """The masters and optimizer states in memory for the block, where the disk tier keeps them in
-        files (a no-op otherwise); `changes`: the block writes them (they go back to the files)."""
-        return contextlib.nullcontext() if self.disk is None else self.disk.resident(changes)
+        files (a no-op otherwise); `changes`: the block writes them (they go back to the files), and the
+        compute shards the parameters' disk tier keeps, which follow the masters, too."""
+        return resident(self.disk, self.param_disk, changes)
 
     # -- modes, state, measurement ---------------------------------------------------------------
 

@@ -59,11 +59,22 @@ TABLE = {
         {"zero.offload_buffer_count": 3}),
     "zero_optimization.offload_param.device": (
         {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "cpu"}}}, {"zero.offload_params": "cpu"}),
+    "zero_optimization.offload_param.nvme_path": (
+        {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+        {"zero.offload_params": "nvme", "zero.offload_path": "/tmp"}),
+    "zero_optimization.offload_param.buffer_count": (
+        {"zero_optimization": {**OFFLOAD, "offload_param": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 5}}},
+        {"zero.offload_buffer_count": 5}),
     "zero_optimization.cpu_offload": ({"zero_optimization": {"cpu_offload": True}}, {"zero.offload_optimizer": "cpu"}),
     "zero_optimization.cpu_offload_param": (
         {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}}, {"zero.offload_params": "cpu"}),
     "fp16.enabled": ({"fp16": {"enabled": True}}, {"zero.precision": "fp16"}),
     "bf16.enabled": ({"bf16": {"enabled": True}}, {"zero.precision": "bf16"}),
+    "bf16.bf16_master_weights_and_grads": (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {"zero.master_dtype": "bf16"}),
+    "bf16.bf16_optimizer_states": (
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+        {"zero.master_dtype": "bf16", "zero.optimizer_state_dtype": "bf16"}),
     "fp16.loss_scale": (
         {"fp16": {"enabled": True, "loss_scale": 128}},
         {"zero.loss_scale.initial_scale": 128.0, "zero.loss_scale.growth_factor": 1.0,
@@ -269,9 +280,10 @@ def test_train_batch_size_checked_and_derived():
 @pytest.mark.parametrize(
     ("ds", "message"),
     [
-        ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-         'DeepSpeed zero_optimization.offload_param.device = "nvme" is not allowed: zeropp does not keep parameters on disk '
-         'yet (offload_optimizer.device "nvme" puts the optimizer states there; offload_param.device "cpu" works)'),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                                "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
+         'DeepSpeed zero_optimization.offload_param.nvme_path = "/b" is not allowed; expected "/a", offload_optimizer\'s: '
+         'one offload_path'),
         ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
          "DeepSpeed zero_optimization.mics_shard_size = 8 is not allowed: MiCS is not implemented"),
         ({"amp": {"enabled": True}}, 'DeepSpeed amp = {"enabled": true} is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16'),
@@ -283,8 +295,9 @@ def test_train_batch_size_checked_and_derived():
          'DeepSpeed activation_checkpointing.partition_activations = "yes" is not allowed; expected true or false'),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
          "DeepSpeed fp16.enabled and bf16.enabled are both true; expected at most one"),
-        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-         "DeepSpeed bf16.bf16_master_weights_and_grads = true is not allowed: zeropp keeps fp32 master weights"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+         "DeepSpeed bf16.bf16_optimizer_states = true is not allowed; expected false unless "
+         "bf16.bf16_master_weights_and_grads is true"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
          "DeepSpeed zero_optimization.offload_optimizer.ratio = 0.3 is not allowed: partial offload is not implemented"),
         ({"zero_optimization": {"stage": 4}}, "DeepSpeed zero_optimization.stage = 4 is not allowed; expected one of 0, 1, 2, 3"),
@@ -489,3 +502,16 @@ def test_nvme_offload_of_the_optimizer_maps_to_the_disk_tier(tmp_path):
     translation = translate(cpu, world_size=1)
     assert translation.config(Config()).zero.offload.path is None
     assert 'zero_optimization.offload_optimizer.nvme_path (device "cpu")' in translation.note()
+
+
+def test_zero_infinity_with_both_on_disk_keeps_one_folder_and_count(tmp_path):
+    """DeepSpeed's ZeRO-Infinity example: parameters and optimizer states on NVMe, each block its buffers."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {**nvme, "buffer_count": 4},
+          "offload_param": {**nvme, "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}}}  # fmt: skip
+    translation = translate(ds, world_size=1)
+    offload = translation.config(Config()).zero.offload
+    assert (offload.optimizer, offload.params, offload.path, offload.buffer_count) == ("nvme", "nvme", str(tmp_path), 4)
+    note = translation.note()
+    assert "zero_optimization.offload_param.buffer_count (zero.offload_buffer_count = 4, offload_optimizer's)" in note
+    assert "zero_optimization.offload_param.buffer_size" in note

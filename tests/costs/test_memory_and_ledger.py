@@ -221,3 +221,37 @@ def test_gradient_accumulation_reduction_count():
             all_reduces = 1 if stage == 0 else 0
             assert got["calls"].get(("all_reduce", "backward"), 0) == all_reduces * units * steps, what
             assert _total(got["bytes"], op="all_reduce", phase="backward") == all_reduces * 2 * one_pass * steps, what
+
+
+def test_the_disk_tiers_and_bf16_states_in_table_1():
+    """Ψ = 10^9 on N = 8 in bf16 with Adam: Table 1's 16Ψ/N at stage 3, 12Ψ/N with bf16 moments; each
+    tier holds its share, the disk tiers leave the host their rings only."""
+    from zeropp.costs.memory import (
+        analytic_model_state_bytes,
+        disk_params_ring_bytes,
+        disk_params_step_bytes,
+        disk_tier_ring_bytes,
+        disk_tier_step_bytes,
+    )
+
+    psi, n = 10**9, 8
+
+    def tiers(**kw):
+        return [analytic_model_state_bytes(psi, n, 3, "bf16", where=w, **kw) for w in ("device", "host", "disk")]
+
+    assert tiers() == [16 * psi / n, 0, 0]
+    assert tiers(optimizer_bytes=4) == [12 * psi / n, 0, 0]  # optimizer_state_dtype = "bf16": 2 + 2 + 4 + 4
+    assert tiers(offload_optimizer=True, offload_params=True) == [2 * psi / n, 14 * psi / n, 0]
+    assert tiers(optimizer_on_disk=True) == [4 * psi / n, 0, 12 * psi / n]
+    assert tiers(offload_optimizer=True, params_on_disk=True) == [2 * psi / n, 12 * psi / n, 2 * psi / n]
+    assert tiers(optimizer_on_disk=True, params_on_disk=True, optimizer_bytes=4) == [2 * psi / n, 0, 10 * psi / n]
+    # the rings: depth + 1 units of fp32 master and moments; window + 1 compute shards
+    assert disk_tier_ring_bytes(1000, depth=2) == 3 * 12 * 1000
+    assert disk_tier_ring_bytes(1000, depth=2, optimizer_bytes=4) == 3 * 8 * 1000
+    assert disk_params_ring_bytes(1000, "bf16", window=2) == 3 * 2 * 1000
+    # a step's traffic: the optimizer tier reads and writes its 12 (8) bytes once; the parameters' tier reads
+    # the shard at every gather (2 per micro-batch) or, with hpZ, once, and writes it once
+    assert disk_tier_step_bytes(1000) == (12_000, 12_000)
+    assert disk_tier_step_bytes(1000, optimizer_bytes=4) == (8_000, 8_000)
+    assert disk_params_step_bytes(1000, "bf16", micro_batches=4) == (16_000, 2_000)
+    assert disk_params_step_bytes(1000, "bf16", micro_batches=4, hpz=True) == (2_000, 2_000)

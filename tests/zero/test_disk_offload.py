@@ -1,6 +1,8 @@
 """The disk tier (offload_optimizer = "nvme"): the masters and optimizer states in files, streamed
 unit by unit through a ring of host buffers, train bit for bit like the run without offload, resume
-exactly, hold at most depth + 1 units' states in memory, and refuse a bad folder in one line."""
+exactly, hold at most depth + 1 units' states in memory, and refuse a bad folder in one line; the
+parameters' disk tier (offload_params = "nvme", zero/disk_params.py) the same for the compute shards,
+read ahead of their gathers."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ from launcher import run_ranks
 from models import ADAM_EPS, global_batch, loss_of, make_model, rows
 
 from zeropp.config.sections import ZeroConfig
-from zeropp.costs.memory import analytic_model_state_bytes, disk_tier_ring_bytes
+from zeropp.costs.memory import (
+    analytic_model_state_bytes,
+    disk_params_ring_bytes,
+    disk_params_step_bytes,
+    disk_tier_ring_bytes,
+    disk_tier_step_bytes,
+)
 from zeropp.errors import ConfigError
 from zeropp.zero.disk import DiskTier, rank_folder
 
@@ -32,7 +40,8 @@ def train(
         torch.manual_seed(0)
         return ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=1e-2, eps=ADAM_EPS), config, topology)
 
-    engine = build()
+    engine, held = build(), []  # held: with the parameters on disk, the shard bytes in memory at each read
+    _watch_shards(engine, held)
     io = []
     for step in range(STEPS):
         if step == resume_at:  # saved, and a new engine resumed from the checkpoint
@@ -40,16 +49,35 @@ def train(
 
             saved = save_checkpoint(engine, checkpoints, step)
             engine = build()
+            _watch_shards(engine, held)
             load_checkpoint(engine, saved)
-        before = (engine.disk.bytes_read, engine.disk.bytes_written) if engine.disk else (0, 0)
+        tiers = [t for t in (engine.disk, engine.param_disk) if t is not None]
+        before = [(t.bytes_read, t.bytes_written) for t in tiers]
+        held.clear()
         for micro in range(2):
             x, y = rows(global_batch("gpt", step, micro, world), rank)
             engine.backward(loss_of("gpt", engine, x, y))
         engine.step()
-        if engine.disk:
-            io.append((engine.disk.bytes_read - before[0], engine.disk.bytes_written - before[1]))
+        io.append([(t.bytes_read - r, t.bytes_written - w) for t, (r, w) in zip(tiers, before, strict=True)])
+        io[-1].append(max(held, default=0))
+    files = engine.param_disk
     return dict(state=engine.full_state_dict(), io=io, psi_shard=sum(u.master.numel() for u in engine.units),
-                resident_bytes=engine.measured_model_state_bytes, psi=engine.param_count)  # fmt: skip
+                resident_bytes=engine.measured_model_state_bytes, psi=engine.param_count,
+                on_disk=[u.master.numel() for u in files.units] if files else [], window=files.window if files else 0)  # fmt: skip
+
+
+def _watch_shards(engine, held: list) -> None:
+    """Record, at every shard read, the shard bytes in host memory (the ring's bound is asserted on them)."""
+    files = engine.param_disk
+    if files is None:
+        return
+    read_in = files._read_in
+
+    def counted(index: int) -> None:
+        read_in(index)
+        held.append(sum(u.compute_shard.untyped_storage().nbytes() for u in files.units))
+
+    files._read_in = counted
 
 
 def nvme(path, **more) -> dict:
@@ -64,9 +92,10 @@ def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
     for plain, streamed in zip(off, disk, strict=True):
         for key, tensor in plain["state"].items():
             assert torch.equal(tensor, streamed["state"][key]), key
-        per_step = 12 * streamed["psi_shard"]  # fp32 master + Adam's two moments, every unit read and written
-        assert streamed["io"][1:] == [(per_step, per_step)] * (STEPS - 1)
-        assert streamed["io"][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
+        per_step, _ = disk_tier_step_bytes(streamed["psi_shard"])  # fp32 master + Adam's moments, every unit
+        assert per_step == 12 * streamed["psi_shard"]
+        assert [io[0] for io in streamed["io"][1:]] == [(per_step, per_step)] * (STEPS - 1)
+        assert streamed["io"][0][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
         if stage == 3:  # in memory when the step starts: the fp32 parameters' and the gradients' shards
             kept = analytic_model_state_bytes(streamed["psi"], world, 3, "fp32", optimizer_on_disk=True, where="device")
             assert streamed["resident_bytes"] == pytest.approx(kept, rel=0.02)
@@ -124,9 +153,9 @@ def test_a_crashed_runs_files_are_cleared_at_the_next_start(tmp_path):
 def test_bad_folders_and_settings_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"zero.offload_path = '.*missing' is not allowed; expected an existing folder"):
         ZeroConfig(**nvme(tmp_path / "missing")).validate()
-    with pytest.raises(ConfigError, match="zero.offload_path = None is not allowed; expected a folder when zero.offload_optimizer is 'nvme'"):
+    with pytest.raises(ConfigError, match="zero.offload_path = None is not allowed; expected a folder when zero.offload_optimizer or zero.offload_params is 'nvme'"):
         ZeroConfig(offload_optimizer="nvme").validate()
-    with pytest.raises(ConfigError, match="zero.offload_path = .* expected unset unless zero.offload_optimizer is 'nvme'"):
+    with pytest.raises(ConfigError, match="zero.offload_path = .* expected unset unless zero.offload_optimizer or zero.offload_params is 'nvme'"):
         ZeroConfig(offload_optimizer="cpu", offload_path=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match="zero.offload_buffer_count = 0"):
         ZeroConfig(offload_optimizer="nvme", offload_path=str(tmp_path), offload_buffer_count=0).validate()
@@ -136,14 +165,65 @@ def test_a_folder_too_small_is_one_line_before_training(small_disk):
     assert run_ranks(_build_on, 1, path=str(small_disk("64k"))) == ["zero.offload_path:"]
 
 
-def _build_on(path: str) -> str:
+def _build_on(path: str, **offload) -> str:
     from zeropp import ZeroEngine
     from zeropp.topology import init_topology
 
+    offload = offload or dict(offload_optimizer="nvme")
+    needs = "optimizer states" if offload["offload_optimizer"] == "nvme" else "parameters"
     try:
-        ZeroEngine(make_model("gpt"), torch.optim.AdamW, {}, ZeroConfig(stage=3, **nvme(path)), init_topology())
+        config = ZeroConfig(stage=3, offload_path=path, **offload)
+        ZeroEngine(make_model("gpt"), torch.optim.AdamW, {}, config, init_topology())
     except ConfigError as error:
         message = str(error)
-        assert "\n" not in message and "GiB free, this rank's optimizer states need" in message, message
+        assert "\n" not in message and f"GiB free, this rank's {needs} need" in message, message
         return message.split(" ")[0]
     return "trained"
+
+
+# -- the parameters' disk tier (offload_params = "nvme") -----------------------------------------------
+
+
+def params_nvme(path, optimizer: str = "cpu", **more) -> dict:
+    return dict(offload_optimizer=optimizer, offload_params="nvme", offload_path=str(path), **more)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_parameters_on_disk_train_bit_for_bit_like_no_offload(world, optimizer, tmp_path):
+    off = run_ranks(train, world, stage=3, offload={})
+    disk = run_ranks(train, world, stage=3, offload=params_nvme(tmp_path, optimizer))
+    for plain, streamed in zip(off, disk, strict=True):
+        for key, tensor in plain["state"].items():
+            assert torch.equal(tensor, streamed["state"][key]), key
+        shards = streamed["on_disk"]
+        assert sum(shards) == streamed["psi_shard"]  # world 1 too: offloaded units are gathered, not resident
+        # per step: each shard read at every gather (forward and backward of 2 micro-batches), written once
+        read, written = disk_params_step_bytes(sum(shards), "fp32", micro_batches=2)
+        params_io = [io[-2] for io in streamed["io"]]
+        assert params_io == [(read, written)] * STEPS, params_io
+        assert (read, written) == (16 * sum(shards), 4 * sum(shards))
+        ring = disk_params_ring_bytes(max(shards), "fp32", streamed["window"])
+        assert streamed["window"] == 2 and 0 < max(io[-1] for io in streamed["io"]) <= ring
+    assert not any((tmp_path / "zeropp-offload").glob("rank-*/*.bin"))
+
+
+def test_parameters_on_disk_resume_exactly_with_hpz_reading_nothing_in_backward(tmp_path):
+    base = dict(hpz_partition_size=2)
+    off = run_ranks(train, 4, nodes=2, simulated_nodes=2, stage=3, offload=base)
+    disk = run_ranks(
+        train, 4, nodes=2, simulated_nodes=2, stage=3, offload=params_nvme(tmp_path, "nvme", offload_buffer_count=1, **base),
+        resume_at=1, checkpoints=str(tmp_path / "checkpoints"),
+    )  # fmt: skip
+    for plain, streamed in zip(off, disk, strict=True):
+        for key, tensor in plain["state"].items():
+            assert torch.equal(tensor, streamed["state"][key]), key
+        shards = sum(streamed["on_disk"])
+        read, written = disk_params_step_bytes(shards, "fp32", micro_batches=2, hpz=True)
+        assert (read, written) == (4 * shards, 4 * shards)  # later gathers read hpZ's copy, until the step
+        assert [io[-2] for io in streamed["io"]] == [(read, written)] * STEPS
+
+
+def test_a_folder_too_small_for_the_parameters_is_one_line(small_disk):
+    message = run_ranks(_build_on, 1, path=str(small_disk("64k")), offload_params="nvme", offload_optimizer="cpu")
+    assert message == ["zero.offload_path:"]

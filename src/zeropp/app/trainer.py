@@ -40,6 +40,7 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
+from zeropp.zero.disk_params import io_bytes
 from zeropp.zero.dtensor_params import local_tensor
 from zeropp.zero.options import frozen_quant
 
@@ -360,8 +361,7 @@ class Trainer:
             step_bytes["inter"],
             self.init_peak_memory,
             self.step_peak_memory,
-            engine.disk.bytes_read / steps if engine.disk else 0.0,
-            engine.disk.bytes_written / steps if engine.disk else 0.0,
+            *(nbytes / steps for nbytes in io_bytes(engine.disk, engine.param_disk)),
         )
         fields = len(dataclasses.fields(RankRecord))
         rows = self.per_rank(
@@ -410,6 +410,7 @@ class Trainer:
                 qwd_reference=zero.qwz.delta,
                 offload_optimizer=zero.offload.optimizer != "none",
                 offload_params=zero.offload.params != "none",
+                master_dtype=zero.master_dtype,
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them
                 qgz_residuals=(topo.ranks_per_node, topo.nodes, zero.qgz.intra_node_quantized)
                 if self.error_feedback and self.residuals_freed_at_step is None

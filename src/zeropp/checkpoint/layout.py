@@ -223,7 +223,7 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
     for unit in units:
         flat = unit.gather_flat(unit.master.data)
         for p, view in zip(unit.params, unit.layout.split(flat), strict=True):
-            full[id(p)] = _whole(p, view).to("cpu", copy=True)
+            full[id(p)] = _whole(p, view).to("cpu", torch.float32, copy=True)  # a bf16 master too
     for unit in units:  # frozen parameters of units (stage 3): gathered whole, in fp32
         if unit.frozen is not None:
             for p, value in zip(unit.frozen.params, unit.frozen.whole(), strict=True):

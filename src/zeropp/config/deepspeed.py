@@ -12,7 +12,7 @@ DeepSpeed's names for it, and returns the zeropp keys set as dotted overrides fo
 - DeepSpeed's bucket sizes count a whole collective's elements, zeropp's one rank's: divided by the world size.
 - Keys that change nothing here (``NOTED``; ZeRO++ and parameter offload below stage 3, which DeepSpeed
   ignores too) are listed in one note; keys zeropp cannot honour are refused in one line saying why
-  (``REFUSED``, and values such as an NVMe offload); any other key with the keys allowed there.
+  (``REFUSED``, and values such as two different NVMe folders); any other key with the keys allowed there.
 - Every error names the key as the file wrote it; one that zeropp's own checks raise later (a range, hpZ's
   node layout) names the zeropp key it set too (:meth:`Translation.worded`).
 - ``train_batch_size`` must equal micro-batch × accumulation steps × world size; one of the three
@@ -256,19 +256,21 @@ class _Reader:
         block = self.block("zero_optimization", ds)
         self.check_keys(where, block)
         device = block.get("device", "none")
-        if device == "nvme" and ours == "offload_params":
-            raise ConfigError(
-                f'DeepSpeed {self.name(where)}.device = "nvme" is not allowed: zeropp does not keep parameters on disk yet '
-                '(offload_optimizer.device "nvme" puts the optimizer states there; offload_param.device "cpu" works)'
-            )
         if device not in ("cpu", "none", "nvme"):
             raise self.refuse(f"{where}.device", device, '"cpu", "nvme" or "none"')
         for key, flat in (("nvme_path", "offload_path"), ("buffer_count", "offload_buffer_count")):
-            if ours == "offload_optimizer" and key in block:
-                if device == "nvme":
-                    self.set(f"zero.{flat}", block[key], f"{where}.{key}")
-                else:  # DeepSpeed reads them for nvme only
-                    self.note(f"{where}.{key}", f'device "{device}"')
+            if key not in block:
+                continue
+            if device != "nvme":  # DeepSpeed reads them for nvme only
+                self.note(f"{where}.{key}", f'device "{device}"')
+                continue
+            earlier = self.out.overrides.get(f"zero.{flat}")  # offload_optimizer's: zeropp keeps one folder and count
+            if earlier is None or earlier == block[key]:
+                self.set(f"zero.{flat}", block[key], f"{where}.{key}")
+            elif key == "nvme_path":
+                raise self.refuse(f"{where}.{key}", block[key], f"{shown(earlier)}, offload_optimizer's: one offload_path")
+            else:
+                self.note(f"{where}.{key}", f"zero.offload_buffer_count = {earlier}, offload_optimizer's")
         self.offload_device(f"{where}.device", ours, device, stage)
 
     def offload_device(self, path: str, ours: str, device: str, stage: int) -> None:
@@ -285,6 +287,8 @@ class _Reader:
             self.check_keys(name, block)
             if name == "fp16":
                 self.loss_scale({**tables.DEEPSPEED_DEFAULTS["fp16"], **block})
+            else:
+                self.bf16_states(block)
             if block.get("enabled", False) != AUTO:
                 enabled[name] = self.boolean(f"{name}.enabled", block.get("enabled", False))
         on = [kind for kind, value in enabled.items() if value]
@@ -294,6 +298,18 @@ class _Reader:
             self.set("zero.precision", on[0], f"{on[0]}.enabled")
         elif len(enabled) == len(present):  # every block says false: DeepSpeed trains in fp32
             self.set("zero.precision", "fp32", f"{present[0]}.enabled")
+
+    def bf16_states(self, bf16: dict[str, Any]) -> None:
+        """DeepSpeed's bf16 masters (and gradients, bf16 already here) and bf16 optimizer states, which
+        DeepSpeed allows only with them."""
+        masters = self.boolean("bf16.bf16_master_weights_and_grads", bf16.get("bf16_master_weights_and_grads", False))
+        states = self.boolean("bf16.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False))
+        if states and not masters:
+            raise self.refuse("bf16.bf16_optimizer_states", True, "false unless bf16.bf16_master_weights_and_grads is true")
+        for key, ours, on in (("bf16_master_weights_and_grads", "master_dtype", masters),
+                              ("bf16_optimizer_states", "optimizer_state_dtype", states)):  # fmt: skip
+            if on:
+                self.set(f"zero.{ours}", "bf16", f"bf16.{key}")
 
     def loss_scale(self, fp16: dict[str, Any]) -> None:
         """Set even when fp16 is off (zeropp ignores it then), so a later --precision fp16 uses it."""

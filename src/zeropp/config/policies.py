@@ -152,19 +152,22 @@ class OffloadPolicy:
         "ZeRO-Offload: cpu keeps the fp32 master shard and optimizer state in host memory and steps there; "
         "nvme keeps them in files under offload_path and streams them through host memory unit by unit",
     )
-    params: Literal["none", "cpu"] = setting(
-        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory"
+    params: Literal["none", "cpu", "nvme"] = setting(
+        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory; "
+        "nvme keeps them in files under offload_path, read ahead of their gathers in the recorded order",
     )
-    path: str | None = setting(None, "offload_optimizer = nvme: the folder (on a fast disk) for each rank's files")
+    path: str | None = setting(None, "an nvme offload: the folder (on a fast disk) for each rank's files")
     buffer_count: int = setting(
-        2, "offload_optimizer = nvme: units whose states are read ahead of the optimizer (1: no overlap)"
+        2, "an nvme offload: units whose states are read ahead of the optimizer, and whose parameter shards are "
+        "read ahead of their gathers (at least prefetch) or written back after the step (1: no overlap)",
     )
 
     def validate(self, name: Name, stage: int) -> None:
         check_choices(self, "", name)
-        nvme = self.optimizer == "nvme"
-        require(self.path is not None or not nvme, name("path"), self.path, f"a folder when {name('optimizer')} is 'nvme'")
-        require(self.path is None or nvme, name("path"), self.path, f"unset unless {name('optimizer')} is 'nvme'")
+        nvme = "nvme" in (self.optimizer, self.params)
+        either = f"{name('optimizer')} or {name('params')}"
+        require(self.path is not None or not nvme, name("path"), self.path, f"a folder when {either} is 'nvme'")
+        require(self.path is None or nvme, name("path"), self.path, f"unset unless {either} is 'nvme'")
         require(self.buffer_count >= 1, name("buffer_count"), self.buffer_count, "an integer >= 1")
         if nvme:  # before any rank starts: the folder the files go to
             folder = os.path.expanduser(self.path)

@@ -100,6 +100,11 @@ class ZeroConfig:
     optimizer_state_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "dtype of Adam's two moments (bf16: 12 bytes of model states per parameter instead of 16; Adam, AdamW)"
     )
+    master_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32",
+        "dtype of the master weights (bf16, with precision bf16: Kahan-compensated updates, a bf16 compensation "
+        "per parameter; at stages 0 and 3 the master is the bf16 weights: 10 bytes per parameter with bf16 states)",
+    )
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     qwz: QuantizedWeights = field(default_factory=QuantizedWeights)
     hpz_partition_size: int = setting(
@@ -162,6 +167,10 @@ class ZeroConfig:
             require(self.max_grad_norm > 0, "zero.max_grad_norm", self.max_grad_norm, "a number > 0, or unset")
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
+        if self.master_dtype != "fp32":
+            require(self.precision == "bf16", "zero.master_dtype", self.master_dtype, "'fp32' unless zero.precision is 'bf16'")
+            offload = self.offload.optimizer
+            require(offload == "none", "zero.master_dtype", self.master_dtype, f"'fp32' with zero.offload_optimizer = {offload!r}")
         self.qgz.validate(self.key("qgz"))
         self.qwz.validate(self.key("qwz"))
         require(

@@ -18,7 +18,10 @@ hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary gr
 more (the whole reference is hpZ's copy). ZeRO-Offload moves KΨ/N (the master and optimizer state;
 the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
-units being gathered.
+units being gathered. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead: in
+host memory only their rings stay (a few units' worth, :func:`disk_tier_ring_bytes`,
+:func:`disk_params_ring_bytes`, whatever the model's size), and each step moves
+:func:`disk_tier_step_bytes` and :func:`disk_params_step_bytes` through them.
 
 Frozen parameters (Ψf of them, ``requires_grad`` False: a LoRA run's base) cost their compute-dtype
 bytes only, pΨf at stages 0-2 (whole on every rank) and pΨf/N at stage 3 (sharded in their units),
@@ -69,6 +72,8 @@ def analytic_model_state_bytes(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     optimizer_on_disk: bool = False,
+    params_on_disk: bool = False,
+    master_dtype: str = "fp32",
     where: Literal["all", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int, bool] | None = None,
     frozen: int = 0,
@@ -78,16 +83,26 @@ def analytic_model_state_bytes(
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
-    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here.
+    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here; with
+    `params_on_disk` (offload_params = "nvme") the compute-dtype shard pΨ/N too (its ring:
+    :func:`disk_params_ring_bytes`). `optimizer_bytes`: 8 for Adam, 4 with its moments in bf16
+    (``optimizer_state_dtype = "bf16"``: bf16 weights and gradients, fp32 master, bf16 moments are
+    2 + 2 + 4 + 4 = 12 bytes per parameter, 12Ψ/N at stage 3, where Table 1 counts 16). `master_dtype`
+    "bf16" (``master_dtype = "bf16"``): a bf16 master plus its bf16 Kahan compensation, 2 + 2 bytes;
+    where the master is the bf16 weights themselves (stages 0 and 3) only the compensation is added:
+    2 (weights = master) + 2 (gradients) + 2 (compensation) + 4 (bf16 moments) = 10 bytes per parameter,
+    14 with fp32 moments.
     `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
     feedback is on; `frozen`: Ψf; `frozen_quant`: how the frozen shards are stored at stage 3 (None: the
     compute dtype); `qwd_reference`: qWD's own rows of the reference, p Ψ/N on top of hpZ's copy (See
     [Note: qWD's reference])."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
+    offload_params = offload_params or params_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
-    master_aliases_params = precision == "fp32" and stage in (0, 3) and not offload_optimizer
-    k = optimizer_bytes + (0 if master_aliases_params else 4)
+    master_aliases_params = precision == master_dtype and stage in (0, 3) and not offload_optimizer
+    compensation = 0 if master_dtype == "fp32" else BYTES[master_dtype]  # Kahan's, in the master's dtype
+    k = optimizer_bytes + compensation + (0 if master_aliases_params else BYTES[master_dtype])
     n = world
     frozen_p = frozen_weight_bytes(frozen_quant) if frozen_quant and stage >= 3 else p
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
@@ -95,7 +110,7 @@ def analytic_model_state_bytes(
     states = k * psi / (n if stage >= 1 else 1)
     secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
     secondary += p * psi / n if qwd_reference and stage >= 3 else 0
-    disk = states if optimizer_on_disk else 0
+    disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
@@ -112,6 +127,30 @@ def disk_tier_ring_bytes(largest_unit: int, depth: int, optimizer_bytes: int = 8
     """Host bytes the disk tier's ring holds at most during a step: ``depth + 1`` units' fp32 master and
     optimizer state, `largest_unit` parameters each on this rank (See [Note: the disk tier's ring])."""
     return (depth + 1) * (4 + optimizer_bytes) * largest_unit
+
+
+def disk_tier_step_bytes(shard_numel: int, optimizer_bytes: int = 8) -> tuple[int, int]:
+    """(read, written) bytes of the optimizer's disk tier per optimizer step, for `shard_numel` master
+    elements on this rank: every unit's fp32 master and optimizer state read once and written once (the
+    first step reads the masters only: the optimizer creates its state)."""
+    per_step = (4 + optimizer_bytes) * shard_numel
+    return per_step, per_step
+
+
+def disk_params_ring_bytes(largest_shard: int, precision: str, window: int) -> int:
+    """Host bytes of compute shards the parameters' disk tier (offload_params = "nvme") holds at most
+    while the model runs: the unit being gathered and the `window` (``max(offload_buffer_count,
+    prefetch)``) read ahead of it, `largest_shard` elements each on this rank (See [Note: the disk tier's ring])."""
+    return (window + 1) * BYTES[precision] * largest_shard
+
+
+def disk_params_step_bytes(shard_numel: int, precision: str, micro_batches: int, hpz: bool = False) -> tuple[int, int]:
+    """(read, written) bytes of the parameters' disk tier per optimizer step, for `shard_numel` elements
+    on disk on this rank: every gather reads the shard (a forward and a backward per micro-batch), but
+    with hpZ only the first forward after the step does (later gathers read the secondary copy, valid
+    until the weights change); the step writes each shard once."""
+    shard = BYTES[precision] * shard_numel
+    return (shard if hpz else 2 * micro_batches * shard), shard
 
 
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_quantized: bool = True) -> float:

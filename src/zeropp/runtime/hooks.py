@@ -20,6 +20,11 @@ is gathered (it already is, for backward) and nothing is recorded, prefetched or
 engine's ``activation_checkpointing`` replaces ``forward`` only, so its recomputation runs no hook
 (:mod:`zeropp.runtime.activation_checkpointing`).
 
+With the parameters on disk (``offload_params = "nvme"``) a unit's shard is read before its gather
+(:meth:`ParamFiles.fetch <zeropp.zero.disk_params.ParamFiles.fetch>`), freed once the gather is
+waited for, and the shards of the units recorded after it are read ahead
+(:mod:`zeropp.zero.disk_params`).
+
 Inside :meth:`Runtime.gather_all` ... :meth:`Runtime.release_all` (``engine.gathered()``) every unit
 is gathered once and the hooks reshard none of them ([Note: gathered generation]).
 """
@@ -36,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
+from zeropp.zero.disk_params import ParamFiles
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.unit import FlatUnit
 
@@ -43,8 +49,11 @@ from zeropp.zero.unit import FlatUnit
 class Runtime:
     """The hooks of every unit, the recorded orders, prefetch and the reduction queue."""
 
-    def __init__(self, units: Sequence[FlatUnit], policy: StagePolicy, prefetch: int) -> None:
+    def __init__(
+        self, units: Sequence[FlatUnit], policy: StagePolicy, prefetch: int, files: ParamFiles | None = None
+    ) -> None:
         self.units = list(units)
+        self.files = files  # the shards' disk tier (offload_params = "nvme")
         self.policy = policy
         self.prefetch = prefetch
         self.forward_order = ExecutionOrder()
@@ -63,7 +72,7 @@ class Runtime:
     # -- forward ---------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any, kwargs: Any) -> None:
-        unit.unshard()
+        self._gather(unit)
         if self.in_backward:  # activation recompute: already gathered for backward
             return
         self.forward_order.record(unit)
@@ -95,17 +104,32 @@ class Runtime:
         if not self.held:
             unit.reshard()
 
+    def _gather(self, unit: FlatUnit) -> None:
+        """Gather `unit` and wait for it; its shard, read from disk first where it lives there, is freed then."""
+        if self.files is not None:
+            self.files.fetch(unit)
+        unit.unshard()
+        if self.files is not None:
+            self.files.release(unit)
+
     def _prefetch(self, order: ExecutionOrder, unit: FlatUnit) -> None:
-        """Start gathering the units recorded after `unit`.
+        """Start gathering the units recorded after `unit` (with the shards on disk, reading ahead first).
 
         In backward, a unit whose gradients are all in is skipped. The order was recorded in the
         first step and need not hold in later ones (a unit may run twice, a branch may be skipped),
         so a prefetch can name a unit whose backward is already over in this pass: gathering it
         would move its weights for nobody and hold their memory until the step reshards them.
         """
-        for upcoming in order.after(unit, self.prefetch):
-            if not (self.in_backward and upcoming.finished_backward):
-                upcoming.unshard(async_op=True)
+
+        def wanted(units: list[FlatUnit]) -> list[FlatUnit]:
+            return [u for u in units if not (self.in_backward and u.finished_backward)]
+
+        if self.files is not None:
+            self.files.read_ahead(wanted(order.after(unit, self.files.window)))
+        for upcoming in wanted(order.after(unit, self.prefetch)):
+            if self.files is not None:
+                self.files.fetch(upcoming)
+            upcoming.unshard(async_op=True)
 
     # -- every unit gathered at once -------------------------------------------------------------
 
@@ -117,9 +141,11 @@ class Runtime:
             raise RuntimeError("zeropp: engine.gathered() blocks do not nest")
         self.held = True
         for unit in self.units:
+            if self.files is not None:
+                self.files.fetch(unit)
             unit.unshard(async_op=True)
         for unit in self.units:
-            unit.unshard()
+            self._gather(unit)
 
     def release_all(self) -> None:
         """Reshard every unit gathered by :meth:`gather_all`; the hooks reshard as usual again."""
@@ -136,6 +162,8 @@ class Runtime:
         for unit in self.units:
             unit.begin_backward()
         self.in_backward = True
+        if self.files is not None and not self.backward_order.recording:  # the first units backward gathers
+            self.files.read_ahead(self.backward_order.units[: self.files.window])
         try:
             loss.backward()
             for unit in reversed(self.units):  # fixed order: every rank issues the same collectives
@@ -158,7 +186,7 @@ class Runtime:
         self._require_engine_backward()
         if not unit.enter_backward():
             return
-        unit.unshard()
+        self._gather(unit)
         self.backward_order.record(unit)
         self._prefetch(self.backward_order, unit)
 

@@ -1,10 +1,15 @@
-"""Compute dtypes and dynamic loss scaling."""
+"""Compute dtypes, the masters' dtype and dynamic loss scaling."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from zeropp.config.sections import LossScaleConfig
+
+if TYPE_CHECKING:
+    from zeropp.zero.unit import FlatUnit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,3 +50,16 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._clean_steps = state["scale"], state["clean_steps"]
         self._hysteresis = state.get("hysteresis", self.config.hysteresis)  # checkpoints from before hysteresis
+
+
+def keep_master_in(unit: FlatUnit, dtype: torch.dtype) -> None:
+    """Store `unit`'s master in `dtype` (``master_dtype``; the optimizer compensates its rounding,
+    :mod:`zeropp.zero.low_precision_adam`): the compute weights themselves where they are this rank's
+    whole master in that dtype (a sharded unit's compute shard at stage 3; the unit's weights where one
+    rank holds its whole master), else a copy rounded to nearest. Before the optimizer is built."""
+    for weights in (unit.compute_shard, unit.compute_flat):
+        held = weights is not None and weights.untyped_storage().nbytes() > 0
+        if held and weights.dtype == dtype and weights.numel() == unit.master.numel():
+            unit.master.data = weights
+            return
+    unit.master.data = unit.master.data.to(dtype)

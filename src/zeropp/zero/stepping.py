@@ -22,6 +22,7 @@ from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
     from zeropp.zero.disk import DiskTier
+    from zeropp.zero.disk_params import ParamFiles
     from zeropp.zero.unit import FlatUnit
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -82,15 +83,17 @@ def step_units(
     coefficient: torch.Tensor | None,
     host_copies: bool,
     disk: DiskTier | None,
+    params: ParamFiles | None = None,
 ) -> None:
-    """Hand each master its fp32 gradient (unscaled, clipped) and step the optimizer over the batches
+    """Hand each master its gradient in the master's dtype (unscaled, clipped) and step the optimizer over the batches
     of :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
     live in host memory, and every unit's gradient copy there is issued before any is waited for.
-    `disk`: the states stream through the disk tier (See [Note: the disk tier's ring])."""
+    `disk`: the states stream through the disk tier, `params`: the compute shards are written back to
+    theirs (See [Note: the disk tier's ring])."""
     copies: dict[int, torch.Tensor] = {}
     device = units[0].options.device if units else None
     if host_copies:
-        copies = {id(u): u.reduced_gradient().to(u.master.device, torch.float32, non_blocking=True) for u in units}
+        copies = {id(u): u.reduced_gradient().to(u.master.device, u.master.dtype, non_blocking=True) for u in units}
         if device is not None and device.type == "cuda":
             # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
             torch.cuda.current_stream(device).synchronize()
@@ -101,8 +104,8 @@ def step_units(
     for batch in batches:
         for unit in batch:
             grad = copies.pop(id(unit), None)
-            if grad is None:  # the reduced buffer itself where it is fp32: its last use
-                grad = unit.reduced_gradient().to(unit.master.device, torch.float32)
+            if grad is None:  # the reduced buffer itself where it has the master's dtype: its last use
+                grad = unit.reduced_gradient().to(unit.master.device, unit.master.dtype)
             if scaler.enabled:
                 grad.div_(scaler.scale)
             if coefficient is not None:
@@ -111,4 +114,9 @@ def step_units(
         optimizer.step()
         for unit in batch:
             unit.master.grad = None
-            unit.publish_master()
+            if params is not None:
+                params.publish(unit)
+            else:
+                unit.publish_master()
+    if params is not None:
+        params.flush()

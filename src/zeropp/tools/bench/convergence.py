@@ -14,6 +14,7 @@ runs of one seed are paired: their differences are the configurations', not the 
   states per parameter instead of 16);
 - with the best gradient path (error feedback, two-level qgZ, Hadamard) and hpZ: qwZ int4 on the raw
   weights, and qWD (``--weight-quantization delta``: the weights' change since the last gather) int4 and int8.
+- ZeRO-3 with bf16 masters too (``--master-dtype bf16``, Kahan-compensated: 10 bytes per parameter).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -64,6 +65,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++ int4 qwZ": {**BEST_QGZ, "weight_bits": 4},
     "ZeRO++ int4 qWD": {**BEST_QGZ, "weight_bits": 4, "weight_quantization": "delta"},
     "ZeRO++ int8 qWD": {**BEST_QGZ, "weight_quantization": "delta"},
+    # bf16 masters, Kahan-compensated, with bf16 moments: 10 bytes of model states per parameter (--precision bf16)
+    "ZeRO-3 + bf16 masters and states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16", "master_dtype": "bf16"},
 }
 
 

@@ -2,12 +2,13 @@
 
 For each variant (zeropp with the model built on the meta device, built whole on every rank, with
 the optimizer offloaded to host memory, with the optimizer on disk (``--offload-path``, the disk
-tier); FSDP2 with meta-device init; DeepSpeed ZeRO-3 with ``zero.Init``), depths
+tier), with the parameters on disk too, with Adam's moments in bf16; FSDP2 with meta-device init;
+DeepSpeed ZeRO-3 with ``zero.Init``), depths
 are tried from ``--depths`` in increasing order inside a memory cgroup limited to ``--limit-gib``
 (cgroup v1, root), so that running out of memory kills the attempt and nothing else on the machine;
 the deepest depth that succeeds is the answer, and the first failure's cause is recorded (out of
-memory, timeout, or the error's last line) with the cgroup's peak usage, and for the disk tier the
-bytes it read and wrote per step. AdamW, ZeRO-3 without ZeRO++, one sequence of ``--block-size``
+memory, timeout, or the error's last line) with the cgroup's peak usage, the steps per second, and
+for the disk tiers the bytes they read and wrote per step. AdamW, ZeRO-3 without ZeRO++, one sequence of ``--block-size``
 tokens per rank, zeropp in ``--precision`` (fp32 by default; the peers in fp32).
 
     zeropp bench largest [--world 4] [--d-model 2048] [--depths 8 12 16 20 24 28] [--limit-gib 20]
@@ -38,7 +39,12 @@ from zeropp.tools.bench.memory_peers import PEERS, worker_command, worker_env
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS
 
 CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
-ZEROPP_VARIANTS = {**VARIANTS, "zeropp meta + nvme offload": ["--offload-optimizer", "nvme"]}
+ZEROPP_VARIANTS = {  # the memory tiers: in memory, host offload, the disk tiers, and bf16 moments
+    **VARIANTS,
+    "zeropp meta + nvme offload": ["--offload-optimizer", "nvme"],
+    "zeropp meta + nvme offload + nvme params": ["--offload-optimizer", "nvme", "--offload-params", "nvme"],
+    "zeropp meta + bf16 states": ["--optimizer-state-dtype", "bf16"],
+}
 
 
 def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> list[str]:
@@ -85,6 +91,7 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
     if failure is None and summary_path.exists():
         summary = RunSummary.from_json(summary_path.read_text())
         result["median_step_s"] = round(summary.median_step_time_s, 2)
+        result["steps_per_s"] = round(1 / summary.median_step_time_s, 3)
         if any(any(io) for io in summary.disk_bytes_per_step_per_rank):
             result["disk_read_gib_per_step"], result["disk_written_gib_per_step"] = (
                 round(b / 2**30, 3) for b in summary.disk_bytes_per_step_per_rank[0]
@@ -135,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tried.append(result)
             disk = (f", disk {result['disk_read_gib_per_step']:.2f} GiB read / {result['disk_written_gib_per_step']:.2f} "
                     "GiB written per step") if "disk_read_gib_per_step" in result else ""  # fmt: skip
+            rate = f", {result['steps_per_s']:.3f} steps/s" if "steps_per_s" in result else ""
             print(f"{variant}: depth {depth} ({params / 1e9:.2f}B parameters): {result['outcome']} "
-                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB{disk})", flush=True)  # fmt: skip
+                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB{rate}{disk})", flush=True)  # fmt: skip
             if result["outcome"] != "trains":
                 break
             largest = {"depth": depth, "params": params}

@@ -25,7 +25,15 @@ from typing import Any
 
 from zeropp.comm.ledger import Ledger
 from zeropp.config.sections import ModelConfig, ZeroConfig
-from zeropp.costs.memory import BYTES, Activations, analytic_model_state_bytes
+from zeropp.costs.memory import (
+    BYTES,
+    Activations,
+    analytic_model_state_bytes,
+    disk_params_ring_bytes,
+    disk_params_step_bytes,
+    disk_tier_ring_bytes,
+    disk_tier_step_bytes,
+)
 from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
@@ -73,8 +81,14 @@ class Estimate:
 
     @property
     def model_state_bytes(self) -> float:
-        """Per rank. A resident unit at stage 3 keeps whole weights and no secondary copy: stage 2's formula."""
-        zero, world = self.zero, self.data_parallel.world_size
+        """Per rank, wherever they live (:meth:`model_state_bytes_on`)."""
+        return self.model_state_bytes_on("all")
+
+    def model_state_bytes_on(self, where: str) -> float:
+        """Per rank on the device, the host (ZeRO-Offload), the disk (ZeRO-Infinity's tiers: their host
+        rings are :meth:`disk_tiers`'), or all. A resident unit at stage 3 keeps whole weights on the
+        device and no secondary copy: stage 2's formula."""
+        zero, world, offload = self.zero, self.data_parallel.world_size, self.zero.offload
         return sum(
             analytic_model_state_bytes(
                 u.padded,
@@ -84,6 +98,12 @@ class Estimate:
                 zero.grad_dtype,
                 self.optimizer_bytes,
                 1 if u.resident else self.hpz_group_size,
+                offload_optimizer=offload.optimizer != "none",
+                offload_params=offload.params != "none" and not u.resident,
+                optimizer_on_disk=offload.optimizer == "nvme",
+                params_on_disk=offload.params == "nvme" and not u.resident,
+                master_dtype=zero.master_dtype,
+                where=where,
                 qgz_residuals=self.qgz_residual_layout,
                 frozen=u.frozen_padded,
                 frozen_quant=frozen_quant(zero),
@@ -91,6 +111,27 @@ class Estimate:
             )
             for u in self.units
         )
+
+    def disk_tiers(self) -> dict[str, int] | None:
+        """ZeRO-Infinity's disk tiers per rank (None without them): the host bytes their rings hold at
+        most and the bytes a step reads and writes (after the first, which creates the optimizer state)."""
+        offload, zero = self.zero.offload, self.zero
+        if "nvme" not in (offload.optimizer, offload.params):
+            return None
+        world = self.data_parallel.world_size if zero.stage >= 1 else 1
+        shards = [math.ceil(u.padded / world) for u in self.units]
+        sharded = [s for s, u in zip(shards, self.units, strict=True) if not u.resident]
+        ring, read, written = 0, 0, 0
+        if offload.optimizer == "nvme":
+            ring += disk_tier_ring_bytes(max(shards), offload.buffer_count, self.optimizer_bytes)
+            read, written = disk_tier_step_bytes(sum(shards), self.optimizer_bytes)
+        if offload.params == "nvme" and sharded:
+            window = max(offload.buffer_count, zero.prefetch)
+            ring += disk_params_ring_bytes(max(sharded), zero.precision, window)
+            steps = zero.gradient_accumulation_steps
+            params = disk_params_step_bytes(sum(sharded), zero.precision, steps, self.hpz_group_size > 1)
+            read, written = read + params[0], written + params[1]
+        return {"host_ring_bytes": ring, "read_bytes_per_step": read, "written_bytes_per_step": written}
 
     @property
     def qgz_residual_layout(self) -> tuple[int, int, bool] | None:
@@ -178,6 +219,8 @@ class Estimate:
             "hpz_group_size": self.hpz_group_size,
             "optimizer_state_bytes": self.optimizer_bytes,
             "model_state_bytes_per_rank": self.model_state_bytes,
+            "model_state_bytes_per_rank_by_tier": {w: self.model_state_bytes_on(w) for w in ("device", "host", "disk")},
+            "disk_tiers_per_rank": self.disk_tiers(),
             **self._activation_fields(),
             "bytes_per_step": {
                 phase: {link: mean.total(phase=phase, link=link) for link in ("intra", "inter")}
@@ -212,11 +255,13 @@ def estimate(
     rank, the ZeRO paper's Ψ/N_m), or every unit's numel on one tensor-parallel rank
     (:func:`gpt_unit_numels`). `activations`: the transformer's shape per micro-batch and the ZeRO-R
     switches, for the tensor-parallel traffic and the activation checkpoints (None: neither is
-    priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master (Adam: 8).
-    `frozen_fraction`: the share of every unit's parameters that is frozen (rounded down).
-    Raises ConfigError for a bad combination."""
+    priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master, in fp32 (Adam: 8;
+    halved where ``zero.optimizer_state_dtype`` is bf16). `frozen_fraction`: the share of every unit's
+    parameters that is frozen (rounded down). Raises ConfigError for a bad combination."""
     zero = zero or ZeroConfig()
     zero.validate()
+    if zero.optimizer_state_dtype == "bf16":
+        optimizer_bytes //= 2
     layout = Layout(world, nodes, tensor_parallel)
     dp = layout.data_parallel_size
     hpz = layout.hpz_group_size(zero.hpz_partition_size)

@@ -56,6 +56,15 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
     switches += [f"qgZ int{zero.qgz.bits}"] if zero.qgz.enabled else []
     head.add_row("ZeRO++", ", ".join(switches) or "off")
     head.add_row("model states per rank", si(est.model_state_bytes))
+    tiers, disk = result["model_state_bytes_per_rank_by_tier"], result["disk_tiers_per_rank"]
+    if tiers["host"] or tiers["disk"]:
+        head.add_row("  by tier", f"device {si(tiers['device'])}, host {si(tiers['host'])}, disk {si(tiers['disk'])}")
+    if disk is not None:
+        head.add_row(
+            "  disk tiers",
+            f"host ring {si(disk['host_ring_bytes'])}; per step read {si(disk['read_bytes_per_step'])}, "
+            f"written {si(disk['written_bytes_per_step'])}",
+        )
     _activation_rows(head, est)
     mean = est.ledger()
     head.add_row(
