@@ -37,6 +37,10 @@ def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_adds_them():
     assert a["estimator_error"] == pytest.approx(a["predicted_s"] / 1.0 - 1)
     assert b["bound_s"] == 0.5 and b["of_bound"] == pytest.approx(1.2)
     assert b["predicted_s"] == pytest.approx(0.5 + 8 * 2e5 / 200e6)
+    # compute is the configuration's fastest step: a slow unshaped run cannot put a step below the bound
+    slow = [_row("d", "none", 0.4, 1e5, 1e5), _row("d", "200mbit", 0.3, 1e5, 1e5)]
+    add_bounds(slow, {"200mbit": 190e6})
+    assert slow[1]["compute_s"] == 0.3 and slow[1]["of_bound"] == 1.0
     assert all("bound_s" not in r for r in (rows[0], rows[2], rows[4], rows[5]))
 
 

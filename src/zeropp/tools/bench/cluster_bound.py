@@ -6,16 +6,19 @@ its link. With perfect overlap of the two it takes their maximum, the **bound**:
 
     bound = max(compute, node_bytes / goodput)
 
-- compute: the same configuration's median step on unshaped links, same nodes and ranks (everything
-  but the wire: the collectives' CPU work stays in, as it would on any link);
+- compute: the same configuration's fastest median step over the links the run measured, same nodes
+  and ranks (normally the unshaped one: everything but the wire, the collectives' CPU work included,
+  as it would be on any link). No step is faster than its compute, so this is at least the compute,
+  and the bound never exceeds a measured step: one slow unshaped run cannot put a step below it;
 - node_bytes: the ledger's cross-node bytes of one step summed over each node's ranks, the busiest
   node's (every node has one shaped link of its own, shaped both ways: what leaves it and what
   enters it are equal here, every collective being symmetric across nodes);
 - goodput: the TCP payload rate of one shaped link, probed before the runs
   (:func:`zeropp.tools.cluster.probe_bandwidth`).
 
-``measured / bound`` (at least 1) is how far the step is from the link's limit. On the unshaped
-link the bound is the measurement itself, so only the shaped links are scored.
+``measured / bound`` (at least 1) is how far the step is from the link's limit; exactly 1 where the
+step itself is the configuration's fastest. On the unshaped link the bound is the measurement
+itself, so only the shaped links are scored.
 
 The **prediction** is the estimator's (:mod:`zeropp.tools.estimate`): its bytes of the busiest
 node from the run's own config (the same units and collectives as the engine's), over the
@@ -54,12 +57,13 @@ def estimated_node_bytes(config: dict[str, Any], nodes: int, ranks_per_node: int
 
 
 def add_bounds(rows: list[dict[str, Any]], goodput_bps: dict[str, float]) -> None:
-    """Give every shaped zeropp row its bound, measured / bound and the estimator's prediction, from the
-    unshaped row of the same configuration and nodes (rows without one, or without a ledger, get none)."""
+    """Give every shaped zeropp row its bound, measured / bound and the estimator's prediction, the compute
+    being the fastest row of the same configuration and nodes, where one of them is unshaped (rows
+    without an unshaped run, or without a ledger, get none)."""
+    measured = [r for r in rows if "error" not in r]
+    unshaped = {(r["name"], r["nodes"]) for r in measured if r["bandwidth"] == UNSHAPED}
     compute = {
-        (r["name"], r["nodes"]): r["median_step_time_s"]
-        for r in rows
-        if r["bandwidth"] == UNSHAPED and "error" not in r
+        key: min(r["median_step_time_s"] for r in measured if (r["name"], r["nodes"]) == key) for key in unshaped
     }
     for row in rows:
         key = (row["name"], row["nodes"])
