@@ -124,6 +124,13 @@ class QuantizedGradients:
         )
         require(0 < self.until <= 1, name("until"), self.until, "a fraction of the run's steps in (0, 1]")
         if self.hadamard:
+            require(
+                self.intra_node_bits != 0,
+                name("hadamard"),
+                self.hadamard,
+                f"false when {name('intra_node_bits')} is 0 (the rotation serves quantization, and the "
+                "intra-node hop is then unquantized)",
+            )
             block = self.block_size
             require(
                 block >= 2 and block & (block - 1) == 0,
