@@ -66,13 +66,7 @@ def sharded_base_worker() -> dict[str, float]:
     base = {n: p.numel() for n, p in lora_model().named_parameters() if not p.requires_grad}
     frozen = [u.frozen for u in engine.units if u.frozen is not None]
     assert sum(len(f.params) for f in frozen) == len(base)  # every frozen parameter is in a unit
-    gathered = {"forward": 0, "backward": 0}
-    for step in range(STEPS):
-        x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
-        ledger.reset()
-        engine.backward(loss_of("hf-llama", engine, x, None))
-        gathered = {phase: ledger.total(op="all_gather", phase=phase) for phase in gathered}
-        assert engine.step()
+    gathered = _gathered_per_phase(engine, ledger, topology)
     layout = topology.layout
     units = [(u.layout.padded_numel, u.resident) for u in engine.units if u.params]
     expected = [*unit_transfers(units, layout, config, 1), *frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1)]
@@ -175,13 +169,7 @@ def quantized_base_worker(bits: int, hpz: int, simulated_nodes: int) -> dict[str
     )  # fmt: skip
     engine = ZeroEngine(lora_model(), torch.optim.AdamW, OPTIM, config, topology, ledger=ledger)
     frozen = [u.frozen for u in engine.units if u.frozen is not None]
-    gathered = {"forward": 0, "backward": 0}
-    for step in range(STEPS):
-        x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
-        ledger.reset()
-        engine.backward(loss_of("hf-llama", engine, x, None))
-        gathered = {phase: ledger.total(op="all_gather", phase=phase) for phase in gathered}
-        assert engine.step()
+    gathered = _gathered_per_phase(engine, ledger, topology)
     layout, padded = topology.layout, [f.layout.padded_numel for f in frozen]
     group = layout.hpz_group_size(hpz)
     units = [(u.layout.padded_numel, u.resident) for u in engine.units if u.params]
@@ -280,3 +268,14 @@ def variants_worker(root: str) -> dict[str, float]:
 def test_lora_at_stage_3_with_recomputation_accumulation_offload_and_checkpoints(tmp_path):
     for errors in run_ranks(variants_worker, 2, root=str(tmp_path)):
         assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+def _gathered_per_phase(engine, ledger, topology) -> dict[str, float]:
+    """Train STEPS steps; the all-gather bytes of the last step's forward and backward (the ledger's)."""
+    for step in range(STEPS):
+        x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
+        ledger.reset()
+        engine.backward(loss_of("hf-llama", engine, x, None))
+        gathered = {phase: ledger.total(op="all_gather", phase=phase) for phase in ("forward", "backward")}
+        assert engine.step()
+    return gathered
