@@ -497,3 +497,15 @@ def test_the_estimate_of_the_disk_tiers_and_bf16_states(tmp_path):
         "read_bytes_per_step": 8 * shard + 2 * 2 * 2 * shard,  # the optimizer's states; 2 gathers x 2 micro-batches
         "written_bytes_per_step": 8 * shard + 2 * shard,
     }
+
+
+def test_stage3_transient_bytes_by_hand():
+    """Beside the model states, stage 3 holds 1 + prefetch gathered units in the compute dtype and, on more
+    than one rank, the whole gradients of the reductions in flight (two, in the gradient dtype)."""
+    bf16 = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", prefetch=2))
+    assert bf16.transient_bytes() == {"units_gathered": 3 * 2 * 2**20, "reductions_in_flight": 2 * 2 * 2**20}
+    fp32_grads = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", grad_dtype="fp32"))
+    assert fp32_grads.transient_bytes() == {"units_gathered": 2 * 2 * 2**20, "reductions_in_flight": 2 * 4 * 2**20}
+    # nothing is gathered per use on one rank or below stage 3
+    assert estimate(2**20, 1, 1, ZeroConfig(stage=3)).transient_bytes() is None
+    assert estimate(2**20, 4, 1, ZeroConfig(stage=2)).transient_bytes() is None

@@ -40,6 +40,9 @@ transformer block keeps its input, b x s x h elements in the compute dtype, from
 recomputation in backward. Tensor parallelism replicates that input on every tensor-parallel rank;
 Pa keeps 1/tp of it per rank (padded to a multiple of tp), Pa+cpu keeps that partition in host
 memory: :class:`Activations`.
+
+While a step runs, stage 3 also holds the units it has gathered and the whole gradients of the units
+being reduced: :func:`stage3_transient_bytes`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import torch
 from zeropp.config.policies import check_switches, flat_name
 from zeropp.errors import ConfigError
 from zeropp.quant.spec import QuantSpec
+from zeropp.runtime.reductions import MAX_IN_FLIGHT
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_RECOMPUTED_ALL_REDUCES = 1  # zeropp's activation checkpointing (see Activations)
@@ -157,6 +161,18 @@ def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_qua
     """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ (none where hop 1 is unquantized), and
     hop 2's 4Ψ/X across nodes."""
     return (4 * psi if intra_node_quantized else 0) + (4 * psi / ranks_per_node if nodes > 1 else 0)
+
+
+def stage3_transient_bytes(
+    largest_unit: int, world: int, compute_bytes: int, grad_bytes: int, prefetch: int = 1
+) -> dict[str, int]:
+    """Stage 3's bytes per rank beside the model states while a step runs, for units of at most
+    `largest_unit` elements: the units gathered at once (the one running and `prefetch` ahead) and,
+    on more than one rank, the whole gradients of the units whose reduce-scatters are in flight
+    (:data:`~zeropp.runtime.reductions.MAX_IN_FLIGHT`; each holds its unit's gradient until it completes)."""
+    in_flight = MAX_IN_FLIGHT if world > 1 else 0
+    return {"units_gathered": (1 + prefetch) * compute_bytes * largest_unit,
+            "reductions_in_flight": in_flight * grad_bytes * largest_unit}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from zeropp.comm.communicator import Pending
 
+MAX_IN_FLIGHT = 2  # reductions in flight during backward (zeropp.costs.memory counts their gradients)
+
 
 # See [Note: qgZ issue order] (docs/design.md)
 class ReductionQueue:
@@ -20,7 +22,7 @@ class ReductionQueue:
     of one group in the same order, so no later unit's hop may overtake an earlier unit's.
     """
 
-    def __init__(self, max_in_flight: int = 2) -> None:
+    def __init__(self, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.max_in_flight = max_in_flight
         self._pending: list[Pending] = []
 

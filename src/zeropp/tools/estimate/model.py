@@ -33,6 +33,7 @@ from zeropp.costs.memory import (
     disk_params_step_bytes,
     disk_tier_ring_bytes,
     disk_tier_step_bytes,
+    stage3_transient_bytes,
 )
 from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
 from zeropp.index.flat import FlatLayout
@@ -141,6 +142,17 @@ class Estimate:
         layout = (self.data_parallel.ranks_per_node, self.layout.nodes, zero.qgz.intra_node_quantized)
         return layout if feedback else None
 
+    def transient_bytes(self) -> dict[str, int] | None:
+        """Stage 3's bytes per rank beside the model states while a step runs (None at stages 0-2): the
+        units gathered at once and the gradients of the reductions in flight, for the largest unit
+        gathered per use (frozen weights counted in the compute dtype)."""
+        gathered = [u.padded + u.frozen_padded for u in self.units if not u.resident]
+        if self.zero.stage != 3 or not gathered:
+            return None
+        zero = self.zero
+        grad = BYTES[zero.grad_dtype or zero.precision]
+        return stage3_transient_bytes(max(gathered), self.data_parallel.world_size, BYTES[zero.precision], grad, zero.prefetch)
+
     def activation_checkpoint_bytes(self, where: str = "device") -> int:
         """Per rank, held from forward to backward (ZeRO-R: /tp with Pa, on the host with Pa+cpu)."""
         if self.activations is None:
@@ -221,6 +233,7 @@ class Estimate:
             "model_state_bytes_per_rank": self.model_state_bytes,
             "model_state_bytes_per_rank_by_tier": {w: self.model_state_bytes_on(w) for w in ("device", "host", "disk")},
             "disk_tiers_per_rank": self.disk_tiers(),
+            "stage3_transient_bytes_per_rank": self.transient_bytes(),
             **self._activation_fields(),
             "bytes_per_step": {
                 phase: {link: mean.total(phase=phase, link=link) for link in ("intra", "inter")}

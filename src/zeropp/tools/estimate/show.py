@@ -65,6 +65,13 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
             f"host ring {si(disk['host_ring_bytes'])}; per step read {si(disk['read_bytes_per_step'])}, "
             f"written {si(disk['written_bytes_per_step'])}",
         )
+    transient = result["stage3_transient_bytes_per_rank"]
+    if transient is not None:
+        head.add_row(
+            "  while a step runs",
+            f"+ {si(transient['units_gathered'])} gathered units (1 + prefetch {zero.prefetch}), "
+            f"+ {si(transient['reductions_in_flight'])} gradients in reduction",
+        )
     _activation_rows(head, est)
     mean = est.ledger()
     head.add_row(
