@@ -4,7 +4,8 @@ the benchmark writes them, and the estimator's bytes from a run's own config aga
 import pytest
 
 from zeropp.config.sections import Config, ModelConfig, ZeroConfig
-from zeropp.tools.bench.cluster_bound import add_bounds, busiest_node_bytes, estimated_node_bytes
+from zeropp.costs.step_time import pass_seconds
+from zeropp.tools.bench.cluster_bound import add_bounds, busiest_node_bytes, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_SWITCHES
 
 
@@ -14,13 +15,20 @@ def test_busiest_node_sums_its_ranks():
 
 
 def _row(name, bandwidth, step, node_bytes=None, estimated=None):
+    """A row as the benchmark writes it; the estimator's bytes all in backward, over 4 gathered units."""
     row = {"name": name, "nodes": 2, "bandwidth": bandwidth, "median_step_time_s": step}
     if node_bytes is not None:
-        row.update(node_inter_bytes=node_bytes, estimated_node_inter_bytes=estimated)
+        row.update(node_inter_bytes=node_bytes, estimated_node_inter_bytes=estimated, gathered_units=4,
+                   estimated_phase_inter_bytes={"forward": 0, "backward": estimated, "step": 0})  # fmt: skip
     return row
 
 
-def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_adds_them():
+def _predicted(compute, wire):
+    """The backward pass's makespan (a third of the compute is forward's, with nothing on the wire)."""
+    return compute / 3 + max(2 * compute / 3, wire) + min(2 * compute / 3, wire) / 4
+
+
+def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_overlaps_them():
     rows = [
         _row("a", "none", 0.2, 1e6, 1e6),
         _row("a", "200mbit", 1.0, 25e6, 25e6),  # wire: 8 * 25e6 / 190e6 = 1.0526 s > compute 0.2 s
@@ -33,10 +41,10 @@ def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_adds_them():
     a, b = rows[1], rows[3]
     assert a["wire_s"] == pytest.approx(8 * 25e6 / 190e6)
     assert a["bound_s"] == pytest.approx(a["wire_s"]) and a["of_bound"] == pytest.approx(1.0 / a["wire_s"])
-    assert a["predicted_s"] == pytest.approx(0.2 + 8 * 25e6 / 200e6)
+    assert a["predicted_s"] == pytest.approx(_predicted(0.2, 8 * 25e6 / 200e6))
     assert a["estimator_error"] == pytest.approx(a["predicted_s"] / 1.0 - 1)
     assert b["bound_s"] == 0.5 and b["of_bound"] == pytest.approx(1.2)
-    assert b["predicted_s"] == pytest.approx(0.5 + 8 * 2e5 / 200e6)
+    assert b["predicted_s"] == pytest.approx(_predicted(0.5, 8 * 2e5 / 200e6))
     # compute is the configuration's fastest step: a slow unshaped run cannot put a step below the bound
     slow = [_row("d", "none", 0.4, 1e5, 1e5), _row("d", "200mbit", 0.3, 1e5, 1e5)]
     add_bounds(slow, {"200mbit": 190e6})
@@ -53,4 +61,17 @@ def test_bound_is_the_larger_of_compute_and_wire_and_the_prediction_adds_them():
 def test_estimated_node_bytes_from_a_run_config_equal_the_measured_ledger(switches, measured):
     config = Config(zero=ZeroConfig(stage=3, **switches), model=ModelConfig(preset="small")).to_dict()
     config["topology"]["nodes"] = 2
-    assert estimated_node_bytes(config, nodes=2, ranks_per_node=2) == pytest.approx(measured / 2, rel=1e-9)
+    fields = estimator_fields(config, nodes=2, ranks_per_node=2)
+    assert fields["estimated_node_inter_bytes"] == pytest.approx(measured / 2, rel=1e-9)
+    assert fields["gathered_units"] == 5  # the embedding and head, and the small GPT's 4 blocks
+    # per phase as gloo sends them: its reduce-scatter (ZeRO-3's backward gradients) counted twice
+    phases = fields["estimated_phase_inter_bytes"]
+    # ZeRO-3's three ring collectives (forward and backward gathers, the reduce-scatter) move the same bytes
+    reduce_scatter = measured / 2 / 3 if switches is ZEROPP_OFF else 0
+    assert sum(phases.values()) == pytest.approx(measured / 2 + reduce_scatter, rel=1e-5)
+
+
+def test_a_pass_takes_the_longer_stage_and_one_unit_of_the_shorter():
+    assert pass_seconds(1.0, 0.4, units=4) == pytest.approx(1.1)
+    assert pass_seconds(0.4, 1.0, units=4) == pytest.approx(1.1)
+    assert pass_seconds(1.0, 0.4, units=0) == pytest.approx(1.4)  # nothing gathered per use: no overlap

@@ -373,6 +373,12 @@ def test_cli_examples(capsys, tmp_path):
     seconds = result["predicted_comm_seconds_per_step"]
     assert seconds["inter"] == pytest.approx(8 * est.node_inter_bytes() / 200e6)
     assert result["bandwidth_bits_per_s"] == {"intra": 100e9, "inter": 200e6}
+    assert result["predicted_step_seconds"] is None  # no compute given
+    assert main([*argv, "--compute-seconds", "0.25", "--backend", "gloo"]) == 0
+    assert "predicted step" in capsys.readouterr().out
+    step = json.loads(out.read_text())["predicted_step_seconds"]
+    assert step["total_s"] == pytest.approx(est.step_time(0.25, 100e9, 200e6, "gloo").total_s)
+    assert step["total_s"] == pytest.approx(step["forward_s"] + step["backward_s"] + step["step_comm_s"])
 
 
 def test_cli_tensor_parallel_and_zero_r(capsys, tmp_path):
@@ -498,14 +504,3 @@ def test_the_estimate_of_the_disk_tiers_and_bf16_states(tmp_path):
         "written_bytes_per_step": 8 * shard + 2 * shard,
     }
 
-
-def test_stage3_transient_bytes_by_hand():
-    """Beside the model states, stage 3 holds 1 + prefetch gathered units in the compute dtype and, on more
-    than one rank, the whole gradients of the reductions in flight (two, in the gradient dtype)."""
-    bf16 = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", prefetch=2))
-    assert bf16.transient_bytes() == {"units_gathered": 3 * 2 * 2**20, "reductions_in_flight": 2 * 2 * 2**20}
-    fp32_grads = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", grad_dtype="fp32"))
-    assert fp32_grads.transient_bytes() == {"units_gathered": 2 * 2 * 2**20, "reductions_in_flight": 2 * 4 * 2**20}
-    # nothing is gathered per use on one rank or below stage 3
-    assert estimate(2**20, 1, 1, ZeroConfig(stage=3)).transient_bytes() is None
-    assert estimate(2**20, 4, 1, ZeroConfig(stage=2)).transient_bytes() is None

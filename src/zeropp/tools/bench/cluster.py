@@ -30,7 +30,7 @@ from typing import Any
 
 from zeropp.app.flags import as_flags
 from zeropp.app.summary import RunSummary
-from zeropp.tools.bench.cluster_bound import UNSHAPED, add_bounds, busiest_node_bytes, estimated_node_bytes
+from zeropp.tools.bench.cluster_bound import UNSHAPED, add_bounds, busiest_node_bytes, estimator_fields
 from zeropp.tools.bench.peers import PeerSummary
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
 from zeropp.tools.cluster import probe_bandwidth, run_cluster
@@ -94,7 +94,7 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
     if isinstance(s, RunSummary):
         row.update(
             node_inter_bytes=busiest_node_bytes(s.inter_node_bytes_per_step_by_rank, ranks_per_node),
-            estimated_node_inter_bytes=estimated_node_bytes(s.config, nodes, ranks_per_node),
+            **estimator_fields(s.config, nodes, ranks_per_node),
         )
     return row
 

@@ -20,14 +20,12 @@ its link. With perfect overlap of the two it takes their maximum, the **bound**:
 step itself is the configuration's fastest. On the unshaped link the bound is the measurement
 itself, so only the shaped links are scored.
 
-The **prediction** is the estimator's (:mod:`zeropp.tools.estimate`): its bytes of the busiest
-node from the run's own config (the same units and collectives as the engine's), over the
-link's nominal rate, added to the same measured compute (the estimator assumes no overlap):
-
-    predicted = compute + estimator_node_bytes / nominal_rate
-
-so ``bound <= measured <= predicted`` when the step overlaps part of its communication, and the
-estimator's error per point is ``predicted / measured - 1``.
+The **prediction** is the estimator's (:mod:`zeropp.tools.estimate`): its bytes per phase of the
+busiest node from the run's own config (the same units and collectives as the engine's, gloo's
+reduce-scatters counted twice), over the link's nominal rate, overlapped with the same measured
+compute as stage 3 pipelines them over its units (:mod:`zeropp.costs.step_time`); the estimator's
+error per point is ``predicted / measured - 1``. The intra-node link is loopback here, its cost
+part of the compute.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from typing import Any
 
 from zeropp.config.rates import parse_bandwidth
 from zeropp.config.sections import load_config
+from zeropp.costs.step_time import step_seconds
 from zeropp.tools.estimate.model import estimate, gpt_unit_numels
 
 UNSHAPED = "none"
@@ -48,12 +47,17 @@ def busiest_node_bytes(by_rank: Sequence[float], ranks_per_node: int) -> float:
     return max(sum(by_rank[n * ranks_per_node : (n + 1) * ranks_per_node]) for n in range(nodes))
 
 
-def estimated_node_bytes(config: dict[str, Any], nodes: int, ranks_per_node: int) -> float:
-    """The estimator's cross-node bytes per step of one node, for the run's own config."""
+def estimator_fields(config: dict[str, Any], nodes: int, ranks_per_node: int) -> dict[str, Any]:
+    """The estimator's cross-node bytes of one node per step (in all, and per phase as gloo sends
+    them) and its units gathered per use, for the run's own config."""
     run = load_config(config)
     world = nodes * ranks_per_node
     est = estimate(gpt_unit_numels(run.model, run.topology.tensor_parallel_size), world, nodes, run.zero)
-    return est.node_inter_bytes()
+    return {
+        "estimated_node_inter_bytes": est.node_inter_bytes(),
+        "estimated_phase_inter_bytes": {p: b["inter"] for p, b in est.phase_bytes("gloo").items()},
+        "gathered_units": est.gathered_units,
+    }
 
 
 def add_bounds(rows: list[dict[str, Any]], goodput_bps: dict[str, float]) -> None:
@@ -71,7 +75,9 @@ def add_bounds(rows: list[dict[str, Any]], goodput_bps: dict[str, float]) -> Non
             continue
         wire_s = 8 * row["node_inter_bytes"] / goodput_bps[row["bandwidth"]]
         bound = max(compute[key], wire_s)
-        predicted = compute[key] + 8 * row["estimated_node_inter_bytes"] / parse_bandwidth(row["bandwidth"])
+        rate = parse_bandwidth(row["bandwidth"])
+        comm = {phase: 8 * sent / rate for phase, sent in row["estimated_phase_inter_bytes"].items()}
+        predicted = step_seconds(compute[key], comm, row["gathered_units"]).total_s
         row.update(
             compute_s=compute[key],
             wire_s=wire_s,

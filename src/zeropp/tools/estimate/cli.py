@@ -87,6 +87,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _nonnegative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected seconds >= 0, e.g. 0.25")
+    return value
+
+
 def _at_least(minimum: int):
     def parse(text: str) -> int:
         if not text.isdigit() or int(text) < minimum:
@@ -132,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="RATE",
             help=f"{'a rank' if link == 'intra' else 'a node'}'s {link}-node bandwidth (default {DEFAULT_BANDWIDTH[link]})",
         )
+    cluster.add_argument(
+        "--compute-seconds", type=_nonnegative_seconds, metavar="S",
+        help="a step's compute alone (measured on a fast link, or from FLOPs): also predict the step, its "
+        "communication overlapped as stage 3 pipelines it (docs/estimate.md)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--backend", choices=("nccl", "gloo"), default="nccl",
+        help="the collectives' backend: gloo sends a reduce-scatter as an all-reduce, twice the ring's bytes (default nccl)",
+    )  # fmt: skip
     zero = parser.add_argument_group("ZeRO / ZeRO++ (zeropp's config keys; ZeRO++ off unless switched on)")
     add_config_flags(zero, ZERO_FLAGS)
     zero.add_argument(
@@ -224,7 +243,7 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         activations=activations,
         frozen_fraction=args.frozen_fraction,
     )
-    result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth)
+    result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth, args.compute_seconds, args.backend)
     result["model"] = {"params": args.params} if args.params is not None else dataclasses.asdict(config.model)
     return result, [lambda: print_estimate(est, result)]
 

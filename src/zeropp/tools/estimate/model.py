@@ -35,6 +35,7 @@ from zeropp.costs.memory import (
     disk_tier_step_bytes,
     stage3_transient_bytes,
 )
+from zeropp.costs.step_time import Backend, StepTime, step_seconds
 from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
@@ -186,6 +187,40 @@ class Estimate:
         inter = 8 * self.node_inter_bytes() / inter_bits_per_s
         return {"intra": intra, "inter": inter, "total": intra + inter}
 
+    def phase_bytes(self, backend: Backend = "nccl") -> dict[str, dict[str, int]]:
+        """Per phase, the busiest rank's intra-node bytes and a node's inter-node bytes as `backend`
+        sends them: gloo's reduce-scatters count twice (:mod:`zeropp.costs.step_time`)."""
+        per_node, mean = self.layout.ranks_per_node, self.ledger()
+        busiest = max((self.ledger(rank) for rank in {0, per_node - 1}), key=lambda led: led.total(link="intra"))
+
+        def sent(ledger: Ledger, phase: str, link: str) -> int:
+            doubled = ledger.total(op="reduce_scatter", phase=phase, link=link) if backend == "gloo" else 0
+            return ledger.total(phase=phase, link=link) + doubled
+
+        return {p: {"intra": sent(busiest, p, "intra"), "inter": per_node * sent(mean, p, "inter")} for p in STEP_PHASES}
+
+    def comm_seconds_by_phase(
+        self, intra_bits_per_s: float, inter_bits_per_s: float, backend: Backend = "nccl"
+    ) -> dict[str, float]:
+        """Seconds on the wire per phase, the links taken one after the other (:meth:`phase_bytes`)."""
+        return {
+            phase: 8 * sent["intra"] / intra_bits_per_s + 8 * sent["inter"] / inter_bits_per_s
+            for phase, sent in self.phase_bytes(backend).items()
+        }
+
+    @property
+    def gathered_units(self) -> int:
+        """Units gathered per use: stage 3's, but for those kept whole (``persistence_threshold``)."""
+        return sum(1 for u in self.units if not u.resident) if self.zero.stage == 3 else 0
+
+    def step_time(
+        self, compute_s: float, intra_bits_per_s: float, inter_bits_per_s: float, backend: Backend = "nccl"
+    ) -> StepTime:
+        """A step of `compute_s` seconds of compute with its communication overlapped as stage 3
+        pipelines it over the units gathered per use (:func:`zeropp.costs.step_time.step_seconds`)."""
+        comm = self.comm_seconds_by_phase(intra_bits_per_s, inter_bits_per_s, backend)
+        return step_seconds(compute_s, comm, self.gathered_units)
+
     def zero3_bytes(self) -> dict[str, dict[str, float]]:
         """What plain ZeRO-3 would send on the same units ({phase: {link: mean bytes per rank}})."""
         return zero3_step_bytes(
@@ -214,8 +249,11 @@ class Estimate:
             "partitioned_activation_bytes_per_step": self.bytes_of("pa") if known else None,
         }
 
-    def as_dict(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, Any]:
+    def as_dict(
+        self, intra_bits_per_s: float, inter_bits_per_s: float, compute_s: float | None = None, backend: Backend = "nccl"
+    ) -> dict[str, Any]:
         mean, zero3 = self.ledger(), self.zero3_bytes()
+        step = None if compute_s is None else self.step_time(compute_s, intra_bits_per_s, inter_bits_per_s, backend)
         return {
             "params": self.psi + self.frozen_psi,
             "trainable_params": self.psi,
@@ -247,6 +285,9 @@ class Estimate:
             "zero3_inter_node_bytes_per_step": sum(zero3[p]["inter"] for p in STEP_PHASES),
             "bandwidth_bits_per_s": {"intra": intra_bits_per_s, "inter": inter_bits_per_s},
             "predicted_comm_seconds_per_step": self.seconds(intra_bits_per_s, inter_bits_per_s),
+            "backend": backend,
+            "compute_seconds_per_step": compute_s,
+            "predicted_step_seconds": None if step is None else dataclasses.asdict(step) | {"total_s": step.total_s},
         }
 
 

@@ -87,6 +87,14 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         f"{_seconds(seconds['total'])} per step = {si(est.busiest_intra_bytes())} at {si(bw['intra'], 'bit/s')} "
         f"+ {si(est.node_inter_bytes())} per node at {si(bw['inter'], 'bit/s')} (no overlap)",
     )
+    step = result["predicted_step_seconds"]
+    if step is not None:
+        head.add_row(
+            "predicted step",
+            f"{_seconds(step['total_s'])} with {_seconds(result['compute_seconds_per_step'])} of compute, overlapped "
+            f"over {est.gathered_units} gathered unit(s) (forward {_seconds(step['forward_s'])}, backward "
+            f"{_seconds(step['backward_s'])}; {result['backend']})",
+        )
     console = _console()
     console.print(head)
     table = Table(title="bytes sent per rank per step (mean over ranks)")
