@@ -208,6 +208,7 @@ class ZeroEngine:
             grad_hadamard=qgz.hadamard,
             grad_error_beta=qgz.error_beta if qgz.error_feedback == "loco" else None,
             qgz_chunks=qgz.pipeline_chunks,
+            qgz_min_chunk=qgz.pipeline_min_chunk,
             kernels=kernels_for(device, config.quant_backend) if quantized else None,
             quant_stream=torch.cuda.Stream(device) if side_stream else None,
             master_device=torch.device("cpu") if config.offload.optimizer != "none" else None,

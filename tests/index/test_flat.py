@@ -8,7 +8,7 @@ import math
 import pytest
 
 from zeropp.errors import ConfigError
-from zeropp.index.flat import FlatLayout, secondary_range
+from zeropp.index.flat import FlatLayout, column_chunks, qgz_column_chunks, secondary_range
 from zeropp.index.ranks import Layout
 
 SHAPE_SETS = [
@@ -180,3 +180,16 @@ def test_a_32_element_parameter_with_hpz_16_at_world_2048(alignment):
     assert all(pieces[i] == (shards[i * per_piece][0], shards[(i + 1) * per_piece - 1][1]) for i in range(size))
     held = [min(stop, 33) - max(start, 0) for start, stop in pieces if start < 33]
     assert sum(held) == 33 and flat.param_range(0) == (0, 32)
+
+
+def test_qgz_column_chunks_cut_each_bucket_but_never_below_the_minimum():
+    # two buckets of at most 100 columns, 3 chunks each: 6 near-equal chunks
+    assert qgz_column_chunks(200, 100, 3, 1) == column_chunks(200, 6)
+    # a chunk of 200 // 2 // 3 = 33 columns is under a minimum of 40: 2 a bucket instead
+    assert qgz_column_chunks(200, 100, 3, 40) == column_chunks(200, 4)
+    # under the minimum even whole: one chunk a bucket, never fewer than the buckets
+    assert qgz_column_chunks(200, 100, 3, 1000) == [(0, 100), (100, 200)]
+    assert qgz_column_chunks(50, 100, 2, 2**16) == [(0, 50)]
+    # the small GPT's blocks on 4 ranks: 111,216 columns a shard, 2 chunks of 55,608 < 2^16: one chunk
+    assert len(qgz_column_chunks(111_216, 2**24, 2, 2**16)) == 1
+    assert len(qgz_column_chunks(2 * 2**16, 2**24, 2, 2**16)) == 2

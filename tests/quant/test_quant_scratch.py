@@ -192,7 +192,7 @@ def test_message_pool_keeps_exactly_up_to_its_bound():
 
 STEPS, ACCUMULATION = 3, 2
 SCENARIOS = {
-    "zeropp": {},
+    "zeropp": dict(qgz_pipeline_min_chunk=1),  # two chunks of the tiny model's shards
     "feedback-two-level": dict(gradient_error_feedback="loco", gradient_intra_node_bits=8),
     "one-chunk-int4-weights": dict(qgz_pipeline_chunks=1, weight_bits=4),
     "unquantized-intra-node-hop": dict(gradient_intra_node_bits=0, gradient_error_feedback="loco"),

@@ -180,8 +180,8 @@ def test_zero_section_7_volumes_and_the_ledger_bounds_of_test_zeropp():
 
 
 def test_qgz_and_qwz_bytes_by_hand():
-    """One unit of 2^16 elements on 2 nodes x 2, bf16, blocks of 256, one bucket, 2 pipeline chunks."""
-    zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, qgz_pipeline_chunks=2)
+    """One unit of 2^16 elements on 2 nodes x 2, bf16, blocks of 256, one bucket, 2 pipeline chunks (of any size)."""
+    zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, qgz_pipeline_chunks=2, qgz_pipeline_min_chunk=1)
     ledger = estimate(2**16, 4, 2, zero).ledger(rank=0)
     shard, chunk = 2**14, 2**13
     # qwZ: int8 shard + 64 scales, ring over 4 ranks; rank 0's successor is on its node
@@ -288,7 +288,7 @@ MEASURED_SCENARIOS = {
     "zeropp-fp32-accumulate-resident-root": dict(
         stage=3, gradient_accumulation_steps=2, persistence_threshold=10_000, quantized_weights=True, weight_bits=4,
         weight_quantization="tensor", hpz_partition_size=2, quantized_gradients=True, gradient_bits=8,
-        qgz_pipeline_chunks=3, reduce_bucket_numel=1000,
+        qgz_pipeline_chunks=3, qgz_pipeline_min_chunk=1, reduce_bucket_numel=1000,
     ),
 }  # fmt: skip
 MEASURED_NODES = (2, 1, 4)

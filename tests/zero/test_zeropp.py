@@ -341,7 +341,7 @@ def test_ledger_shows_zeropp_table_1_and_hpz_memory():
 
 QUANTIZED_SCENARIOS = {
     "qwz-int8": dict(quantized_weights=True),
-    "qgz-int8-3stages": dict(quantized_gradients=True, gradient_bits=8, qgz_pipeline_chunks=3),
+    "qgz-int8-3stages": dict(quantized_gradients=True, gradient_bits=8, qgz_pipeline_chunks=3, qgz_pipeline_min_chunk=1),
     "qgz-int4": dict(quantized_gradients=True),
     "all-three-int4-grads": dict(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
 }

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,7 +49,7 @@ import torch
 
 from zeropp.comm.communicator import Communicator, Pending
 from zeropp.comm.feedback import ErrorFeedback
-from zeropp.index.flat import column_chunks, qgz_send_order
+from zeropp.index.flat import qgz_column_chunks, qgz_send_order
 from zeropp.quant.backends import backend_of
 from zeropp.quant.spec import Quantized, QuantKernels, QuantSpec
 from zeropp.topology import Group, ShardGroups
@@ -245,22 +244,24 @@ def reduce_scatter_quantized(
     chunks: int,
     bucket_numel: int,
     intra_spec: QuantSpec | None,
+    min_chunk: int = 1,
     hadamard_rotation: bool = False,
     feedback: ErrorFeedback | None = None,
 ) -> Pending:
     """Mean of `full` over the shard group, this rank's slice into `shard` (``shard = mean[rank]``), via qgZ.
 
     The group's X ranks per node form ``groups.intra_node`` and its Y nodes ``groups.inter_node``.
-    The intra-node exchanges start now, and `full` is no longer read once this returns.
+    The shard's columns are reduced in chunks (:func:`~zeropp.index.flat.qgz_column_chunks`: `chunks`
+    per bucket of `bucket_numel`, none under `min_chunk` columns). The intra-node exchanges start now, and `full` is no longer read once this returns.
     ``start_ready_hops`` on the returned Pending starts the inter-node exchange of every chunk whose
     intra-node exchange has completed (the runtime calls it as backward goes on); waiting on it
     runs the rest.
     """
     x, y = groups.intra_node.size, groups.inter_node.size
     assert x * y == groups.shard.size and full.numel() == x * y * shard.numel(), (x, y, full.numel(), shard.numel())
-    pieces = math.ceil(shard.numel() / bucket_numel) * chunks
+    columns = qgz_column_chunks(shard.numel(), bucket_numel, chunks, min_chunk)
     rotation_block = spec.block_size if hadamard_rotation else None
-    reduction = _QgzReduction(comm, shard, (intra_spec, spec), kernels, groups, pieces, rotation_block, feedback)
+    reduction = _QgzReduction(comm, shard, (intra_spec, spec), kernels, groups, columns, rotation_block, feedback)
     reduction.start_intra(full.view(x * y, shard.numel()))
     if y == 1:  # one node: the intra-node sums are the result, no second quantization
         return Pending([], reduction.land_one_node)
@@ -302,7 +303,7 @@ class _QgzReduction:
         specs: tuple[QuantSpec, QuantSpec],
         kernels: QuantKernels,
         groups: ShardGroups,
-        pieces: int,
+        columns: list[tuple[int, int]],
         rotation_block: int | None,
         feedback: ErrorFeedback | None,
     ) -> None:
@@ -311,7 +312,7 @@ class _QgzReduction:
         self.intra_spec, self.inter_spec = specs
         self.rotation_block, self.feedback = rotation_block, feedback
         self.rotate = backend_of(kernels).rotate
-        self.columns = column_chunks(shard.numel(), pieces)
+        self.columns = columns
         self.intra: list[_Arriving | None] = []
         self.inter: list[_Arriving] = []
 

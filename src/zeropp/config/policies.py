@@ -73,6 +73,7 @@ class QuantizedGradients:
         "bits": "gradient_bits",
         "block_size": "gradient_block_size",
         "pipeline_chunks": "qgz_pipeline_chunks",
+        "pipeline_min_chunk": "qgz_pipeline_min_chunk",
         "intra_node_bits": "gradient_intra_node_bits",
         "hadamard": "gradient_hadamard",
         "error_feedback": "gradient_error_feedback",
@@ -85,6 +86,10 @@ class QuantizedGradients:
     bits: Literal[4, 8] = setting(4, "qgZ: bits per quantized gradient")
     block_size: int = setting(256, "qgZ: gradients per quantization block")
     pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
+    pipeline_min_chunk: int = setting(
+        2**16, "qgZ: fewest columns (elements of a rank's shard) a pipelined chunk holds: a bucket too small for "
+        "qgz_pipeline_chunks chunks of this many is cut into fewer (1: always qgz_pipeline_chunks)",
+    )  # fmt: skip
     intra_node_bits: Literal[0, 4, 8] | None = setting(
         None,
         "qgZ: bits on the intra-node hop (8: two-level qgZ, int8 inside a node, gradient_bits across; 0: unquantized "
@@ -138,7 +143,7 @@ class QuantizedGradients:
                 block,
                 f"a power of 2 when {name('hadamard')} is on (the Hadamard transform's size)",
             )
-        for key in ("block_size", "pipeline_chunks"):
+        for key in ("block_size", "pipeline_chunks", "pipeline_min_chunk"):
             require(getattr(self, key) >= 1, name(key), getattr(self, key), "an integer >= 1")
         check_finite(self, "", name)
 

@@ -31,14 +31,13 @@ ranks of one node).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from zeropp.comm.ledger import PA_GATHER, ring_bytes
 from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import BYTES, Activations
-from zeropp.index.flat import FlatLayout, column_chunks
+from zeropp.index.flat import FlatLayout, qgz_column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
 from zeropp.zero.options import frozen_quant
@@ -362,8 +361,8 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
         return
     spec, shard = QuantSpec(qgz.bits, qgz.block_size), padded // world
     intra_spec = QuantSpec(qgz.intra_node_bits or qgz.bits, qgz.block_size)
-    pieces = math.ceil(shard / zero.reduce_bucket_numel) * qgz.pipeline_chunks
-    for start, stop in column_chunks(shard, pieces):
+    chunks = qgz_column_chunks(shard, zero.reduce_bucket_numel, qgz.pipeline_chunks, qgz.pipeline_min_chunk)
+    for start, stop in chunks:
         c = stop - start
         intra_data, intra_scales = (
             (intra_spec.row_bytes(c), SCALE_BYTES * intra_spec.blocks(c)) if qgz.intra_node_quantized else (c * grad, 0)

@@ -121,6 +121,15 @@ def qgz_slice_order(ranks_per_node: int, nodes: int, chunks: int) -> list[tuple[
     return [(chunk, z) for chunk in range(chunks) for z in order]
 
 
+def qgz_column_chunks(shard: int, bucket: int, chunks: int, min_chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) of the column chunks qgZ reduces one after another for a shard of `shard` columns:
+    each bucket of at most `bucket` columns cut into `chunks` pipelined chunks, or into fewer where a
+    chunk would hold fewer than `min_chunk` columns (at least one a bucket)."""
+    buckets = math.ceil(shard / bucket)
+    per_bucket = max(1, min(chunks, shard // buckets // min_chunk))
+    return column_chunks(shard, buckets * per_bucket)
+
+
 def column_chunks(numel: int, pieces: int) -> list[tuple[int, int]]:
     """[start, stop) of `pieces` near-equal consecutive chunks of `numel` columns (empty ones dropped)."""
     bounds = [numel * i // pieces for i in range(pieces + 1)]

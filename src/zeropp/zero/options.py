@@ -32,6 +32,7 @@ class UnitOptions:
     grad_hadamard: bool = False  # qgZ: random Hadamard rotation of every block (zeropp.quant.hadamard)
     grad_error_beta: float | None = None  # qgZ: LoCo error feedback with this beta (None: off)
     qgz_chunks: int = 1  # qgZ pipeline chunks per reduce bucket
+    qgz_min_chunk: int = 1  # ... each of at least this many columns
     kernels: QuantKernels | None = None  # quantization kernels (zeropp.quant.kernels_for)
     quant_stream: torch.cuda.Stream | None = None  # CUDA: qwZ quantizes and gathers on this side stream
     master_device: torch.device | None = None  # ZeRO-Offload: the fp32 master's home (None: `device`)

@@ -384,7 +384,7 @@ class FlatUnit:
         return reduce_scatter_quantized(
             self.comm, out, flat, options.grad_quant, options.kernels, self.groups,
             chunks=options.qgz_chunks, bucket_numel=self.reduce_bucket, intra_spec=options.grad_intra_quant,
-            hadamard_rotation=options.grad_hadamard, feedback=self.error_feedback,
+            min_chunk=options.qgz_min_chunk, hadamard_rotation=options.grad_hadamard, feedback=self.error_feedback,
         )  # fmt: skip
 
     def _zero_unwritten(self) -> None:

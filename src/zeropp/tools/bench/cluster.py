@@ -46,6 +46,7 @@ ZEROPP = {
     "zeropp ZeRO-3 + qgZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_gradients": True})],
     "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
     "zeropp ZeRO++ unquantized intra-node hop": ["--stage", "3", *ZEROPP_ON_FLAGS, "--gradient-intra-node-bits", "0"],
+    "zeropp ZeRO++ chunks of any size": ["--stage", "3", *ZEROPP_ON_FLAGS, "--qgz-pipeline-min-chunk", "1"],
 }
 PEERS = {
     "DDP": "ddp",

@@ -39,7 +39,7 @@ from zeropp.tools.estimate.show import (
 ZERO_FLAGS = (
     "stage", "precision", "grad_dtype", "gradient_accumulation_steps", "persistence_threshold", "shard_alignment",
     "reduce_bucket_numel", "quantized_weights", "weight_bits", "weight_block_size", "weight_quantization",
-    "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks",
+    "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks", "qgz_pipeline_min_chunk",
     "quantized_nontrainable_weights", "nontrainable_weight_bits", "prefetch", "optimizer_state_dtype", "master_dtype",
     "offload_optimizer", "offload_params", "offload_path", "offload_buffer_count",
 )  # fmt: skip
