@@ -2,7 +2,7 @@
 
 Rows written before the model existed lack the estimator's per-phase bytes; they are rebuilt from
 each row's configuration (the benchmark's names: ZeRO-3, ZeRO++ and its unquantized intra-node hop,
-on the `small` GPT in fp32) and checked against the bytes the row already holds, then the bound and
+on the `small` GPT in fp32, as they were before `qgz_pipeline_min_chunk`: two qgZ chunks) and checked against the bytes the row already holds, then the bound and
 the prediction are computed again (``zeropp.tools.bench.cluster_bound.add_bounds``) and the file
 rewritten. Prints each shaped point's prediction and error.
 
@@ -18,10 +18,11 @@ from zeropp.config.sections import ZEROPP_SWITCHES, Config, ModelConfig, ZeroCon
 from zeropp.tools.bench.cluster_bound import add_bounds, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF
 
+BEFORE_MIN_CHUNK = {"qgz_pipeline_min_chunk": 1}  # the rows it re-scores were run with qgZ chunks of any size
 SWITCHES = {
     "zeropp ZeRO-3": ZEROPP_OFF,
-    "zeropp ZeRO++": ZEROPP_SWITCHES,
-    "zeropp ZeRO++ unquantized intra-node hop": {**ZEROPP_SWITCHES, "gradient_intra_node_bits": 0},
+    "zeropp ZeRO++": {**ZEROPP_SWITCHES, **BEFORE_MIN_CHUNK},
+    "zeropp ZeRO++ unquantized intra-node hop": {**ZEROPP_SWITCHES, **BEFORE_MIN_CHUNK, "gradient_intra_node_bits": 0},
 }
 
 

@@ -1,19 +1,24 @@
 """The estimator's step beside the model states: the transient bytes of a stage-3 step, and its time with
 the communication overlapped (zeropp.costs.step_time)."""
 
+import json
+
 import pytest
 
 from zeropp.config.sections import ModelConfig, ZeroConfig
-from zeropp.tools.estimate import estimate, gpt_unit_numels
+from zeropp.tools.estimate import estimate, gpt_unit_numels, main
 
 
 def test_stage3_transient_bytes_by_hand():
     """Beside the model states, stage 3 holds 1 + prefetch gathered units in the compute dtype and, on more
-    than one rank, the whole gradients of the reductions in flight (two, in the gradient dtype)."""
+    than one rank, three whole gradients in the gradient dtype: the unit in backward, two reductions in flight."""
     bf16 = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", prefetch=2))
-    assert bf16.transient_bytes() == {"units_gathered": 3 * 2 * 2**20, "reductions_in_flight": 2 * 2 * 2**20}
+    assert bf16.transient_bytes() == {"units_gathered": 3 * 2 * 2**20, "gradients_in_reduction": 3 * 2 * 2**20}
     fp32_grads = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16", grad_dtype="fp32"))
-    assert fp32_grads.transient_bytes() == {"units_gathered": 2 * 2 * 2**20, "reductions_in_flight": 2 * 4 * 2**20}
+    assert fp32_grads.transient_bytes() == {"units_gathered": 2 * 2 * 2**20, "gradients_in_reduction": 3 * 4 * 2**20}
+    # a LoRA base: the frozen weights are gathered, but have no gradient (a quarter of 2^20 is trainable)
+    lora = estimate(2**20, 4, 1, ZeroConfig(stage=3, precision="bf16"), frozen_fraction=0.75)
+    assert lora.transient_bytes() == {"units_gathered": 2 * 2 * 2**20, "gradients_in_reduction": 3 * 2 * 2**18}
     # nothing is gathered per use on one rank or below stage 3
     assert estimate(2**20, 1, 1, ZeroConfig(stage=3)).transient_bytes() is None
     assert estimate(2**20, 4, 1, ZeroConfig(stage=2)).transient_bytes() is None
@@ -37,3 +42,28 @@ def test_step_time_overlaps_each_pass_over_the_gathered_units():
     assert gpt.gathered_units == 5  # four blocks and the embedding: a pass hides all but a fifth of its shorter stage
     forward = gpt.comm_seconds_by_phase(float("inf"), 200e6)["forward"]
     assert gpt.step_time(0.3, float("inf"), 200e6).forward_s == pytest.approx(max(0.1, forward) + min(0.1, forward) / 5)
+
+
+def test_cli_predicts_the_step_from_a_given_compute(capsys, tmp_path):
+    out = tmp_path / "estimate.json"
+    argv = ["--preset", "small", "--world", "4", "--nodes", "2", "--stage", "3", "--quantized-gradients",
+            "--inter-node-bandwidth", "200mbit", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["predicted_step_seconds"] is None  # no compute given
+    assert main([*argv, "--compute-seconds", "0.25", "--backend", "gloo"]) == 0
+    assert "predicted step" in capsys.readouterr().out
+    step = json.loads(out.read_text())["predicted_step_seconds"]
+    est = estimate(gpt_unit_numels(ModelConfig(preset="small")), 4, 2, ZeroConfig(stage=3, quantized_gradients=True))
+    assert step["total_s"] == pytest.approx(est.step_time(0.25, 100e9, 200e6, "gloo").total_s)
+    assert step["total_s"] == pytest.approx(step["forward_s"] + step["backward_s"] + step["step_comm_s"])
+
+
+def test_the_backend_defaults_to_the_configs(tmp_path):
+    config = tmp_path / "gloo.toml"
+    config.write_text('[topology]\nbackend = "gloo"\n')
+    out = tmp_path / "estimate.json"
+    argv = ["--config", str(config), "--world", "4", "--nodes", "2", "--compute-seconds", "0.1", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["backend"] == "gloo"
+    assert main([*argv, "--backend", "nccl"]) == 0
+    assert json.loads(out.read_text())["backend"] == "nccl"

@@ -252,7 +252,8 @@ def reduce_scatter_quantized(
 
     The group's X ranks per node form ``groups.intra_node`` and its Y nodes ``groups.inter_node``.
     The shard's columns are reduced in chunks (:func:`~zeropp.index.flat.qgz_column_chunks`: `chunks`
-    per bucket of `bucket_numel`, none under `min_chunk` columns). The intra-node exchanges start now, and `full` is no longer read once this returns.
+    per bucket of `bucket_numel`, none under `min_chunk` columns). The intra-node exchanges start
+    now, and `full` is no longer read once this returns.
     ``start_ready_hops`` on the returned Pending starts the inter-node exchange of every chunk whose
     intra-node exchange has completed (the runtime calls it as backward goes on); waiting on it
     runs the rest.

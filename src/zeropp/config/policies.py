@@ -88,7 +88,7 @@ class QuantizedGradients:
     pipeline_chunks: int = setting(2, "qgZ: chunks per bucket, pipelined (the paper's pipeline stages)")
     pipeline_min_chunk: int = setting(
         2**16, "qgZ: fewest columns (elements of a rank's shard) a pipelined chunk holds: a bucket too small for "
-        "qgz_pipeline_chunks chunks of this many is cut into fewer (1: always qgz_pipeline_chunks)",
+        "qgz_pipeline_chunks chunks of this many is cut into fewer (1: no minimum)",
     )  # fmt: skip
     intra_node_bits: Literal[0, 4, 8] | None = setting(
         None,

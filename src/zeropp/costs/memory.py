@@ -164,15 +164,16 @@ def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_qua
 
 
 def stage3_transient_bytes(
-    largest_unit: int, world: int, compute_bytes: int, grad_bytes: int, prefetch: int = 1
+    largest_gathered: int, largest_trainable: int, world: int, compute_bytes: int, grad_bytes: int, prefetch: int
 ) -> dict[str, int]:
-    """Stage 3's bytes per rank beside the model states while a step runs, for units of at most
-    `largest_unit` elements: the units gathered at once (the one running and `prefetch` ahead) and,
-    on more than one rank, the whole gradients of the units whose reduce-scatters are in flight
-    (:data:`~zeropp.runtime.reductions.MAX_IN_FLIGHT`; each holds its unit's gradient until it completes)."""
-    in_flight = MAX_IN_FLIGHT if world > 1 else 0
-    return {"units_gathered": (1 + prefetch) * compute_bytes * largest_unit,
-            "reductions_in_flight": in_flight * grad_bytes * largest_unit}  # fmt: skip
+    """Stage 3's bytes per rank beside the model states while a step runs: the units gathered at once
+    (the one running and `prefetch` ahead, of at most `largest_gathered` elements) and, on more than one
+    rank, whole gradients (of at most `largest_trainable` elements): the unit computing its backward
+    and the units whose reduce-scatters are in flight (:data:`~zeropp.runtime.reductions.MAX_IN_FLIGHT`;
+    each holds its unit's gradient until it completes)."""
+    whole_gradients = MAX_IN_FLIGHT + 1 if world > 1 else 0
+    return {"units_gathered": (1 + prefetch) * compute_bytes * largest_gathered,
+            "gradients_in_reduction": whole_gradients * grad_bytes * largest_trainable}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -152,14 +152,17 @@ def _exactness(world: int, backend: str, device_kind: str, scenarios: list[str],
         yield f"world{world}/{name}", {"backend": backend, **result}
 
 
-def _formula(psi: int, world: int, unit_numel: int, config: GPTConfig, batch: int) -> dict[str, float]:
-    """The step's bound from zeropp.costs.memory: 16Ψ/N + two units gathered (bf16) + the gradients of
-    the reductions in flight (world > 1) + activation checkpoints."""
+def _formula(psi: int, world: int, unit_numel: int, prefetch: int, config: GPTConfig, batch: int) -> dict[str, float]:
+    """The step's bound from zeropp.costs.memory: 16Ψ/N + 1 + prefetch units gathered (bf16) + on more
+    than one rank three units' whole gradients (the unit in backward, two reductions in flight) +
+    activation checkpoints."""
     from zeropp.costs.memory import Activations, analytic_model_state_bytes, stage3_transient_bytes
 
     states = analytic_model_state_bytes(psi, world, 3, "bf16")
     acts = Activations(config.n_layer, config.d_model, config.block_size, batch, activation_checkpointing=True)
-    return {"model_states": states, **stage3_transient_bytes(unit_numel, world, 2, 2),
+    transient = stage3_transient_bytes(largest_gathered=unit_numel, largest_trainable=unit_numel, world=world,
+                                       compute_bytes=2, grad_bytes=2, prefetch=prefetch)  # fmt: skip
+    return {"model_states": states, **transient,
             "activation_checkpoints": acts.checkpoint_bytes(tp=1, element_bytes=2)}  # fmt: skip
 
 
@@ -175,8 +178,8 @@ def memory_rank(topology: Any, config: GPTConfig, batch: int, optimizer: dict | 
         model = GPT(config)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    engine = ZeroEngine(model, torch.optim.AdamW, {"lr": 1e-4, **(optimizer or {})}, ZeroConfig(stage=3,
-                        precision="bf16", activation_checkpointing=True), topology)  # fmt: skip
+    zero = ZeroConfig(stage=3, precision="bf16", activation_checkpointing=True)
+    engine = ZeroEngine(model, torch.optim.AdamW, {"lr": 1e-4, **(optimizer or {})}, zero, topology)
     built = torch.cuda.max_memory_allocated(device) if cuda else None
 
     def peak_since_reset() -> int | None:
@@ -200,7 +203,7 @@ def memory_rank(topology: Any, config: GPTConfig, batch: int, optimizer: dict | 
         split = {"backward_peak_bytes": backward_peak, "allocated_at_step_bytes": before_step,
                  "optimizer_step_peak_bytes": step_peak}  # fmt: skip
     unit = max(u.layout.numel for u in engine.units)
-    formula = _formula(engine.param_count, topology.world_size, unit, config, batch)
+    formula = _formula(engine.param_count, topology.world_size, unit, zero.prefetch, config, batch)
     bound = sum(formula.values())
     result = {"psi": engine.param_count, "constructed_bytes": built, "step_peak_bytes": peaks[-1], **split,
               "formula_bytes": bound, "formula": formula, "ratio": peaks[-1] / bound if cuda else None}  # fmt: skip

@@ -68,7 +68,8 @@ def _memory(results: dict[str, Any]) -> list[str]:
               "<= 1.1"]  # fmt: skip
     return _table(header, rows) + [
         "",
-        "formula: 16Ψ/N + 2 units gathered (bf16) + 2 units' gradients in reduction (world > 1) + activation checkpoints (zeropp.costs.memory)",
+        "formula: 16Ψ/N + 2 units gathered (bf16) + 3 units' whole gradients (world > 1: the unit in backward, two in "
+        "reduction) + activation checkpoints (zeropp.costs.memory)",
     ]
 
 

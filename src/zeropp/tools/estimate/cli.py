@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         "communication overlapped as stage 3 pipelines it (docs/estimate.md)",
     )  # fmt: skip
     cluster.add_argument(
-        "--backend", choices=("nccl", "gloo"), default="nccl",
-        help="the collectives' backend: gloo sends a reduce-scatter as an all-reduce, twice the ring's bytes (default nccl)",
+        "--backend", choices=("nccl", "gloo"),
+        help="the collectives' backend: gloo sends a reduce-scatter as an all-reduce, twice the ring's bytes "
+        "(default: the config's topology.backend; auto, as on GPUs: nccl)",
     )  # fmt: skip
     zero = parser.add_argument_group("ZeRO / ZeRO++ (zeropp's config keys; ZeRO++ off unless switched on)")
     add_config_flags(zero, ZERO_FLAGS)
@@ -243,7 +244,8 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         activations=activations,
         frozen_fraction=args.frozen_fraction,
     )
-    result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth, args.compute_seconds, args.backend)
+    backend = args.backend or ("gloo" if config.topology.backend == "gloo" else "nccl")
+    result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth, args.compute_seconds, backend)
     result["model"] = {"params": args.params} if args.params is not None else dataclasses.asdict(config.model)
     return result, [lambda: print_estimate(est, result)]
 

@@ -145,14 +145,20 @@ class Estimate:
 
     def transient_bytes(self) -> dict[str, int] | None:
         """Stage 3's bytes per rank beside the model states while a step runs (None at stages 0-2): the
-        units gathered at once and the gradients of the reductions in flight, for the largest unit
-        gathered per use (frozen weights counted in the compute dtype)."""
-        gathered = [u.padded + u.frozen_padded for u in self.units if not u.resident]
+        units gathered at once (frozen weights counted in the compute dtype) and the whole gradients of
+        the unit in backward and of the reductions in flight (trainable parameters only)."""
+        gathered = [u for u in self.units if not u.resident]
         if self.zero.stage != 3 or not gathered:
             return None
         zero = self.zero
-        grad = BYTES[zero.grad_dtype or zero.precision]
-        return stage3_transient_bytes(max(gathered), self.data_parallel.world_size, BYTES[zero.precision], grad, zero.prefetch)
+        return stage3_transient_bytes(
+            largest_gathered=max(u.padded + u.frozen_padded for u in gathered),
+            largest_trainable=max(u.padded for u in gathered),
+            world=self.data_parallel.world_size,
+            compute_bytes=BYTES[zero.precision],
+            grad_bytes=BYTES[zero.grad_dtype or zero.precision],
+            prefetch=zero.prefetch,
+        )
 
     def activation_checkpoint_bytes(self, where: str = "device") -> int:
         """Per rank, held from forward to backward (ZeRO-R: /tp with Pa, on the host with Pa+cpu)."""
@@ -177,10 +183,14 @@ class Estimate:
         """Bytes leaving one node per step (every node sends the same)."""
         return self.layout.ranks_per_node * self.ledger().total(link="inter")
 
+    def _busiest_intra_ledger(self) -> Ledger:
+        """The ledger of the rank that sends the most inside its node (a node's first or last)."""
+        per_node = self.layout.ranks_per_node
+        return max((self.ledger(rank) for rank in {0, per_node - 1}), key=lambda ledger: ledger.total(link="intra"))
+
     def busiest_intra_bytes(self) -> int:
         """Intra-node bytes per step of the rank that sends the most inside its node."""
-        per_node = self.layout.ranks_per_node
-        return max(self.ledger(rank).total(link="intra") for rank in {0, per_node - 1})
+        return self._busiest_intra_ledger().total(link="intra")
 
     def seconds(self, intra_bits_per_s: float, inter_bits_per_s: float) -> dict[str, float]:
         intra = 8 * self.busiest_intra_bytes() / intra_bits_per_s
@@ -190,8 +200,7 @@ class Estimate:
     def phase_bytes(self, backend: Backend = "nccl") -> dict[str, dict[str, int]]:
         """Per phase, the busiest rank's intra-node bytes and a node's inter-node bytes as `backend`
         sends them: gloo's reduce-scatters count twice (:mod:`zeropp.costs.step_time`)."""
-        per_node, mean = self.layout.ranks_per_node, self.ledger()
-        busiest = max((self.ledger(rank) for rank in {0, per_node - 1}), key=lambda led: led.total(link="intra"))
+        per_node, mean, busiest = self.layout.ranks_per_node, self.ledger(), self._busiest_intra_ledger()
 
         def sent(ledger: Ledger, phase: str, link: str) -> int:
             doubled = ledger.total(op="reduce_scatter", phase=phase, link=link) if backend == "gloo" else 0

@@ -70,7 +70,7 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         head.add_row(
             "  while a step runs",
             f"+ {si(transient['units_gathered'])} gathered units (1 + prefetch {zero.prefetch}), "
-            f"+ {si(transient['reductions_in_flight'])} gradients in reduction",
+            f"+ {si(transient['gradients_in_reduction'])} whole gradients (the unit in backward, the reductions in flight)",
         )
     _activation_rows(head, est)
     mean = est.ledger()
