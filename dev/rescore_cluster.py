@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-from zeropp.config.sections import ZEROPP_SWITCHES, Config, ModelConfig, ZeroConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import ZEROPP_SWITCHES, Config, ZeroConfig
 from zeropp.tools.bench.cluster_bound import add_bounds, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF
 

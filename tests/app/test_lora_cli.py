@@ -176,7 +176,7 @@ def test_bad_lora_input_is_refused_in_one_line(inputs, capsys, tmp_path):
 
 def test_meta_adapters_start_as_peft_initializes_them():
     from zeropp.app import lora
-    from zeropp.config.sections import ModelConfig
+    from zeropp.config.model import ModelConfig
     from zeropp.zero.grouping import repeated_blocks
     from zeropp.zero.materialize import default_init, initialize_model
 

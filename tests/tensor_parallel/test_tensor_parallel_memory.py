@@ -43,7 +43,7 @@ def estimate_for(world: int, nodes: int, zero: dict, sequence_parallel: bool = F
     """The estimate of one_step_per_config's step: the test GPT's units on one tp rank, its activations
     under `zero`'s ZeRO-R switches (and sequence parallelism)."""
     from zeropp import ZeroConfig
-    from zeropp.config.sections import ModelConfig
+    from zeropp.config.model import ModelConfig
     from zeropp.tools.estimate import estimate, gpt_activations, gpt_unit_numels
     from zeropp.tools.estimate.cli import ZERO_R_FLAGS
 

@@ -3,7 +3,8 @@ the benchmark writes them, and the estimator's bytes from a run's own config aga
 
 import pytest
 
-from zeropp.config.sections import Config, ModelConfig, ZeroConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import Config, ZeroConfig
 from zeropp.tools.bench.cluster_bound import add_bounds, busiest_node_bytes, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_SWITCHES
 

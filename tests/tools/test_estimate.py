@@ -14,7 +14,8 @@ from test_estimate_papers import SCALES_INT8
 
 from zeropp.app.models.gpt import PRESETS
 from zeropp.comm.ledger import ring_bytes
-from zeropp.config.sections import LossScaleConfig, ModelConfig, ZeroConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import LossScaleConfig, ZeroConfig
 from zeropp.costs import tensor_parallel
 from zeropp.costs.memory import PAPER_RECOMPUTED_ALL_REDUCES, Activations
 from zeropp.costs.volume import zero3_step_bytes

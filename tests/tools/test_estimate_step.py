@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from zeropp.config.sections import ModelConfig, ZeroConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import ZeroConfig
 from zeropp.tools.estimate import estimate, gpt_unit_numels, main
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from zeropp.app import hf
 from zeropp.app.data.text import ByteTokenizer, HFTokenizer
 from zeropp.checkpoint.dcp import CheckpointError, consolidated_state, read_meta
-from zeropp.config.sections import ModelConfig
+from zeropp.config.model import ModelConfig
 
 
 def load_model(checkpoint: Path) -> tuple[nn.Module, ByteTokenizer | HFTokenizer, int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from zeropp.config.sections import ModelConfig
+from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
 from zeropp.zero.materialize import InitFn, default_init
 

@@ -4,20 +4,21 @@
   file, every key and type checked, one-line :class:`~zeropp.errors.ConfigError` otherwise;
 - :mod:`~zeropp.config.policies`: ZeroConfig's grouped switches (qwZ, qgZ, offload, activation
   checkpointing), each field also accepted by its former flat key;
-- :mod:`~zeropp.config.sections`: the sections (``zero``, ``topology``, ``model``, ``optim``,
-  ``train``, ``checkpoint``), their defaults, aliases and range checks, ``load_config``;
+- :mod:`~zeropp.config.sections`: the sections (``zero``, ``topology``, ``optim``, ``train``,
+  ``checkpoint``, and ``model`` from :mod:`~zeropp.config.model`), their defaults, aliases and range
+  checks, ``load_config``;
 - :mod:`~zeropp.config.deepspeed`: a DeepSpeed JSON config as zeropp keys (its tables in
   :mod:`~zeropp.config.deepspeed_keys`);
 - :mod:`~zeropp.config.rates`: the one bandwidth parser (``200mbit``, ``10gbit``).
 """
 
 from zeropp.config.deepspeed import translate, zero_config
+from zeropp.config.model import ModelConfig
 from zeropp.config.policies import ActivationCheckpointPolicy, OffloadPolicy, QuantizedGradients, QuantizedWeights
 from zeropp.config.sections import (
     CheckpointConfig,
     Config,
     LossScaleConfig,
-    ModelConfig,
     OptimConfig,
     TopologyConfig,
     TrainConfig,

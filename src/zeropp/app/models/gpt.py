@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropp.config.sections import ModelConfig
+from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from zeropp.app.models.gpt import gpt_config
 from zeropp.app.summary import RunSummary
-from zeropp.config.sections import ModelConfig
+from zeropp.config.model import ModelConfig
 from zeropp.tools.bench.memory import VARIANTS
 from zeropp.tools.bench.memory_peers import PEERS, worker_command, worker_env
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from zeropp.app.models.gpt import GPT, gpt_config
-from zeropp.config.sections import ModelConfig
+from zeropp.config.model import ModelConfig
 from zeropp.tools.bench.memory_peers import PEERS, run_peer
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
 from zeropp.zero.grouping import group_parameters, repeated_blocks

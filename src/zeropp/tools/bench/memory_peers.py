@@ -31,7 +31,8 @@ from torch import nn
 
 from zeropp.app.models.gpt import GPT, GPTConfig, gpt_config
 from zeropp.comm.communicator import Communicator
-from zeropp.config.sections import ModelConfig, TopologyConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import TopologyConfig
 from zeropp.costs.memory import PeakMeter
 from zeropp.tools.bench.peers import TrainingStep, engine_step, module_step
 from zeropp.topology import Topology, init_topology, shutdown

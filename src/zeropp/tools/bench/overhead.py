@@ -116,7 +116,7 @@ class OwnTimer:
 def model_and_batches(args: argparse.Namespace) -> tuple[Any, Any]:
     from zeropp.app.data.batches import Batches
     from zeropp.app.models.gpt import gpt_config
-    from zeropp.config.sections import ModelConfig
+    from zeropp.config.model import ModelConfig
 
     heads = max(1, args.d_model // 64)
     config = gpt_config(

@@ -26,7 +26,8 @@ from torch import nn
 from zeropp.app.data.batches import Batches
 from zeropp.app.models.gpt import GPT, gpt_config
 from zeropp.comm.communicator import Communicator
-from zeropp.config.sections import ModelConfig, TopologyConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import TopologyConfig
 from zeropp.costs.memory import peak_memory_bytes
 from zeropp.topology import init_topology, shutdown
 from zeropp.zero.grouping import repeated_blocks

@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from zeropp.config.sections import ModelConfig
+    from zeropp.config.model import ModelConfig
 
     heads = max(1, args.d_model // 64)
     return ModelConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=heads, block_size=args.block_size)

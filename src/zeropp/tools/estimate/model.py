@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeropp.comm.ledger import Ledger
-from zeropp.config.sections import ModelConfig, ZeroConfig
+from zeropp.config.model import ModelConfig
+from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import (
     BYTES,
     Activations,
