@@ -148,8 +148,8 @@ class Estimate:
         """Stage 3's bytes per rank beside the model states while a step runs (None at stages 0-2): the
         units gathered at once (frozen weights counted in the compute dtype) and the whole gradients of
         the unit in backward and of the reductions in flight (trainable parameters only)."""
-        gathered = [u for u in self.units if not u.resident]
-        if self.zero.stage != 3 or not gathered:
+        gathered = self.gathered_per_use
+        if not gathered:
             return None
         zero = self.zero
         return stage3_transient_bytes(
@@ -219,9 +219,14 @@ class Estimate:
         }
 
     @property
+    def gathered_per_use(self) -> list[Unit]:
+        """The units gathered for every use: stage 3's, but for those kept whole (resident: every unit
+        below stage 3, a unit within ``persistence_threshold``, one whose shard group is one rank)."""
+        return [u for u in self.units if not u.resident]
+
+    @property
     def gathered_units(self) -> int:
-        """Units gathered per use: stage 3's, but for those kept whole (``persistence_threshold``)."""
-        return sum(1 for u in self.units if not u.resident) if self.zero.stage == 3 else 0
+        return len(self.gathered_per_use)
 
     def step_time(
         self, compute_s: float, intra_bits_per_s: float, inter_bits_per_s: float, backend: Backend = "nccl"
@@ -240,7 +245,7 @@ class Estimate:
     @property
     def gathered_frozen(self) -> list[int]:
         """The padded frozen numel of every unit that gathers its frozen weights per use (stage 3)."""
-        return [u.frozen_padded for u in self.units if u.frozen and not u.resident and self.zero.stage == 3]
+        return [u.frozen_padded for u in self.gathered_per_use if u.frozen]
 
     def bytes_of(self, prefix: str) -> float:
         """Bytes per rank and step of the ledger's ops named `prefix`.*: ``tp``, the tensor-parallel
