@@ -188,8 +188,6 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
         dist.init_process_group(
             backend, store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
         )
-        # an exit without shutdown() must not leave gloo's threads to the C++ runtime
-        atexit.register(shutdown, wait_for_others=False)
     topology = build_topology(layout, rank, device, datetime.timedelta(seconds=config.timeout_s))
     topology.sequence_parallel = config.sequence_parallel
     return topology
@@ -228,6 +226,10 @@ def build_topology(
 ) -> Topology:
     """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node (collective:
     every rank calls it identically)."""
+    # An exit without shutdown() must not leave gloo's threads to the C++ runtime, also where another
+    # library (accelerate under the Trainer, Lightning) started the process group: none destroys it.
+    atexit.unregister(shutdown)
+    atexit.register(shutdown, wait_for_others=False)
     world = Group(_register(dist.group.WORLD), tuple(range(layout.world_size)), rank)
     topo = Topology(layout, rank, device, world, world, world, world, world, timeout)
     topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
