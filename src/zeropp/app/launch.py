@@ -30,11 +30,13 @@ TASK = "ZEROPP_TASK"  # set in a rank that srun or mpirun started (its launcher'
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
-# How the launcher starts a rank: ignoring SIGINT from its first line. Ctrl-C reaches every process of
-# the terminal's group, also ranks still importing torch; the launcher stops the ranks itself and says
-# "interrupted" once.
+# How the launcher starts a rank: SIGINT taken as SIGTERM from its first line. Ctrl-C reaches every
+# process of the terminal's group, also ranks still importing torch, and torchrun's agent forwards the
+# SIGINT it got to the ranks (then waits 30 s before SIGKILL): a rank stops at once, quietly, writing
+# its flight record where it has one (cli._record_on_signal); the launcher says "interrupted" once.
 RANK_ENTRY = (
-    "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from zeropp.cli import main; sys.exit(main())"
+    "import os, signal, sys; signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM)); "
+    "from zeropp.cli import main; sys.exit(main())"
 )
 PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
 
