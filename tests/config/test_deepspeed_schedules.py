@@ -1,0 +1,87 @@
+"""DeepSpeed's learning-rate schedules and dynamic loss scaling, step by step against DeepSpeed's own
+classes (on the CPU; skipped without DeepSpeed), and the loss scaler's hysteresis and static scale."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from zeropp.app.schedule import learning_rate
+from zeropp.config.deepspeed import translate
+from zeropp.config.sections import LossScaleConfig, OptimConfig
+from zeropp.zero.precision import LossScaler
+
+SCHEDULE_CASES = {  # DeepSpeed scheduler params; zeropp's optim keys follow from translate
+    "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 10},
+    "WarmupDecayLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 5, "total_num_steps": 30,
+                      "warmup_type": "linear"},
+    "WarmupCosineLR": {"warmup_min_ratio": 0.1, "warmup_num_steps": 6, "total_num_steps": 25, "cos_min_ratio": 0.05},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULE_CASES))
+def test_schedules_follow_deepspeeds_scheduler_step_by_step(kind):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    params = SCHEDULE_CASES[kind]
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": kind, "params": params}}
+    optim = translate(ds).config().optim
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = getattr(lr_schedules, kind)(optimizer, **params)  # built before the first step, as the engine does
+    for step in range(40):
+        expected = optimizer.param_groups[0]["lr"]
+        assert learning_rate(optim, 1000, step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+        scheduler.step()
+
+
+def test_zeropps_own_cosine_schedule_is_unchanged():
+    optim = OptimConfig(lr=1.0, warmup_steps=4)
+    for step in range(30):
+        old = (step + 1) / 4 if step < 4 else 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - 4) / 16)))
+        assert learning_rate(optim, 20, step) == pytest.approx(old, rel=1e-12)
+
+
+def test_loss_scaler_hysteresis_and_static_scale():
+    scaler = LossScaler(LossScaleConfig(initial_scale=64.0, growth_interval=2, hysteresis=2), enabled=True)
+    scales = []
+    for overflow in (True, True, True, False, False, True):
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    # one overflow tolerated, then halved, then halved again (the hysteresis stays spent until growth)
+    assert scales == [64.0, 32.0, 16.0, 16.0, 32.0, 32.0]
+    consecutive = LossScaler(
+        LossScaleConfig(initial_scale=64.0, growth_interval=100, hysteresis=2, consecutive_hysteresis=True), True
+    )
+    for overflow in (True, False, True, False, True, True):
+        consecutive.update(overflow)
+    assert consecutive.scale == 32.0  # a clean step restores the hysteresis: only the last pair backs off
+    static = translate({"fp16": {"enabled": True, "loss_scale": 1024}}).config().zero.loss_scale
+    fixed = LossScaler(static, enabled=True)
+    for overflow in (True, False, True, True):
+        fixed.update(overflow)
+    assert fixed.scale == 1024.0
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_loss_scale_back_off_follows_deepspeeds_scaler_step_by_step(hysteresis, consecutive):
+    """Overflows, hysteresis and the floor as DeepSpeed's DynamicLossScaler (no growth within the run:
+    DeepSpeed 0.19 first grows after loss_scale_window + 1 clean steps, zeropp after the window)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    fp16 = {"enabled": True, "initial_scale_power": 20, "hysteresis": hysteresis, "consecutive_hysteresis": consecutive}
+    ours = LossScaler(translate({"fp16": fp16}).config().zero.loss_scale, enabled=True)
+    theirs = loss_scaler.DynamicLossScaler(
+        init_scale=2.0**20, scale_window=1000, min_scale=1, delayed_shift=hysteresis,
+        consecutive_hysteresis=consecutive, raise_error_at_min_scale=False,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(hysteresis)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it only logs with it
+        for overflow in (torch.rand(300, generator=generator) < 0.3).tolist():
+            ours.update(overflow)
+            theirs.update_scale(overflow)
+            assert ours.scale == theirs.cur_scale
