@@ -2,9 +2,9 @@
 
 Rows written before the model existed lack the estimator's per-phase bytes; they are rebuilt from
 each row's configuration (the benchmark's names: ZeRO-3, ZeRO++ and its unquantized intra-node hop,
-on the `small` GPT in fp32, as they were before `qgz_pipeline_min_chunk`: two qgZ chunks) and checked against the bytes the row already holds, then the bound and
-the prediction are computed again (``zeropp.tools.bench.cluster_bound.add_bounds``) and the file
-rewritten. Prints each shaped point's prediction and error.
+on the `small` GPT in fp32, as they were before `qgz_pipeline_min_chunk`: two qgZ chunks) and
+checked against the bytes the row already holds, then the bound and the prediction are computed
+again (``zeropp.tools.bench.cluster_bound.add_bounds``) and the file rewritten. Prints each shaped point's prediction and error.
 
     PYTHONPATH=src python dev/rescore_cluster.py docs/results/bench_cluster_nodes.json ...
 """
