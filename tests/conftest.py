@@ -23,6 +23,7 @@ import types
 
 import pytest
 import torch
+from machine import report_header
 
 DISTRIBUTED_NAMES = frozenset({"run_ranks"})
 CLI_NAMES = frozenset({"run_cli", "run_example", "subprocess", "Popen"})  # run_example: tests/examples.py
@@ -71,6 +72,11 @@ def _namespaces_unavailable() -> str | None:
     if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         return "`ip netns` is unavailable here"
     return None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The machine a run ran on, so that a failing run says which CPU and what it supports."""
+    return report_header()
 
 
 @pytest.hookimpl(tryfirst=True)
