@@ -1,4 +1,4 @@
-"""The README's "Hugging Face models" script, runnable (tests/test_hf_cli.py runs it):
+"""The "Hugging Face models" script of docs/hugging-face.md, runnable (tests/app/test_hf_cli.py runs it):
 torchrun --nproc-per-node 2 examples/hf_text.py CONFIG_JSON TEXT OUT_DIR"""
 
 import sys

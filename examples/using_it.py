@@ -1,4 +1,5 @@
-"""The README's "Using it" example, runnable: torchrun --nproc-per-node 2 examples/using_it.py"""
+"""The README's "Using it" example, runnable (docs/getting-started.md shows this file):
+torchrun --nproc-per-node 2 examples/using_it.py"""
 
 import torch
 

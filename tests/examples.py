@@ -1,5 +1,5 @@
-"""What the example tests share: run ``examples/<name>`` on 2 ranks under torchrun, and whether the
-README shows the example as it runs (from its first import on)."""
+"""What the example tests share: run ``examples/<name>`` on 2 ranks under torchrun, and whether a docs
+page shows the example as it runs (included by a snippet line, so the page cannot drift from the file)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def run_example(name: str, *args: str, timeout: int = 600) -> subprocess.Complet
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def readme_shows(name: str) -> bool:
-    example = (ROOT / "examples" / name).read_text()
-    code = example[example.index("import ") :]
-    return f"```python\n{code}```" in (ROOT / "README.md").read_text()
+def docs_include(page: str, name: str) -> bool:
+    """Whether ``docs/<page>`` includes ``examples/<name>`` whole, as the only line of a fenced block
+    (pymdownx.snippets; ``mkdocs build --strict`` fails where the file is missing)."""
+    text = (ROOT / "docs" / page).read_text()
+    return f'\n--8<-- "examples/{name}"\n```\n' in text and (ROOT / "examples" / name).is_file()

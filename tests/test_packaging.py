@@ -1,5 +1,6 @@
 """What the install pulls in, and CI's script: numpy is a dependency, Triton an extra of its own,
-CI in a fresh folder per run with the README's test command verbatim."""
+CI in a fresh folder per run with the README's test command verbatim; the README a front door to the
+documentation site, whose nav names every page and which CI builds strictly."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def test_ci_uses_a_fresh_folder_and_the_readme_test_command_verbatim():
     command = re.search(r"Run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
     assert command.startswith("pip install torch==2.13.0 ") and command in CI.splitlines()
     assert "mktemp -d" in CI and 'rm -rf "$venv"\n' not in CI.split("trap")[0]
+
+
+def test_the_readme_is_a_front_door_and_ci_builds_every_docs_page_strictly():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 200
+    head = "\n".join(readme[:40])
+    assert "pip install torch==2.13.0 -e . && zeropp train" in head
+    assert re.search(
+        r"Run the tests:\n\n```bash\npip install torch==2\.13\.0 -e \"\.\[test\]\" && python -m pytest ", head
+    )
+    # the nav's pages: every `name.md` in mkdocs.yml (read as text: PyYAML is only in the docs extra)
+    nav = set(re.findall(r"([\w./-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
+    docs = ROOT / "docs"
+    pages = {
+        p.relative_to(docs).as_posix()
+        for p in docs.rglob("*.md")
+        if p.relative_to(docs).parts[0] not in ("results", "img")
+    }
+    assert pages <= nav, sorted(pages - nav)
+    assert "docs_dir: docs" in (ROOT / "mkdocs.yml").read_text()
+    assert any(
+        line.split("#")[0].strip().endswith('mkdocs build --strict --site-dir "$venv/site"') for line in CI.splitlines()
+    )

@@ -1,7 +1,7 @@
 """Hugging Face causal LMs on your own text from the command line: ``zeropp train --hf-config`` with tiny
 GPT-2 and Llama configs written here (no downloads) on a text file and on JSONL (the Llama with a
 tokenizer built here), 4 ranks as 2 simulated nodes; checkpoints, a bit-identical resume, ``zeropp export``
-to a folder that ``from_pretrained`` loads with the engine's logits; the per-step metrics; the README's
+to a folder that ``from_pretrained`` loads with the engine's logits; the per-step metrics; the docs'
 Python script; and every bad input refused in one line before any rank starts."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import pytest
 import torch
 from cli_runner import run_cli
 from launcher import free_port, run_ranks
+
+from examples import docs_include
 
 pytest.importorskip("transformers")
 
@@ -206,14 +208,10 @@ def test_generate_continues_a_prompt_as_the_exported_models_generate_does(runs, 
         assert printed == decode(out[0].tolist()), case
 
 
-def test_readme_script_trains_and_saves_a_folder_from_pretrained_loads(inputs, tmp_path):
+def test_docs_script_trains_and_saves_a_folder_from_pretrained_loads(inputs, tmp_path):
     import transformers
 
-    script = (ROOT / "examples" / "hf_text.py").read_text()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Hugging Face models") :]
-    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert block.strip() == script[script.index("import sys") :].strip()  # the README shows the script as it runs
+    assert docs_include("hugging-face.md", "hf_text.py")  # the page shows the script as it runs
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
          str(ROOT / "examples" / "hf_text.py"), str(inputs / "gpt2.json"), str(inputs / "corpus.txt"), str(tmp_path / "out")],

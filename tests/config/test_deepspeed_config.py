@@ -5,7 +5,6 @@ test_deepspeed_schedules.py)."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from launcher import free_port
 
+from examples import docs_include
 from zeropp.app.schedule import learning_rate
 from zeropp.config.deepspeed import translate
 from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
@@ -326,27 +326,19 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
         translate(bad)
 
 
-# -- zeropp train --deepspeed, and the README's example --------------------------------------------
+# -- zeropp train --deepspeed, and the docs' example (examples/ds_config.json) --------------------
 
 
-def readme_example() -> dict:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Coming from DeepSpeed", 1)[1].split("\n## ", 1)[0]
-    return json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+def test_the_from_deepspeed_page_includes_the_example_file():
+    assert docs_include("from-deepspeed.md", "ds_config.json")
+    assert "zeropp train --deepspeed examples/ds_config.json" in (ROOT / "docs" / "from-deepspeed.md").read_text()
 
 
-def test_readme_example_is_the_example_file():
-    example = json.loads((ROOT / "examples" / "ds_config.json").read_text())
-    assert readme_example() == example
-    readme = (ROOT / "README.md").read_text()
-    assert "zeropp train --deepspeed examples/ds_config.json" in readme
-
-
-def test_train_with_the_readme_deepspeed_config(tmp_path):
-    """The README's example on 2 simulated nodes x 2 ranks: its stage, ZeRO++ switches, precision,
+def test_train_with_the_example_deepspeed_config(tmp_path):
+    """The docs' example on 2 simulated nodes x 2 ranks: its stage, ZeRO++ switches, precision,
     optimizer, schedule and batch reach the run (summary and the checkpoint's optimizer)."""
     config = tmp_path / "ds.json"
-    ds = readme_example()
+    ds = json.loads((ROOT / "examples" / "ds_config.json").read_text())
     ds["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}  # another optimizer than zeropp's
     config.write_text(json.dumps(ds))
     out, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"

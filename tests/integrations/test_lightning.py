@@ -10,7 +10,7 @@ import pytest
 import torch
 from launcher import run_ranks
 
-from examples import readme_shows, run_example
+from examples import docs_include, run_example
 
 pytest.importorskip("lightning")
 
@@ -219,5 +219,5 @@ def test_the_example_runs_under_torchrun(tmp_path):
     assert (tmp_path / "out" / "last.ckpt" / "zeropp").is_dir()
 
 
-def test_the_readme_shows_the_example():
-    assert readme_shows("lightning_zeropp.py")
+def test_the_docs_include_the_example():
+    assert docs_include("trainer-and-lightning.md", "lightning_zeropp.py")

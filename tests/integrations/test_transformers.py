@@ -15,7 +15,7 @@ import torch
 from launcher import run_ranks
 from trainer_runs import PROBE, STEPS, TOLERANCE, max_difference, rows, tiny_llama, training_args
 
-from examples import readme_shows, run_example
+from examples import docs_include, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -127,8 +127,8 @@ def test_the_example_runs_under_torchrun(tmp_path):
     assert (tmp_path / "out" / "final" / "config.json").is_file()
 
 
-def test_the_readme_shows_the_example():
-    assert readme_shows("hf_trainer.py")
+def test_the_docs_include_the_example():
+    assert docs_include("trainer-and-lightning.md", "hf_trainer.py")
 
 
 

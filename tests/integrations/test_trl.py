@@ -9,7 +9,7 @@ import torch
 from launcher import run_ranks
 from trainer_runs import STEPS, max_difference, tiny_llama, training_settings
 
-from examples import readme_shows, run_example
+from examples import docs_include, run_example
 
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
@@ -74,5 +74,5 @@ def test_the_example_runs_under_torchrun(tmp_path):
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
 
 
-def test_the_readme_shows_the_example():
-    assert readme_shows("trl_sft.py")
+def test_the_docs_include_the_example():
+    assert docs_include("trainer-and-lightning.md", "trl_sft.py")
