@@ -14,8 +14,8 @@ import collections
 
 import torch
 
-from zeropp.tools.bench.gpu_checks import Sizes, memory_rank
-from zeropp.tools.bench.gpu_ranks import launch
+from zeropp.tools.bench.gpu.measures import Sizes, memory_rank
+from zeropp.tools.bench.gpu.ranks import launch
 
 
 def _where(frames: list[dict]) -> str:

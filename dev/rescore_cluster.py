@@ -4,7 +4,7 @@ Rows written before the model existed lack the estimator's per-phase bytes; they
 each row's configuration (the benchmark's names: ZeRO-3, ZeRO++ and its unquantized intra-node hop,
 on the `small` GPT in fp32, as they were before `qgz_pipeline_min_chunk`: two qgZ chunks) and
 checked against the bytes the row already holds, then the bound and the prediction are computed
-again (``zeropp.tools.bench.cluster_bound.add_bounds``) and the file rewritten. Prints each shaped point's prediction and error.
+again (``zeropp.tools.bench.cluster.bound.add_bounds``) and the file rewritten. Prints each shaped point's prediction and error.
 
     PYTHONPATH=src python dev/rescore_cluster.py docs/results/bench_cluster_nodes.json ...
 """
@@ -16,7 +16,7 @@ import sys
 
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import ZEROPP_SWITCHES, Config, ZeroConfig
-from zeropp.tools.bench.cluster_bound import add_bounds, estimator_fields
+from zeropp.tools.bench.cluster.bound import add_bounds, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF
 
 BEFORE_MIN_CHUNK = {"qgz_pipeline_min_chunk": 1}  # the rows it re-scores were run with qgZ chunks of any size

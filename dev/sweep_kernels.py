@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from zeropp.quant.triton import kernels
-from zeropp.tools.bench import kernels as bench
+from zeropp.tools.bench.gpu import kernels as bench
 
 GRID = ((512, 2), (512, 4), (1024, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8), (1024, 8), (4096, 8))
 KERNELS = ("quantize int8", "quantize int4", "dequantize_reduce_quantize", "dequantize_reduce")

@@ -1,6 +1,7 @@
 """The package keeps its layers: every import (function-level ones too; ``TYPE_CHECKING`` blocks
 aside) points at the same or an earlier layer, no two modules import each other through any
-chain, and the package's top level holds at most five modules."""
+chain, the package's top level holds at most five modules and no folder more than twelve (its
+``__init__.py`` counted): a subject grows into a sub-package rather than a grab bag."""
 
 from __future__ import annotations
 
@@ -136,6 +137,15 @@ def test_no_import_cycles():
 def test_the_top_level_holds_at_most_five_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 5, top
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    crowded = {
+        str(folder.relative_to(PACKAGE.parent)): count
+        for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+        if (count := len(list(folder.glob("*.py")))) > 12
+    }
+    assert crowded == {}
 
 
 def test_the_checks_fail_on_an_upward_import_and_a_cycle():

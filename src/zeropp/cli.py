@@ -43,6 +43,7 @@ from zeropp.app.launch import (
     is_rank,
     quiet_torchrun,
     resolve,
+    usable_cpus,
     waiting_note,
 )
 from zeropp.app.metrics import require_matplotlib
@@ -160,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in SUBPROGRAMS.items():  # listed here, parsed by their own modules (see main)
         commands.add_parser(name, help=text, add_help=False)
     benchmarks = available()
-    listing = "\n".join(f"  {name:<12} {text}" for name, text in benchmarks.items())
+    listing = "\n".join(f"  {name:<12} {text}" for name, (_, text) in benchmarks.items())
     bench = commands.add_parser(
         "bench",
         help="run a benchmark (zeropp bench --help lists them)",
-        description=f"Runs zeropp.tools.bench.NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
+        description=f"Runs the benchmark NAME; its own options follow the name (zeropp bench NAME --help).\n\n"
         f"benchmarks:\n{listing}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -193,7 +194,8 @@ def _main(argv: list[str]) -> int:
     if args.command == "import-deepspeed":
         return _import_deepspeed(args.source, args.out_dir)
     if args.command == "bench":
-        return importlib.import_module(f"zeropp.tools.bench.{args.what}").main(args.options)
+        module, _ = available()[args.what]
+        return importlib.import_module(module).main(args.options)
     try:
         adopt_task(args)  # srun / mpirun, one task per rank
         if is_rank():
@@ -287,7 +289,9 @@ def _check_adapter_out(out: Path, config: Any) -> None:
     """Refuse --adapter-out without an adapter or a checkpoint to export it from, or over a folder in use."""
     for key, value in (("--lora-rank", config.model.lora_rank), ("--checkpoint-dir", config.checkpoint.checkpoint_dir)):
         if value is None:
-            raise ConfigError(f"--adapter-out {str(out)!r} needs {key} (the adapter is exported from the last checkpoint)")
+            raise ConfigError(
+                f"--adapter-out {str(out)!r} needs {key} (the adapter is exported from the last checkpoint)"
+            )
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"--adapter-out {str(out)!r} exists and is not an empty folder")
 
@@ -305,7 +309,7 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     launcher_argv.append(f"--rdzv-conf=join_timeout={args.join_timeout_s}{host}")
     rank_command = ["--no-python", sys.executable, "-u", "-c", RANK_ENTRY, *argv]
     torchrun_args = get_args_parser().parse_args([*launcher_argv, *rank_command])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // args.nproc_per_node)))
     os.environ[LAUNCHER_PID] = str(os.getpid())
     note = waiting_note(args, nodes)
     if note:

@@ -48,18 +48,18 @@ from zeropp.runtime.activation_checkpointing import (
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
-from zeropp.zero.disk_params import disk_tiers_for, resident
-from zeropp.zero.dtensor_params import is_split
 from zeropp.zero.fingerprint import check_same_model
 from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
-from zeropp.zero.low_precision_adam import low_precision_adam
 from zeropp.zero.materialize import InitFn
-from zeropp.zero.offload_states import KINDS, StateOffloader, StatesMoved
+from zeropp.zero.offload.disk_params import disk_tiers_for, resident
+from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
+from zeropp.zero.optim.low_precision_adam import low_precision_adam
+from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.unit import FlatUnit
+from zeropp.zero.weights.dtensor_params import is_split
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -91,7 +91,9 @@ class ZeroEngine:
         is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
         if optimizer_kwargs and not is_class:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
-        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
+        low = [
+            f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"
+        ]
         if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
             optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0]), False
@@ -239,8 +241,15 @@ class ZeroEngine:
             )
             unit = (
                 FlatUnit(
-                    module, params, self.comm, self.groups, self.policy, options,
-                    broadcast_initial=not meta, initial_flat=flat, name=names.get(id(module), ""),
+                    module,
+                    params,
+                    self.comm,
+                    self.groups,
+                    self.policy,
+                    options,
+                    broadcast_initial=not meta,
+                    initial_flat=flat,
+                    name=names.get(id(module), ""),
                 )  # fmt: skip
                 if params
                 else None
@@ -327,7 +336,9 @@ class ZeroEngine:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
-                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
+                step_units(
+                    self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk
+                )
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -418,7 +429,7 @@ class ZeroEngine:
     def offload_states(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
         """Move the states of `include` (optimizer, master, gradients) that live on the device to host
         memory (pinned on CUDA) and free their device copies; forward and generation still run,
-        backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload_states`)."""
+        backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload.states`)."""
         return self.states.offload(include)
 
     def reload_states(self) -> StatesMoved:

@@ -104,7 +104,7 @@ def test_export_to_a_directory_or_a_full_disk(checkpoint, tmp_path, monkeypatch,
 
 
 def test_bench_cluster_without_root_refuses_before_creating_its_folder(tmp_path, monkeypatch, capsys):
-    from zeropp.tools.bench import cluster
+    from zeropp.tools.bench.cluster import compare as cluster
 
     monkeypatch.setattr(cluster.os if hasattr(cluster, "os") else __import__("os"), "geteuid", lambda: 1000)
     out = tmp_path / "results"

@@ -74,7 +74,9 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, run):
     sent, plain = ({link: summary[f"{prefix}{link}_node_bytes_per_step"] for link in ("intra", "inter")}
                    for prefix in ("", "zero3_"))  # fmt: skip
     assert sum(sent.values()) < sum(plain.values()) / 2, summary
-    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter"
+    )
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     _, trained = consolidated_state(tmp_path / "ck" / "step-00000002", trained_only=True)
     assert sorted(loaded) == sorted(trained) and len(trained) == 2 * 2 * 2  # A and B of q_proj and v_proj, 2 layers

@@ -19,8 +19,13 @@ def test_zeropp_train_as_two_srun_tasks_is_one_run_of_two_ranks(tmp_path):
                "--summary-json", str(summary)]  # fmt: skip
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     tasks = [
-        subprocess.Popen(command, env={**base, **launcher_env("slurm", rank, WORLD, 1, port)}, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        subprocess.Popen(
+            command,
+            env={**base, **launcher_env("slurm", rank, WORLD, 1, port)},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
         for rank in range(WORLD)
     ]
     outputs = [task.communicate(timeout=300) for task in tasks]

@@ -248,7 +248,9 @@ def test_a_real_full_disk_or_read_only_folder_is_one_line_naming_the_folder_and_
         full, read_only = result["errors"]
         for message, reason in ((full, "No space left on device"), (read_only, "Read-only file system")):
             assert message.startswith(f"could not write checkpoint '{folder}/step-00000002': {reason}; it needs about ")
-            assert f"MiB in '{folder}' (" in message and "\n" not in message and len(message) < 160 + 2 * len(folder), message
+            assert f"MiB in '{folder}' (" in message and "\n" not in message and len(message) < 160 + 2 * len(folder), (
+                message
+            )
             assert "needs about 1.7 MiB" in message, message  # the size of the checkpoint before it
             assert message.endswith("MiB free); the checkpoints already there are kept"), message
         assert result["left"] == ["step-00000001"]

@@ -49,7 +49,9 @@ READS = {
 
 def cases(names) -> list:
     """`names` as parameters, each skipped with DeepSpeed's reason where this CPU lacks its precision."""
-    return [pytest.param(name, marks=pytest.mark.skip(reason=REFUSED[name])) if name in REFUSED else name for name in names]
+    return [
+        pytest.param(name, marks=pytest.mark.skip(reason=REFUSED[name])) if name in REFUSED else name for name in names
+    ]
 
 
 def ds_config(stage: int, precision: str) -> dict:

@@ -80,7 +80,17 @@ def test_zeropp_train_resume_names_the_stage_and_world_it_reshards_from(tmp_path
     first = run_cli(*base, "--nproc-per-node", "2", "--steps", "2", "--stage", "1", "--master-port", str(free_port()))
     assert first.returncode == 0, first.stderr[-2000:]
     resumed = run_cli(
-        *base, "--nproc-per-node", "1", "--steps", "3", "--stage", "2", "--resume", "auto", "--master-port", str(free_port())
+        *base,
+        "--nproc-per-node",
+        "1",
+        "--steps",
+        "3",
+        "--stage",
+        "2",
+        "--resume",
+        "auto",
+        "--master-port",
+        str(free_port()),
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("zeropp: resharding")]

@@ -132,7 +132,9 @@ def test_qgz_option_keys_validate_and_take_deepspeeds_loco_names():
             load_config({"zero": {key: value}})
     with pytest.raises(ConfigError, match="power of 2 when zero.gradient_hadamard"):
         load_config({"zero": {"gradient_hadamard": True, "gradient_block_size": 96}})
-    with pytest.raises(ConfigError, match=r"^zero.gradient_hadamard = True .* false when zero.gradient_intra_node_bits is 0"):
+    with pytest.raises(
+        ConfigError, match=r"^zero.gradient_hadamard = True .* false when zero.gradient_intra_node_bits is 0"
+    ):
         load_config({"zero": {"gradient_hadamard": True, "gradient_intra_node_bits": 0}})
 
 

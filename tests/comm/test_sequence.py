@@ -131,7 +131,9 @@ def skipping_worker(folder: str) -> str:
     from zeropp.comm.communicator import CollectiveTimeout
     from zeropp.comm.sequence import SequenceMismatch
 
-    engine = engine_for(RankDependent(skip_at=1), TIMEOUT_S, stage=3, sequence_check_interval=0, flight_record_dir=folder)
+    engine = engine_for(
+        RankDependent(skip_at=1), TIMEOUT_S, stage=3, sequence_check_interval=0, flight_record_dir=folder
+    )
     try:
         train(engine, 3)
         return "no error"

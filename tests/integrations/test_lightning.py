@@ -206,9 +206,13 @@ def test_precision_flags_outside_the_engines_are_refused():
     from zeropp.integrations.lightning import ZeroStrategy
     from zeropp.integrations.settings import IntegrationError
 
-    with pytest.raises(IntegrationError, match="precision '16-true': ZeroStrategy takes '32-true', 'bf16-mixed', 'bf16-true'"):
+    with pytest.raises(
+        IntegrationError, match="precision '16-true': ZeroStrategy takes '32-true', 'bf16-mixed', 'bf16-true'"
+    ):
         lightning.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="16-true", logger=False)
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, strategy="zeropp_stage_2", precision="bf16-true", logger=False)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1, strategy="zeropp_stage_2", precision="bf16-true", logger=False
+    )
     assert trainer.strategy.zero_source == {"stage": 2} and trainer.strategy.precision_plugin.precision == "bf16-true"
 
 

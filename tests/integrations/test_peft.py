@@ -20,7 +20,9 @@ SPAWN = "spawn"  # see test_transformers
 def lora_model():
     import peft
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
     base = tiny_llama()
     torch.manual_seed(1)  # the adapters' initialization
     return peft.get_peft_model(base, config)
@@ -78,7 +80,9 @@ def test_lora_at_stage_3_equals_plain_trainer_lora_and_saves_its_adapter(tmp_pat
         assert rank["base"] // 2 <= rank["frozen_shards"] <= rank["base"] // 2 + 3 * 64
     start = lora_model().state_dict()
     lora = [k for k in start if "lora_B" in k]
-    assert lora and max_difference({k: plain["state"][k] for k in lora}, {k: start[k] for k in lora}) > 1e-3  # it trained
+    assert (
+        lora and max_difference({k: plain["state"][k] for k in lora}, {k: start[k] for k in lora}) > 1e-3
+    )  # it trained
     base = [k for k in start if "lora" not in k]
     assert max_difference({k: zero[0]["state"][k] for k in base}, {k: start[k] for k in base}) == 0  # frozen
     # save_model(): the Trainer's PeftModel folder (adapter weights and config), which peft loads

@@ -34,10 +34,17 @@ def _zero(out: str) -> dict:
 
     runs = {}
     for flag in FLAGS:
-        trainer = ZeroTrainer(tiny_llama(), training_args(f"{out}/{flag}", 2, **{flag: True}), train_dataset=rows(), zero_config={"stage": 3})
+        trainer = ZeroTrainer(
+            tiny_llama(),
+            training_args(f"{out}/{flag}", 2, **{flag: True}),
+            train_dataset=rows(),
+            zero_config={"stage": 3},
+        )
         trainer.train()
         runs[flag] = trainer.engine.full_state_dict()
-    trainer = ZeroTrainer(tiny_llama(), training_args(f"{out}/skip", 2, fp16=True), train_dataset=rows(), zero_config=OVERFLOW)
+    trainer = ZeroTrainer(
+        tiny_llama(), training_args(f"{out}/skip", 2, fp16=True), train_dataset=rows(), zero_config=OVERFLOW
+    )
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     runs["skip"] = dict(logs=logs, scheduler_steps=trainer.lr_scheduler.last_epoch, steps=trainer.state.global_step)

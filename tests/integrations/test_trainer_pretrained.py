@@ -40,14 +40,18 @@ def _meta_and_loaded(out: str, folder: str) -> tuple[float, float]:
     meta.create_optimizer()  # the engine, built and loaded before training
     start = max_difference(meta.engine.full_state_dict(), saved)
     meta.train()
-    whole = ZeroTrainer(loaded, training_args(f"{out}/whole", 2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    whole = ZeroTrainer(
+        loaded, training_args(f"{out}/whole", 2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3)
+    )
     whole.train()
     return max_difference(meta.engine.full_state_dict(), whole.engine.full_state_dict()), start
 
 
 def test_a_meta_model_with_pretrained_trains_like_the_loaded_model(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "pretrained")
-    for trained, start in run_ranks(_meta_and_loaded, 2, start=SPAWN, out=str(tmp_path), folder=str(tmp_path / "pretrained")):
+    for trained, start in run_ranks(
+        _meta_and_loaded, 2, start=SPAWN, out=str(tmp_path), folder=str(tmp_path / "pretrained")
+    ):
         assert start == 0.0
         assert trained < TOLERANCE
 

@@ -32,7 +32,9 @@ def _cross_node_bytes(out: str) -> dict:
     trainer.train()
     engine = trainer.engine
     ledger = engine.comm.ledger
-    per_step = {link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / ledger.steps for link in ("intra", "inter")}
+    per_step = {
+        link: sum(ledger.total(phase=p, link=link) for p in STEP_PHASES) / ledger.steps for link in ("intra", "inter")
+    }
     zeropp = (engine.config.qwz.enabled, engine.hpz_group_size, engine.config.qgz.enabled)
     return dict(per_step=per_step, steps=ledger.steps, zeropp=zeropp, precision=engine.config.precision)
 

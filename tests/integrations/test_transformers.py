@@ -30,9 +30,17 @@ def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(tiny_llama(), training_args(out, world, **overrides), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=stage))
+    trainer = ZeroTrainer(
+        tiny_llama(),
+        training_args(out, world, **overrides),
+        train_dataset=rows(),
+        zero_config=zeropp.ZeroConfig(stage=stage),
+    )
     trainer.train()
-    return {"state": trainer.engine.full_state_dict(), "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+    return {
+        "state": trainer.engine.full_state_dict(),
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+    }
 
 
 def _world_one_run(out: str) -> dict:
@@ -103,7 +111,9 @@ def _save(out: str) -> torch.Tensor:
     import zeropp
     from zeropp.integrations.transformers import ZeroTrainer
 
-    trainer = ZeroTrainer(tiny_llama(), training_args(out, 2, max_steps=2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
+    trainer = ZeroTrainer(
+        tiny_llama(), training_args(out, 2, max_steps=2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3)
+    )
     trainer.train()
     trainer.save_model(f"{out}/final")
     trainer.engine.eval()
@@ -131,7 +141,6 @@ def test_the_docs_include_the_example():
     assert docs_include("trainer-and-lightning.md", "hf_trainer.py")
 
 
-
 def test_importing_zeropp_imports_no_transformers():
     """The core never imports the integrations (checked in a fresh interpreter: this one has transformers)."""
     code = "import sys, zeropp, zeropp.engine, zeropp.app.trainer; assert 'transformers' not in sys.modules, 'imported'"
@@ -140,11 +149,15 @@ def test_importing_zeropp_imports_no_transformers():
 
 
 def test_a_deepspeed_config_takes_the_training_arguments_values(tmp_path):
-    """"auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
+    """ "auto" and left-out keys take the TrainingArguments'; a contradiction is refused in one line."""
     from zeropp.integrations.transformers import TrainerError, resolve_zero_config
 
     args = training_args(str(tmp_path), 1, bf16=True)
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     zero = resolve_zero_config(ds, args, world_size=2, hidden_size=32)
     assert (zero.stage, zero.gradient_accumulation_steps, zero.max_grad_norm, zero.precision) == (2, 2, 0.5, "bf16")
     assert resolve_zero_config({"stage": 1, "quantized_weights": False}, args, 1).stage == 1
@@ -161,7 +174,11 @@ def _from_args_deepspeed(out: str) -> tuple[int, bool, float]:
 
     from zeropp.integrations.transformers import ZeroTrainer
 
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     Path(f"{out}/ds.json").write_text(json.dumps(ds))
     trainer = ZeroTrainer(tiny_llama(), training_args(out, 2, deepspeed=f"{out}/ds.json"), train_dataset=rows())
     trainer.train()

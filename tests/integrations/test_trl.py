@@ -33,7 +33,9 @@ def dataset():
     then only collates them."""
     import datasets
 
-    return datasets.Dataset.from_list([{"input_ids": ((torch.arange(16) * (1 + i % 5) + i) % PAD).tolist()} for i in range(48)])
+    return datasets.Dataset.from_list(
+        [{"input_ids": ((torch.arange(16) * (1 + i % 5) + i) % PAD).tolist()} for i in range(48)]
+    )
 
 
 def _run(out: str, ranks: int) -> dict:
@@ -53,7 +55,11 @@ def _run(out: str, ranks: int) -> dict:
     else:
         trainer = ZeroSFTTrainer(tiny_llama(), **common, zero_config=zeropp.ZeroConfig(stage=3))
     trainer.train()
-    state = trainer.engine.full_state_dict() if world > 1 else {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    state = (
+        trainer.engine.full_state_dict()
+        if world > 1
+        else {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    )
     return {"state": state, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
 
 

@@ -21,7 +21,7 @@ def train_tensor_parallel(tp: int, kind: str = "gpt", sequence_parallel: bool = 
     from zeropp.costs.tensor_parallel import local_numels
     from zeropp.tensor_parallel.apply import parallelize, plan_for
     from zeropp.topology import init_topology
-    from zeropp.zero.dtensor_params import is_split, local_tensor
+    from zeropp.zero.weights.dtensor_params import is_split, local_tensor
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=tp, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel  # nodes: the launcher's
@@ -92,7 +92,7 @@ def mixed_precision_worker(sequence_parallel: bool) -> dict:
     from zeropp.config.sections import TopologyConfig
     from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
-    from zeropp.zero.dtensor_params import local_tensor
+    from zeropp.zero.weights.dtensor_params import local_tensor
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2, sequence_parallel=sequence_parallel))
     dp = topology.data_parallel

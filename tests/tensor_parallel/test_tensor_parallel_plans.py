@@ -16,7 +16,7 @@ def gpt2_attention_pieces() -> dict:
     from zeropp.config.sections import TopologyConfig
     from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
-    from zeropp.zero.dtensor_params import block_of, blocks
+    from zeropp.zero.weights.dtensor_params import block_of, blocks
 
     topology = init_topology(TopologyConfig(tensor_parallel_size=2))
     whole, model = make_model("hf-gpt2"), parallelize(make_model("hf-gpt2"), topology)

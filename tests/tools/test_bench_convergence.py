@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zeropp.app.data.batches import Batches
-from zeropp.tools.bench import convergence, weight_error
+from zeropp.tools.bench.quality import convergence, weight_error
 
 
 def _run(losses: list[float], inter: float = 100.0) -> dict:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from zeropp.tools.bench.gpu import junit_counts
+from zeropp.tools.bench.gpu.check import junit_counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

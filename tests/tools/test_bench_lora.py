@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from zeropp.tools.bench import lora
+from zeropp.tools.bench.quality import lora
 
 
 def _run(losses: list[float], held: list[float], sent: float) -> dict:

@@ -1,11 +1,11 @@
-"""The cluster benchmark's bound and prediction (zeropp.tools.bench.cluster_bound): arithmetic on rows as
+"""The cluster benchmark's bound and prediction (zeropp.tools.bench.cluster.bound): arithmetic on rows as
 the benchmark writes them, and the estimator's bytes from a run's own config against a measured ledger."""
 
 import pytest
 
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import Config, ZeroConfig
-from zeropp.tools.bench.cluster_bound import add_bounds, busiest_node_bytes, estimator_fields
+from zeropp.tools.bench.cluster.bound import add_bounds, busiest_node_bytes, estimator_fields
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_SWITCHES
 
 
@@ -66,4 +66,3 @@ def test_estimated_node_bytes_from_a_run_config_equal_the_measured_ledger(switch
     # ZeRO-3's three ring collectives (forward and backward gathers, the reduce-scatter) move the same bytes
     reduce_scatter = measured / 2 / 3 if switches is ZEROPP_OFF else 0
     assert sum(phases.values()) == pytest.approx(measured / 2 + reduce_scatter, rel=1e-5)
-

@@ -225,7 +225,9 @@ def test_lora_memory_and_bytes_by_hand():
 
 def test_qwd_on_one_node_is_refused_as_the_engine_refuses_it():
     zero = ZeroConfig(stage=3, **ZEROPP_SWITCHES, weight_quantization="delta")
-    with pytest.raises(ConfigError, match=r"^zero.weight_quantization = 'delta' needs hpZ, which is off .* 1 node\(s\)"):
+    with pytest.raises(
+        ConfigError, match=r"^zero.weight_quantization = 'delta' needs hpZ, which is off .* 1 node\(s\)"
+    ):
         estimate(2**16, 4, 1, zero)
     assert estimate(2**16, 4, 2, zero).hpz_group_size == 2
 
@@ -239,9 +241,15 @@ def test_qwd_bytes_by_hand():
     zero = ZeroConfig(stage=3, precision="bf16", **ZEROPP_SWITCHES, weight_bits=4, weight_quantization="delta")
     units, layout, shard = [(2**16, False)], Layout(4, 2), 2**14
     later = [t for t in step_transfers(units, layout, zero, 2) if t.op == "all_gather" and t.phase == "forward"]
-    first = [t for t in step_transfers(units, layout, zero, 2, first=True) if t.op == "all_gather" and t.phase == "forward"]
+    first = [
+        t for t in step_transfers(units, layout, zero, 2, first=True) if t.op == "all_gather" and t.phase == "forward"
+    ]
     reference, changes = 2 * 2**16 // 2, 3 * (shard // 2 + 4 * shard // 256)
-    assert [(t.sent, t.crosses(1, layout)) for t in later] == [(reference, False), (3 * shard // 2, True), (3 * 4 * shard // 256, True)]
+    assert [(t.sent, t.crosses(1, layout)) for t in later] == [
+        (reference, False),
+        (3 * shard // 2, True),
+        (3 * 4 * shard // 256, True),
+    ]
     assert sum(t.sent for t in later) == reference + changes
     assert [(t.sent, t.crosses(1, layout)) for t in first] == [(3 * 2 * shard, True)]
     assert estimate(2**16, 4, 2, zero).ledger(rank=1).total(op="all_gather", phase="forward", link="inter") == changes

@@ -1,7 +1,7 @@
 """The disk tier (offload_optimizer = "nvme"): the masters and optimizer states in files, streamed
 unit by unit through a ring of host buffers, train bit for bit like the run without offload, resume
 exactly, hold at most depth + 1 units' states in memory, and refuse a bad folder in one line; the
-parameters' disk tier (offload_params = "nvme", zero/disk_params.py) the same for the compute shards,
+parameters' disk tier (offload_params = "nvme", zero/offload/disk_params.py) the same for the compute shards,
 read ahead of their gathers."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from zeropp.costs.memory import (
     disk_tier_step_bytes,
 )
 from zeropp.errors import ConfigError
-from zeropp.zero.disk import DiskTier, rank_folder
+from zeropp.zero.offload.disk import DiskTier, rank_folder
 
 STEPS = 3
 
@@ -151,11 +151,19 @@ def test_a_crashed_runs_files_are_cleared_at_the_next_start(tmp_path):
 
 
 def test_bad_folders_and_settings_are_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"zero.offload_path = '.*missing' is not allowed; expected an existing folder"):
+    with pytest.raises(
+        ConfigError, match=r"zero.offload_path = '.*missing' is not allowed; expected an existing folder"
+    ):
         ZeroConfig(**nvme(tmp_path / "missing")).validate()
-    with pytest.raises(ConfigError, match="zero.offload_path = None is not allowed; expected a folder when zero.offload_optimizer or zero.offload_params is 'nvme'"):
+    with pytest.raises(
+        ConfigError,
+        match="zero.offload_path = None is not allowed; expected a folder when zero.offload_optimizer or zero.offload_params is 'nvme'",
+    ):
         ZeroConfig(offload_optimizer="nvme").validate()
-    with pytest.raises(ConfigError, match="zero.offload_path = .* expected unset unless zero.offload_optimizer or zero.offload_params is 'nvme'"):
+    with pytest.raises(
+        ConfigError,
+        match="zero.offload_path = .* expected unset unless zero.offload_optimizer or zero.offload_params is 'nvme'",
+    ):
         ZeroConfig(offload_optimizer="cpu", offload_path=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match="zero.offload_buffer_count = 0"):
         ZeroConfig(offload_optimizer="nvme", offload_path=str(tmp_path), offload_buffer_count=0).validate()

@@ -93,7 +93,9 @@ QWD = dict(quantized_weights=True, weight_bits=4, weight_quantization="delta", h
 
 
 @pytest.mark.parametrize(
-    "zero, world", [(dict(quantized_weights=True), 2), (dict(hpz_partition_size=2), 2), (QWD, 4)], ids=["qwz", "hpz", "qwd"]
+    "zero, world",
+    [(dict(quantized_weights=True), 2), (dict(hpz_partition_size=2), 2), (QWD, 4)],
+    ids=["qwz", "hpz", "qwd"],
 )
 def test_with_qwz_or_hpz_both_modes_give_the_same_tokens_and_the_formulas_bytes(zero, world):
     for result in run_ranks(zeropp_worker, world, nodes=world // 2, zero=zero):

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default}
 CPU_ONLY = "quant/reference.py"  # its `.all()` is behind `x.device.type != "cpu" or`: never reached on CUDA
-OPTIMIZER_STEP = "zero/stepping.py:optimizer.step()"  # torch's own host-side step counters
+OPTIMIZER_STEP = "zero/optim/stepping.py:optimizer.step()"  # torch's own host-side step counters
 
 
 class HostReads(TorchDispatchMode):

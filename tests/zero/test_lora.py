@@ -69,8 +69,13 @@ def sharded_base_worker() -> dict[str, float]:
     gathered = _gathered_per_phase(engine, ledger, topology)
     layout = topology.layout
     units = [(u.layout.padded_numel, u.resident) for u in engine.units if u.params]
-    expected = [*unit_transfers(units, layout, config, 1), *frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1)]
-    predicted = {phase: sum(t.sent for t in expected if t.op == "all_gather" and t.phase == phase) for phase in gathered}
+    expected = [
+        *unit_transfers(units, layout, config, 1),
+        *frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1),
+    ]
+    predicted = {
+        phase: sum(t.sent for t in expected if t.op == "all_gather" and t.phase == phase) for phase in gathered
+    }
     frozen_only = sum(t.sent for t in frozen_transfers([f.layout.padded_numel for f in frozen], layout, config, 1))
     ours = engine.full_state_dict()
     ref = reference_state("hf-llama", STEPS, topology.world_size, 1, None, OPTIM, model=lora_model())
@@ -79,7 +84,10 @@ def sharded_base_worker() -> dict[str, float]:
         base_bytes=4 * sum(base.values()),
         shard_bytes=sum(f.shard.numel() * f.shard.element_size() for f in frozen),
         held_bytes=sum(f.flat.untyped_storage().nbytes() for f in frozen),  # between uses: nothing gathered
-        gathered=gathered, predicted=predicted, frozen_gathered=frozen_only, world=topology.world_size,
+        gathered=gathered,
+        predicted=predicted,
+        frozen_gathered=frozen_only,
+        world=topology.world_size,
     )
 
 
@@ -213,7 +221,9 @@ def test_quantized_frozen_weights_equal_one_process_on_the_dequantized_base(bits
         assert rank["rounded"] > 1e-4, rank
         # bits/8 bytes a weight plus an fp32 scale per block (a unit's last block may be short) against fp32
         secondary = 2 if hpz > 1 else 0
-        assert rank["held_predicted"] <= rank["held"] <= rank["held_predicted"] + 4 * rank["blocks"] * (1 + secondary), rank
+        assert (
+            rank["held_predicted"] <= rank["held"] <= rank["held_predicted"] + 4 * rank["blocks"] * (1 + secondary)
+        ), rank
         assert rank["held"] <= rank["held_plain"] * (bits / 32 + 0.02), rank
         assert rank["frozen_gathered"] <= rank["plain_frozen"] * (bits / 32 + 0.02), rank
         if hpz > 1:  # the secondary copy: world / hpZ rows' messages, and backward never leaves the node

@@ -1,4 +1,4 @@
-"""Adam's moments in bf16 (``optimizer_state_dtype = "bf16"``, zeropp.zero.low_precision_adam): torch's
+"""Adam's moments in bf16 (``optimizer_state_dtype = "bf16"``, zeropp.zero.optim.low_precision_adam): torch's
 update bit for bit when the moments are fp32, moments stored in bf16 otherwise, and the sharded run
 within bf16's rounding of one process running the same optimizer: the reduced gradients differ from
 one process's in their last fp32 bits, which can move a moment to the neighbouring bf16 value (a
@@ -18,7 +18,7 @@ from models import ADAM_EPS, STEPS, global_batch, loss_of, make_model, reference
 from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import analytic_model_state_bytes
 from zeropp.errors import ConfigError
-from zeropp.zero.low_precision_adam import LowPrecisionAdam, low_precision_adam
+from zeropp.zero.optim.low_precision_adam import LowPrecisionAdam, low_precision_adam
 
 OPTIM = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.05)
 

@@ -35,7 +35,7 @@ def _step(engine, step: int) -> None:
 
 
 def _expected(engine) -> dict[str, tuple[int, int]]:
-    """What offload_states must report, from the rule in zeropp.zero.offload_states."""
+    """What offload_states must report, from the rule in zeropp.zero.offload.states."""
     out = {}
     for unit in engine.units:
         host = unit.options.master_device is not None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from launcher import run_ranks
 
-from zeropp.zero.stepping import step_batches
+from zeropp.zero.optim.stepping import step_batches
 
 
 class WholeAdamW(torch.optim.AdamW):

@@ -69,7 +69,9 @@ def qgz_and_qwz_worker(simulated_nodes: int) -> dict:
         poisoned[37 * (world - 1) + 5] = float("inf")  # slice owned by the last rank
     out = torch.zeros(37, dtype=torch.float16)
     spec = QuantSpec(4, 16)
-    reduce_scatter_quantized(comm, out, poisoned, spec, kernels, groups, chunks=2, bucket_numel=128, intra_spec=spec).wait()
+    reduce_scatter_quantized(
+        comm, out, poisoned, spec, kernels, groups, chunks=2, bucket_numel=128, intra_spec=spec
+    ).wait()
     overflow_seen = not bool(torch.isfinite(out).all())
     # qwZ: every rank receives exactly the dequantized quantization of every shard
     qwz_errors = {}
@@ -178,7 +180,9 @@ def two_level_qgz_worker(simulated_nodes: int) -> dict:
                 failures.append(f"{key}: unquantized intra-node hop off by {(plain - exact).abs().max():.3g}")
             plain_fed = reduce(inputs[rank], dtype, intra_spec=None, feedback=ErrorFeedback(0.0))
             if not torch.equal(plain_fed, plain):
-                failures.append(f"{key}: error feedback's first reduction differs from the plain one (unquantized hop 1)")
+                failures.append(
+                    f"{key}: error feedback's first reduction differs from the plain one (unquantized hop 1)"
+                )
             rotated = reduce(inputs[rank], dtype, intra_spec=intra_spec, hadamard_rotation=True)
             rms = [float((t - exact).pow(2).mean().sqrt()) for t in (one_level, two_level, rotated)]
             ratios[key] = (rms[1] / max(rms[0], 1e-30), rms[2] / max(rms[1], 1e-30))
@@ -341,7 +345,9 @@ def test_ledger_shows_zeropp_table_1_and_hpz_memory():
 
 QUANTIZED_SCENARIOS = {
     "qwz-int8": dict(quantized_weights=True),
-    "qgz-int8-3stages": dict(quantized_gradients=True, gradient_bits=8, qgz_pipeline_chunks=3, qgz_pipeline_min_chunk=1),
+    "qgz-int8-3stages": dict(
+        quantized_gradients=True, gradient_bits=8, qgz_pipeline_chunks=3, qgz_pipeline_min_chunk=1
+    ),
     "qgz-int4": dict(quantized_gradients=True),
     "all-three-int4-grads": dict(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
 }

@@ -64,6 +64,11 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
         launch.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text + shown, metavar=metavar)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: a cpuset's (taskset, a container's cgroup), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def is_rank() -> bool:
     """True inside a rank that torchrun started (our launcher, or torchrun by hand), or a task that
     srun or mpirun started as a rank (:func:`adopt_task`)."""

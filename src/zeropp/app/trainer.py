@@ -40,9 +40,9 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
-from zeropp.zero.disk_params import io_bytes
-from zeropp.zero.dtensor_params import local_tensor
+from zeropp.zero.offload.disk_params import io_bytes
 from zeropp.zero.options import frozen_quant
+from zeropp.zero.weights.dtensor_params import local_tensor
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
@@ -185,7 +185,12 @@ class Trainer:
         tick = time.perf_counter()
         with self.engine.comm.ledger.in_phase("other"):
             path = save_checkpoint(
-                self.engine, c.checkpoint_dir, steps_done, extra=extra, keep_last=c.keep_last, frozen_base=self.frozen_base
+                self.engine,
+                c.checkpoint_dir,
+                steps_done,
+                extra=extra,
+                keep_last=c.keep_last,
+                frozen_base=self.frozen_base,
             )
         seconds = time.perf_counter() - tick
         size = sum(f.stat().st_size for f in path.iterdir())

@@ -355,9 +355,13 @@ def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, opt
     if differ and optimizer_settings == "checkpoint":
         for group, saved in zip(groups, meta["param_groups"], strict=True):
             changes.taking(group, saved)
-        lines.append(f"zeropp: taking checkpoint {str(path)!r}'s optimizer settings over the configured: {', '.join(differ)}")
+        lines.append(
+            f"zeropp: taking checkpoint {str(path)!r}'s optimizer settings over the configured: {', '.join(differ)}"
+        )
     elif differ:
-        lines.append(f"zeropp: keeping the configured optimizer settings over checkpoint {str(path)!r}'s: {', '.join(differ)}")
+        lines.append(
+            f"zeropp: keeping the configured optimizer settings over checkpoint {str(path)!r}'s: {', '.join(differ)}"
+        )
     for line in lines:
         if line and engine.topology.rank == 0:
             print(line, flush=True)
@@ -417,7 +421,9 @@ def export_checkpoint(path: str | Path, out: str | Path) -> dict[str, Any]:
     return meta
 
 
-def consolidated_state(path: str | Path, *, trained_only: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def consolidated_state(
+    path: str | Path, *, trained_only: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A checkpoint's zeropp.json and its whole ``model.state_dict()`` (fp32 floating tensors, tied
     weights under every name, a referenced frozen base read from its path), read in one process
     whatever world size saved it; `trained_only`: the trained parameters alone (an adapter export)."""

@@ -14,7 +14,7 @@ A rank's piece of a parameter: its tensor-parallel piece (the DTensor parameter'
 a parameter the plan left whole is replicated over the tensor-parallel ranks), whose rows are cut
 like ``torch.chunk`` over the data-parallel ranks. Every piece is a block of the whole tensor
 with its offsets, or several side by side (a strided tensor-parallel piece, GPT-2's fused
-[q | k | v]: :func:`~zeropp.zero.dtensor_params.blocks`), which DCP is told as one chunk each
+[q | k | v]: :func:`~zeropp.zero.weights.dtensor_params.blocks`), which DCP is told as one chunk each
 (:func:`_written_as_blocks`). So DCP reshards between meshes by itself: a checkpoint of dp 2 x tp 2
 loads at dp 4, at dp 1 x tp 2 and on one rank, and the names and shapes never depend on the mesh.
 
@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zeropp.errors import ZeroppError
 from zeropp.index.flat import chunk_range
-from zeropp.zero.dtensor_params import Slices, blocks
 from zeropp.zero.unit import FlatUnit
+from zeropp.zero.weights.dtensor_params import Slices, blocks
 
 if TYPE_CHECKING:
     from zeropp.topology import Topology
@@ -305,6 +305,7 @@ def param_chunks(unit: FlatUnit, shard: torch.Tensor) -> list[torch.Tensor]:
         start, stop = unit.layout.row_chunk(index, group.size, group.rank)
         pieces.append(view.reshape(-1)[start:stop].clone())
     return pieces
+
 
 def flat_from_param_chunks(unit: FlatUnit, chunks: list[torch.Tensor]) -> torch.Tensor:
     """The whole padded flat buffer from every rank's :func:`param_chunks` (one all-gather).

@@ -11,7 +11,7 @@ parameters; for each parameter it touches, the rows holding that range are read 
 lazy slicing (``get_slice``) and cut to the elements needed, so a rank reads about its 1/N of the
 model (whole rows at the edges). With tensor parallelism the flat buffer holds each parameter's
 tensor-parallel piece, one block of the whole tensor or several side by side (GPT-2's strided
-c_attn, :func:`~zeropp.zero.dtensor_params.blocks`): the rows read are rows of those blocks. At
+c_attn, :func:`~zeropp.zero.weights.dtensor_params.blocks`): the rows read are rows of those blocks. At
 stage 3 a unit's frozen parameters are read the same way into their compute-dtype shard; buffers
 (and frozen parameters below stage 3), which every rank keeps whole, are read whole. Optimizer state is left as it is.
 
@@ -33,7 +33,7 @@ from safetensors import safe_open
 from zeropp.checkpoint import layout as state
 from zeropp.errors import ZeroppError
 from zeropp.index.flat import FlatLayout
-from zeropp.zero.dtensor_params import blocks
+from zeropp.zero.weights.dtensor_params import blocks
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
@@ -149,7 +149,7 @@ def _read_elements(
 ) -> torch.Tensor:
     """Elements [start, stop) of this rank's piece of tensor `key`, of `shape`, flattened (a
     tensor-parallel piece of `param`, else the whole tensor), reading only the rows of the piece's
-    blocks (:func:`~zeropp.zero.dtensor_params.blocks`) that hold them."""
+    blocks (:func:`~zeropp.zero.weights.dtensor_params.blocks`) that hold them."""
     if not shape:
         return handle.get_tensor(key).reshape(1).float()
     row = math.prod(shape[1:])

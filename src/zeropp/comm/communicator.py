@@ -130,9 +130,13 @@ class Communicator:
         self.ledger = ledger or Ledger()
         self.trace = CollectiveTrace(topology.rank, topology.world_size)
 
-    def _issue(self, op: str, group: Group, buffer_bytes: int, label: str | None = None) -> tuple[CollectiveTrace, Entry]:
+    def _issue(
+        self, op: str, group: Group, buffer_bytes: int, label: str | None = None
+    ) -> tuple[CollectiveTrace, Entry]:
         """The trace's entry of a collective starting now. See [Note: collective sequences]."""
-        return self.trace, self.trace.issue(label or self._label(op, group), self.ledger.phase, buffer_bytes, self._role(group))
+        return self.trace, self.trace.issue(
+            label or self._label(op, group), self.ledger.phase, buffer_bytes, self._role(group)
+        )
 
     def _role(self, group: Group) -> str:
         """The group's name in the topology, the same on every rank (its ranks differ)."""

@@ -175,7 +175,9 @@ class MessagePool:
         if device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         free = self._free
-        newest = next((i for i in range(len(free) - 1, -1, -1) if (free[i].shape, free[i].dtype) == (shape, dtype)), None)
+        newest = next(
+            (i for i in range(len(free) - 1, -1, -1) if (free[i].shape, free[i].dtype) == (shape, dtype)), None
+        )
         if newest is None:
             buffer = torch.empty(shape, dtype=dtype)
             self.allocations += 1
@@ -334,7 +336,9 @@ class _QgzReduction:
             if self.rotation_block is not None:
                 chunk = self.rotate(chunk, self.rotation_block)
             if self.intra_spec is None:  # unquantized: the rows in send order, in a pooled buffer
-                sent = torch.index_select(chunk, 0, order, out=messages.take(tuple(chunk.shape), chunk.device, chunk.dtype))
+                sent = torch.index_select(
+                    chunk, 0, order, out=messages.take(tuple(chunk.shape), chunk.device, chunk.dtype)
+                )
             elif self.feedback is None:
                 sent = self.kernels.quantize(chunk, self.intra_spec, row_order=order)
             else:

@@ -11,7 +11,7 @@ The reference is the reconstruction, not the true weights: the next change is me
 the ranks computed with, so each gather's error is that one quantization's (at most half a step of
 its block, plus the rounding to the output dtype) and errors do not add up over steps.
 
-Where the reference comes from is the caller's concern (:mod:`zeropp.zero.reference`): here it is
+Where the reference comes from is the caller's concern (:mod:`zeropp.zero.weights.reference`): here it is
 gathered into `out` by `base`, a gather already in flight, and both are waited for before the
 changes are added.
 """

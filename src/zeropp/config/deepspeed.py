@@ -157,7 +157,7 @@ class _Reader:
 
     def auto_size(self, key: str, factor: float, power: int) -> int:
         if self.hidden is None:
-            raise ConfigError(f"DeepSpeed {self.name(key)} = \"auto\" needs the model's hidden size; pass hidden_size")
+            raise ConfigError(f'DeepSpeed {self.name(key)} = "auto" needs the model\'s hidden size; pass hidden_size')
         value = int(factor * self.hidden**power)
         self.out.resolved[self.name(key)] = value
         return value
@@ -173,14 +173,18 @@ class _Reader:
             kind = (tables.row(path) or ("unknown",))[0]
             if kind == "refused":
                 why, harmless = tables.REFUSED[path]
-                if harmless is tables.NEVER or not (value in (harmless, AUTO) or harmless == tables.OFF and _off(value)):
+                if harmless is tables.NEVER or not (
+                    value in (harmless, AUTO) or harmless == tables.OFF and _off(value)
+                ):
                     raise ConfigError(f"DeepSpeed {self.name(path)} = {shown(value)} is not allowed: {why}")
                 if harmless == tables.OFF:
                     self.note(path)
             elif kind == "noted":
                 self.note(path)
             elif kind == "unknown" or only is not None and key not in only:
-                allowed = sorted(only | set(tables.NOTED.get(where, ()))) if only is not None else tables.keys_under(where)
+                allowed = (
+                    sorted(only | set(tables.NOTED.get(where, ()))) if only is not None else tables.keys_under(where)
+                )
                 raise ConfigError(
                     f"DeepSpeed key {self.name(path)!r} is not known to zeropp; allowed here: {', '.join(allowed)}"
                 )
@@ -214,7 +218,10 @@ class _Reader:
             if stage > 3:
                 raise self.refuse(key + "stage", stage, "one of 0, 1, 2, 3")
             self.set("zero.stage", stage, key + "stage")
-        for ds, ours in (("reduce_bucket_size", "reduce_bucket_numel"), ("allgather_bucket_size", "allgather_bucket_numel")):
+        for ds, ours in (
+            ("reduce_bucket_size", "reduce_bucket_numel"),
+            ("allgather_bucket_size", "allgather_bucket_numel"),
+        ):
             value = values[ds]
             if value == AUTO and ds == "allgather_bucket_size":  # the HF integration leaves it: zeropp's
                 continue
@@ -268,7 +275,9 @@ class _Reader:
             if earlier is None or earlier == block[key]:
                 self.set(f"zero.{flat}", block[key], f"{where}.{key}")
             elif key == "nvme_path":
-                raise self.refuse(f"{where}.{key}", block[key], f"{shown(earlier)}, offload_optimizer's: one offload_path")
+                raise self.refuse(
+                    f"{where}.{key}", block[key], f"{shown(earlier)}, offload_optimizer's: one offload_path"
+                )
             else:
                 self.note(f"{where}.{key}", f"zero.offload_buffer_count = {earlier}, offload_optimizer's")
         self.offload_device(f"{where}.device", ours, device, stage)
@@ -293,7 +302,9 @@ class _Reader:
                 enabled[name] = self.boolean(f"{name}.enabled", block.get("enabled", False))
         on = [kind for kind, value in enabled.items() if value]
         if len(on) > 1:
-            raise ConfigError(f"DeepSpeed fp16.enabled and {self.name('bf16')}.enabled are both true; expected at most one")
+            raise ConfigError(
+                f"DeepSpeed fp16.enabled and {self.name('bf16')}.enabled are both true; expected at most one"
+            )
         if on:
             self.set("zero.precision", on[0], f"{on[0]}.enabled")
         elif len(enabled) == len(present):  # every block says false: DeepSpeed trains in fp32
@@ -305,7 +316,9 @@ class _Reader:
         masters = self.boolean("bf16.bf16_master_weights_and_grads", bf16.get("bf16_master_weights_and_grads", False))
         states = self.boolean("bf16.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False))
         if states and not masters:
-            raise self.refuse("bf16.bf16_optimizer_states", True, "false unless bf16.bf16_master_weights_and_grads is true")
+            raise self.refuse(
+                "bf16.bf16_optimizer_states", True, "false unless bf16.bf16_master_weights_and_grads is true"
+            )
         for key, ours, on in (("bf16_master_weights_and_grads", "master_dtype", masters),
                               ("bf16_optimizer_states", "optimizer_state_dtype", states)):  # fmt: skip
             if on:
@@ -326,7 +339,9 @@ class _Reader:
         consecutive = self.boolean(key + "consecutive_hysteresis", fp16["consecutive_hysteresis"])
         self.set(prefix + "consecutive_hysteresis", consecutive, key + "consecutive_hysteresis")
         floor = static if static > 0 else self.number(key + "min_loss_scale", fp16["min_loss_scale"])
-        self.set(prefix + "min_scale", floor, key + ("loss_scale" if static > 0 else "min_loss_scale"))  # a static scale never backs off
+        self.set(
+            prefix + "min_scale", floor, key + ("loss_scale" if static > 0 else "min_loss_scale")
+        )  # a static scale never backs off
 
     def grad_dtype(self) -> None:
         values = {"communication_data_type": self.data.get("communication_data_type", AUTO)}

@@ -41,7 +41,9 @@ class ModelConfig:
         if self.lora_rank is not None:
             require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, "an integer >= 1, or unset (no LoRA)")
             hf = self.hf_model or self.hf_config
-            require(hf is not None, "model.lora_rank", self.lora_rank, "unset without model.hf_model or model.hf_config")
+            require(
+                hf is not None, "model.lora_rank", self.lora_rank, "unset without model.hf_model or model.hf_config"
+            )
         for key, value, off in (("lora_alpha", self.lora_alpha, None), ("lora_targets", self.lora_targets, None),
                                 ("lora_dropout", self.lora_dropout, 0.0)):  # fmt: skip
             if self.lora_rank is None:

@@ -96,7 +96,8 @@ class QuantizedGradients:
         "inside the node, the gradients as they are, summed in fp32, quantized once, across nodes); unset: gradient_bits",
     )
     hadamard: bool = setting(
-        False, "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)"
+        False,
+        "qgZ: rotate every gradient block by a seeded random Hadamard transform before quantizing (block size a power of 2)",
     )
     error_feedback: Literal["off", "loco"] = setting(
         "off", "qgZ: loco keeps what each quantization dropped and adds it to the next one (LoCo error feedback)"
@@ -125,7 +126,10 @@ class QuantizedGradients:
         check_choices(self, "", name)
         require(0 <= self.error_beta < 1, name("error_beta"), self.error_beta, "a number in [0, 1)")
         require(
-            self.error_reset_steps >= 0, name("error_reset_steps"), self.error_reset_steps, "an integer >= 0 (0: never reset)"
+            self.error_reset_steps >= 0,
+            name("error_reset_steps"),
+            self.error_reset_steps,
+            "an integer >= 0 (0: never reset)",
         )
         require(0 < self.until <= 1, name("until"), self.until, "a fraction of the run's steps in (0, 1]")
         if self.hadamard:
@@ -165,12 +169,14 @@ class OffloadPolicy:
         "nvme keeps them in files under offload_path and streams them through host memory unit by unit",
     )
     params: Literal["none", "cpu", "nvme"] = setting(
-        "none", "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory; "
+        "none",
+        "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory; "
         "nvme keeps them in files under offload_path, read ahead of their gathers in the recorded order",
     )
     path: str | None = setting(None, "an nvme offload: the folder (on a fast disk) for each rank's files")
     buffer_count: int = setting(
-        2, "an nvme offload: units whose states are read ahead of the optimizer, and whose parameter shards are "
+        2,
+        "an nvme offload: units whose states are read ahead of the optimizer, and whose parameter shards are "
         "read ahead of their gathers (at least prefetch) or written back after the step (1: no overlap)",
     )
 
@@ -183,11 +189,18 @@ class OffloadPolicy:
         require(self.buffer_count >= 1, name("buffer_count"), self.buffer_count, "an integer >= 1")
         if nvme:  # before any rank starts: the folder the files go to
             folder = os.path.expanduser(self.path)
-            require(os.path.isdir(folder), name("path"), self.path, "an existing folder (the disk tier's files go there)")
+            require(
+                os.path.isdir(folder), name("path"), self.path, "an existing folder (the disk tier's files go there)"
+            )
             require(os.access(folder, os.W_OK), name("path"), self.path, "a folder this user can write to")
         if self.params != "none":
             require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
-            require(self.optimizer != "none", name("params"), self.params, f"'none' unless {name('optimizer')} is offloaded too")
+            require(
+                self.optimizer != "none",
+                name("params"),
+                self.params,
+                f"'none' unless {name('optimizer')} is offloaded too",
+            )
 
 
 @dataclass
@@ -204,11 +217,13 @@ class ActivationCheckpointPolicy:
         False, "recompute every block's forward in backward (non-reentrant, per unit): only its input is kept"
     )
     partition_activations: bool = setting(
-        False, "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
-        "checkpointed input; an all-gather rebuilds it before recomputation"
+        False,
+        "Pa (ZeRO-R, with activation_checkpointing): each tensor-parallel rank keeps 1/tp of every "
+        "checkpointed input; an all-gather rebuilds it before recomputation",
     )
     cpu_checkpointing: bool = setting(
-        False, "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead"
+        False,
+        "Pa+cpu (with partition_activations): the checkpoint partitions wait in host memory, fetched one block ahead",
     )
 
     def validate(self, name: Name) -> None:

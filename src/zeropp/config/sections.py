@@ -169,9 +169,19 @@ class ZeroConfig:
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
         if self.master_dtype != "fp32":
-            require(self.precision == "bf16", "zero.master_dtype", self.master_dtype, "'fp32' unless zero.precision is 'bf16'")
+            require(
+                self.precision == "bf16",
+                "zero.master_dtype",
+                self.master_dtype,
+                "'fp32' unless zero.precision is 'bf16'",
+            )
             offload = self.offload.optimizer
-            require(offload == "none", "zero.master_dtype", self.master_dtype, f"'fp32' with zero.offload_optimizer = {offload!r}")
+            require(
+                offload == "none",
+                "zero.master_dtype",
+                self.master_dtype,
+                f"'fp32' with zero.offload_optimizer = {offload!r}",
+            )
         self.qgz.validate(self.key("qgz"))
         self.qwz.validate(self.key("qwz"))
         require(

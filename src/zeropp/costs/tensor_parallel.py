@@ -21,7 +21,7 @@ from zeropp.costs.volume import (
     sequence_parallel_transfers,
 )
 from zeropp.tensor_parallel.hf_plans import AllReducedOutput, MoeExperts, Plan, blocks_name, matches
-from zeropp.zero.dtensor_params import splits
+from zeropp.zero.weights.dtensor_params import splits
 
 # (style, module type) -> {parameter: the dimension the style shards it on}; what parallelize_module does
 # (a style with ``param_placements``, such as zeropp.tensor_parallel.conv1d's, says it itself)

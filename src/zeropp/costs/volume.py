@@ -243,7 +243,9 @@ def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hp
         for _ in range(zero.gradient_accumulation_steps):
             for phase in ("forward", "backward"):
                 if hpz > 1:
-                    yield Transfer("all_gather", phase, ring_bytes(stored, hpz), ring_crossing(hpz, layout.ranks_per_node))
+                    yield Transfer(
+                        "all_gather", phase, ring_bytes(stored, hpz), ring_crossing(hpz, layout.ranks_per_node)
+                    )
                 elif spec is not None:
                     yield Transfer("all_gather", phase, ring_bytes(stored, world), crossing)
                 else:
@@ -272,7 +274,9 @@ def generation_transfers(
         yield from _changed_weights(padded, compute, "eval", layout, zero, hpz, first)
         for _ in range(0 if gathered else forwards - 1):
             if hpz > 1:
-                yield Transfer("all_gather", "eval", ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
+                yield Transfer(
+                    "all_gather", "eval", ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node)
+                )
             else:
                 yield from _gather_weights(padded, compute, "eval", layout.world_size, across_world, zero)
 
@@ -328,7 +332,9 @@ def _changed_weights(
         if first:
             yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
             return
-        yield Transfer("all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node))
+        yield Transfer(
+            "all_gather", phase, ring_bytes(padded * compute, hpz), ring_crossing(hpz, layout.ranks_per_node)
+        )
     yield from _gather_weights(padded, compute, phase, world, crossing, zero)
 
 

@@ -61,7 +61,9 @@ class ZeroPrecision(Precision):
             raise IntegrationError(f"precision {precision!r}: ZeroStrategy takes {', '.join(map(repr, PRECISIONS))}")
         self.precision = precision  # type: ignore[assignment]
 
-    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
         """Lightning divided the loss over ``accumulate_grad_batches``; the engine divides it again."""
         engine = model.trainer.strategy.engine
         engine.backward(tensor * engine.config.gradient_accumulation_steps)
@@ -153,7 +155,9 @@ class ZeroStrategy(DDPStrategy):
         """The engine, its optimizer from ``configure_optimizers``, and the schedulers rebound to it."""
         super().setup_optimizers(trainer)  # the user's optimizer (on meta parameters, perhaps): read, never stepped
         if len(self.optimizers) != 1:
-            raise IntegrationError(f"configure_optimizers gave {len(self.optimizers)} optimizers; ZeroStrategy takes one")
+            raise IntegrationError(
+                f"configure_optimizers gave {len(self.optimizers)} optimizers; ZeroStrategy takes one"
+            )
         factory, decay, decayed = from_torch_optimizer(self.optimizers[0])
         module = self.lightning_module
         wanted = {
@@ -165,9 +169,13 @@ class ZeroStrategy(DDPStrategy):
             self.zero_source, wanted, owner="the Lightning Trainer's flags", world_size=self.world_size,
             hidden_size=getattr(getattr(module, "config", None), "hidden_size", None),
         )  # fmt: skip
-        topology = build_topology(Layout(self.world_size, self.num_nodes), self.global_rank, self.root_device, self._timeout)
+        topology = build_topology(
+            Layout(self.world_size, self.num_nodes), self.global_rank, self.root_device, self._timeout
+        )
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self.engine = build_engine(LightningRoot(module), factory, config, topology, seed=seed, decay=decay, decayed=decayed)
+        self.engine = build_engine(
+            LightningRoot(module), factory, config, topology, seed=seed, decay=decay, decayed=decayed
+        )
         self._engine_optimizer = EngineOptimizer(self.engine)
         for scheduler_config in self.lr_scheduler_configs:
             scheduler_config.scheduler.optimizer = self._engine_optimizer
@@ -206,10 +214,14 @@ class ZeroStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Loaded with the sharded state by :meth:`load_checkpoint`."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+    ) -> None:
         """A folder at `filepath` (collective): ``zeropp/`` and ``lightning.ckpt``."""
         if storage_options is not None:
-            raise IntegrationError("ZeroStrategy.save_checkpoint takes no storage_options: zeropp writes its shards itself")
+            raise IntegrationError(
+                "ZeroStrategy.save_checkpoint takes no storage_options: zeropp writes its shards itself"
+            )
         path = Path(self.broadcast(str(filepath)))
         save_engine_state(self.engine, path, self.engine.global_step)
         if self.is_global_zero:
@@ -231,8 +243,9 @@ class ZeroStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("zeropp", cls, description="zeropp ZeRO (stage 3 unless zero_config says)")
         for stage in (1, 2, 3):
-            strategy_registry.register(f"zeropp_stage_{stage}", cls, description=f"zeropp ZeRO stage {stage}", zero_config={"stage": stage})
-
+            strategy_registry.register(
+                f"zeropp_stage_{stage}", cls, description=f"zeropp ZeRO stage {stage}", zero_config={"stage": stage}
+            )
 
 
 if "zeropp" not in StrategyRegistry:  # importing twice (a reload) must not register twice

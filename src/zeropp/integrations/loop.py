@@ -136,10 +136,14 @@ def from_torch_optimizer(
     cls, groups = type(optimizer), optimizer.param_groups
     hyper = [{k: v for k, v in g.items() if k not in GROUP_ONLY} for g in groups]
     if not groups or any(h != hyper[0] for h in hyper):
-        raise IntegrationError(f"{cls.__name__}'s param groups differ in more than weight_decay; zeropp steps one group per unit")
+        raise IntegrationError(
+            f"{cls.__name__}'s param groups differ in more than weight_decay; zeropp steps one group per unit"
+        )
     decays = {g.get("weight_decay", 0.0) for g in groups}
     if len(decays) > 1 and (not issubclass(cls, torch.optim.AdamW) or len(decays - {0.0}) != 1):
-        raise IntegrationError(f"weight decays {sorted(decays)} in {cls.__name__}'s groups: zeropp takes one AdamW decay and 0")
+        raise IntegrationError(
+            f"weight decays {sorted(decays)} in {cls.__name__}'s groups: zeropp takes one AdamW decay and 0"
+        )
     decay = max(decays) if len(decays) > 1 else 0.0  # the masters' group then decays by masks (build_engine)
     decayed = [p for g in groups if g["weight_decay"] for p in g["params"]] if decay else []
     first = {**groups[0], **({"weight_decay": 0.0} if decay else {})}
@@ -189,5 +193,7 @@ def load_engine_state(engine: ZeroEngine, folder: str | Path) -> None:
     trainer resumes its own scheduler from the same folder, as it would with DeepSpeed's state."""
     found = find_latest(Path(folder) / ZEROPP_DIR)
     if found is None:
-        raise IntegrationError(f"{str(folder)!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one that zeropp saved")
+        raise IntegrationError(
+            f"{str(folder)!r} holds no zeropp checkpoint ({ZEROPP_DIR}/step-N): resume one that zeropp saved"
+        )
     load_checkpoint(engine, found, optimizer_settings="checkpoint")

@@ -50,7 +50,7 @@ def resolve_zero_config(
         if micro_batch_size is not None and config.train.micro_batch_size != micro_batch_size:
             raise IntegrationError(
                 f"the DeepSpeed config's train_micro_batch_size_per_gpu {config.train.micro_batch_size} is not "
-                f"{owner}' per-device batch size {micro_batch_size}; make them agree or write \"auto\""
+                f'{owner}\' per-device batch size {micro_batch_size}; make them agree or write "auto"'
             )
         if any(key in deepspeed.read(source) for key in ("optimizer", "scheduler")):
             logger.warning("zeropp: the DeepSpeed config's optimizer and scheduler are replaced by %s'", owner)

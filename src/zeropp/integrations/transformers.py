@@ -101,7 +101,9 @@ class ZeroTrainer(transformers.Trainer):
         pretrained: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
-        if args is not None and args.deepspeed:  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
+        if (
+            args is not None and args.deepspeed
+        ):  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
             zero_config = args.deepspeed if zero_config is None else zero_config
             args = dataclasses.replace(args, deepspeed=None)
         self.zero_source = zero_config
@@ -113,9 +115,13 @@ class ZeroTrainer(transformers.Trainer):
         self.skipped_steps = SkippedSteps(self)
         self.add_callback(self.skipped_steps)
         if self.optimizer is not None or self.lr_scheduler is not None:
-            raise TrainerError("ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers")
+            raise TrainerError(
+                "ZeroTrainer builds the optimizer on zeropp's shards: pass optimizer_cls_and_kwargs, not optimizers"
+            )
         if self.args.n_gpu > 1:
-            raise TrainerError(f"ZeroTrainer runs one device per process ({self.args.n_gpu} GPUs seen): launch with torchrun")
+            raise TrainerError(
+                f"ZeroTrainer runs one device per process ({self.args.n_gpu} GPUs seen): launch with torchrun"
+            )
 
     # -- the engine where Trainer would wrap the model ---------------------------------------------
 
@@ -139,15 +145,26 @@ class ZeroTrainer(transformers.Trainer):
     def _build_engine(self) -> ZeroEngine:
         args, model = self.args, self.model
         cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(args, model)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or {"params", "model", "optimizer_dict"} & set(kwargs):
-            raise TrainerError(f"optim {args.optim!r} is not an elementwise torch.optim optimizer; zeropp steps fp32 shards with one")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or {
+            "params",
+            "model",
+            "optimizer_dict",
+        } & set(kwargs):
+            raise TrainerError(
+                f"optim {args.optim!r} is not an elementwise torch.optim optimizer; zeropp steps fp32 shards with one"
+            )
         decay = args.weight_decay
         if decay and not issubclass(cls, torch.optim.AdamW):
-            raise TrainerError(f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only")
+            raise TrainerError(
+                f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only"
+            )
         decayed = set(self.get_decay_parameter_names(model))
         kwargs = {**kwargs, "weight_decay": 0.0} if issubclass(cls, torch.optim.AdamW) else dict(kwargs)
         config = resolve_zero_config(
-            self.zero_source, args, self.topology.world_size, getattr(getattr(model, "config", None), "hidden_size", None)
+            self.zero_source,
+            args,
+            self.topology.world_size,
+            getattr(getattr(model, "config", None), "hidden_size", None),
         )
         engine = build_engine(
             model, lambda masters: cls(masters, **kwargs), config, self.topology, seed=args.seed, decay=decay,
@@ -158,7 +175,9 @@ class ZeroTrainer(transformers.Trainer):
         return engine
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
+        return (
+            self.engine_module if self.engine_module is not None else super()._wrap_model(model, training, dataloader)
+        )
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -173,7 +192,9 @@ class ZeroTrainer(transformers.Trainer):
         del inputs
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         self.engine.backward(loss * self.args.gradient_accumulation_steps)
@@ -227,4 +248,3 @@ class ZeroTrainer(transformers.Trainer):
             return None
         self._save(output_dir, state_dict=self.engine.full_state_dict())
         return None
-

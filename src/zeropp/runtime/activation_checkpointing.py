@@ -55,9 +55,9 @@ from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import PA_GATHER
 from zeropp.topology import Group
 from zeropp.zero.arena import Arena
-from zeropp.zero.dtensor_params import local_tensor
 from zeropp.zero.grouping import innermost_units
 from zeropp.zero.unit import FlatUnit
+from zeropp.zero.weights.dtensor_params import local_tensor
 
 
 @dataclass

@@ -21,9 +21,9 @@ engine's ``activation_checkpointing`` replaces ``forward`` only, so its recomput
 (:mod:`zeropp.runtime.activation_checkpointing`).
 
 With the parameters on disk (``offload_params = "nvme"``) a unit's shard is read before its gather
-(:meth:`ParamFiles.fetch <zeropp.zero.disk_params.ParamFiles.fetch>`), freed once the gather is
+(:meth:`ParamFiles.fetch <zeropp.zero.offload.disk_params.ParamFiles.fetch>`), freed once the gather is
 waited for, and the shards of the units recorded after it are read ahead
-(:mod:`zeropp.zero.disk_params`).
+(:mod:`zeropp.zero.offload.disk_params`).
 
 Inside :meth:`Runtime.gather_all` ... :meth:`Runtime.release_all` (``engine.gathered()``) every unit
 is gathered once and the hooks reshard none of them ([Note: gathered generation]).
@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
-from zeropp.zero.disk_params import ParamFiles
+from zeropp.zero.offload.disk_params import ParamFiles
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.unit import FlatUnit
 

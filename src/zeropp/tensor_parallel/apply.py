@@ -63,8 +63,8 @@ from zeropp.tensor_parallel.hf_plans import has_hf_plan, hf_plan
 from zeropp.tensor_parallel.plans import Plan, gpt2_plan, gpt_plan, llama_plan
 from zeropp.tensor_parallel.rng import fork_split_regions
 from zeropp.topology import Topology
-from zeropp.zero.dtensor_params import is_split, local_tensor
 from zeropp.zero.materialize import broadcast_packed, is_meta
+from zeropp.zero.weights.dtensor_params import is_split, local_tensor
 
 # model class -> plan(model, tp, sequence_parallel)
 PLANS: dict[str, Callable[..., Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan, "GPT2LMHeadModel": gpt2_plan}

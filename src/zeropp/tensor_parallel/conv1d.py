@@ -12,7 +12,7 @@ would give the first rank all of q and part of k; each rank needs its heads of a
 weight and bias are therefore ``_StridedShard(dim, split_factor=3)``: rank r holds chunk r of each
 third, and DTensor's ``addmm`` keeps that placement through forward and backward (no traffic), while
 ``full_tensor()`` is the Hugging Face layout, so checkpoints and exports are standard. Such a piece
-is not one block of the whole tensor; :func:`zeropp.zero.dtensor_params.blocks` says which blocks it is.
+is not one block of the whole tensor; :func:`zeropp.zero.weights.dtensor_params.blocks` says which blocks it is.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from zeropp.comm.communicator import Communicator
 from zeropp.errors import ZeroppError
 from zeropp.topology import Group
-from zeropp.zero.dtensor_params import block_of, point_at
+from zeropp.zero.weights.dtensor_params import block_of, point_at
 
 InitFn = Callable[[nn.Module], None]
 

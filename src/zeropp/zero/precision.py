@@ -54,7 +54,7 @@ class LossScaler:
 
 def keep_master_in(unit: FlatUnit, dtype: torch.dtype) -> None:
     """Store `unit`'s master in `dtype` (``master_dtype``; the optimizer compensates its rounding,
-    :mod:`zeropp.zero.low_precision_adam`): the compute weights themselves where they are this rank's
+    :mod:`zeropp.zero.optim.low_precision_adam`): the compute weights themselves where they are this rank's
     whole master in that dtype (a sharded unit's compute shard at stage 3; the unit's weights where one
     rank holds its whole master), else a copy rounded to nearest. Before the optimizer is built."""
     for weights in (unit.compute_shard, unit.compute_flat):

@@ -30,12 +30,12 @@ from zeropp.comm.quantized import reduce_scatter_quantized
 from zeropp.index.flat import FlatLayout, secondary_range
 from zeropp.topology import ShardGroups
 from zeropp.zero.arena import Arena, Loans
-from zeropp.zero.dtensor_params import is_split, local_tensor, point_at
-from zeropp.zero.frozen import FrozenWeights
-from zeropp.zero.gather import start_weight_gather
 from zeropp.zero.options import UnitOptions
-from zeropp.zero.reference import WeightReference
 from zeropp.zero.stages import StagePolicy
+from zeropp.zero.weights.dtensor_params import is_split, local_tensor, point_at
+from zeropp.zero.weights.frozen import FrozenWeights
+from zeropp.zero.weights.gather import start_weight_gather
+from zeropp.zero.weights.reference import WeightReference
 
 _RELEASED = torch.empty(0)
 
@@ -74,10 +74,10 @@ class FlatUnit:
     - hpZ keeps ``secondary_shard``, this rank's 1/H of ``compute_flat`` (H = its secondary group's
       size), cut when the unit reshards (after its gather completed, so never racing a prefetch) and
       gathered from while the weights are unchanged ([Note: hpZ validity and versioning]).
-    - qwZ quantizes the compute shard (qWD: its change since ``reference``, :mod:`zeropp.zero.reference`)
+    - qwZ quantizes the compute shard (qWD: its change since ``reference``, :mod:`zeropp.zero.weights.reference`)
       at every gather over the shard group and dequantizes what arrives.
 
-    At stage 3 a unit also holds its modules' frozen parameters (``frozen``, :mod:`zeropp.zero.frozen`),
+    At stage 3 a unit also holds its modules' frozen parameters (``frozen``, :mod:`zeropp.zero.weights.frozen`),
     gathered and freed with the rest; the buffers above cover the trainable ones only, which may be none.
     """
 

@@ -4,8 +4,8 @@ mesh; ``reshard_after_forward=<ranks per node>``, FSDP2's closest analogue of hp
 ``deepspeed`` is installed (an optional extra; ``DS_ACCELERATOR=cpu``, gloo), DeepSpeed ZeRO-3,
 ZeRO-3 + hpZ and ZeRO++ (qwZ + hpZ + qgZ, which DeepSpeed implements for CUDA only).
 
-Run one process per rank under torchrun (``python -m zeropp.tools.bench.peers --peer fsdp2 ...``);
-rank 0 writes a :class:`PeerSummary` as JSON: ``zeropp train``'s keys where they apply. Peers have
+Run one process per rank under torchrun (``python -m zeropp.tools.bench.rivals --rival fsdp2 ...``);
+rank 0 writes a :class:`RivalSummary` as JSON: ``zeropp train``'s keys where they apply. Rivals have
 no ledger: their bytes are what the emulated cluster counts on the wire.
 """
 
@@ -33,7 +33,7 @@ from zeropp.topology import init_topology, shutdown
 from zeropp.zero.grouping import repeated_blocks
 from zeropp.zero.materialize import initialize_model
 
-PEERS = (
+RIVALS = (
     "ddp",
     "fsdp2",
     "fsdp2-hsdp",
@@ -45,10 +45,10 @@ PEERS = (
 
 
 @dataclass
-class PeerSummary:
-    """A peer's run summary: the fields it shares with :class:`~zeropp.app.summary.RunSummary`, and its name."""
+class RivalSummary:
+    """A rival's run summary: the fields it shares with :class:`~zeropp.app.summary.RunSummary`, and its name."""
 
-    peer: str
+    rival: str
     final_train_loss: float
     train_losses: list[float]
     tokens_per_s: float
@@ -59,23 +59,23 @@ class PeerSummary:
     peak_memory_bytes_per_rank: list[int]
 
     @classmethod
-    def from_dict(cls, data: dict) -> PeerSummary:
+    def from_dict(cls, data: dict) -> RivalSummary:
         return cls(**data)
 
 
 def adamw(lr: float) -> dict[str, Any]:
-    """The AdamW settings every peer and zeropp variant of the benchmarks trains with."""
+    """The AdamW settings every rival and zeropp variant of the benchmarks trains with."""
     return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
-def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_batch: int, lr: float):
-    """DeepSpeed's engine for `peer`, with the same AdamW (a torch optimizer: no compiled ops needed)."""
+def deepspeed_engine(model: nn.Module, rival: str, ranks_per_node: int, micro_batch: int, lr: float):
+    """DeepSpeed's engine for `rival`, with the same AdamW (a torch optimizer: no compiled ops needed)."""
     import deepspeed
 
     zero = {"stage": 3}
-    if peer in ("deepspeed-hpz", "deepspeed-zeropp"):
+    if rival in ("deepspeed-hpz", "deepspeed-zeropp"):
         zero["zero_hpz_partition_size"] = ranks_per_node
-    if peer == "deepspeed-zeropp":
+    if rival == "deepspeed-zeropp":
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_optimization": zero}
     optimizer = torch.optim.AdamW(model.parameters(), **adamw(lr))
@@ -83,19 +83,19 @@ def deepspeed_engine(model: nn.Module, peer: str, ranks_per_node: int, micro_bat
     return engine
 
 
-def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int, mp_policy: Any = None) -> nn.Module:
-    """Apply `peer`'s data parallelism to `model` the way its documentation recommends for a GPT (FSDP2's
+def wrap(model: nn.Module, rival: str, world: int, ranks_per_node: int, mp_policy: Any = None) -> nn.Module:
+    """Apply `rival`'s data parallelism to `model` the way its documentation recommends for a GPT (FSDP2's
     mesh on the device of the model's parameters; `mp_policy`: FSDP2's MixedPrecisionPolicy, if any)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    if peer == "pytorch":  # no data parallelism: the single-process baseline
+    if rival == "pytorch":  # no data parallelism: the single-process baseline
         return model
-    if peer == "ddp":
+    if rival == "ddp":
         return DistributedDataParallel(model)
     device = next(model.parameters()).device.type
-    if peer == "fsdp2-hsdp":
+    if rival == "fsdp2-hsdp":
         mesh = init_device_mesh(
             device, (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard")
         )
@@ -104,7 +104,7 @@ def wrap(model: nn.Module, peer: str, world: int, ranks_per_node: int, mp_policy
         options = {"mesh": init_device_mesh(device, (world,))}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-        if peer == "fsdp2-reshard-node":
+        if rival == "fsdp2-reshard-node":
             options["reshard_after_forward"] = ranks_per_node
     for block in model.blocks:
         fully_shard(block, **options)
@@ -142,18 +142,18 @@ def module_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainingS
 
 
 def training_step(
-    gpt: nn.Module, peer: str, world: int, ranks_per_node: int, micro_batch: int, lr: float
+    gpt: nn.Module, rival: str, world: int, ranks_per_node: int, micro_batch: int, lr: float
 ) -> TrainingStep:
-    """`peer`'s whole training step on a batch (forward, backward, optimizer step); returns the loss."""
-    if peer.startswith("deepspeed"):
-        return engine_step(deepspeed_engine(gpt, peer, ranks_per_node, micro_batch, lr))
-    model = wrap(gpt, peer, world, ranks_per_node)
+    """`rival`'s whole training step on a batch (forward, backward, optimizer step); returns the loss."""
+    if rival.startswith("deepspeed"):
+        return engine_step(deepspeed_engine(gpt, rival, ranks_per_node, micro_batch, lr))
+    model = wrap(gpt, rival, world, ranks_per_node)
     return module_step(model, torch.optim.AdamW(model.parameters(), **adamw(lr)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zeropp.tools.bench.peers", description=__doc__)
-    parser.add_argument("--peer", choices=PEERS, required=True)
+    parser = argparse.ArgumentParser(prog="python -m zeropp.tools.bench.rivals", description=__doc__)
+    parser.add_argument("--rival", choices=RIVALS, required=True)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with torch.device("meta"):  # the weights zeropp train starts from (train.seed 0, meta init)
         gpt = GPT(config)
     initialize_model(gpt, repeated_blocks(gpt), seed=0)
-    train_step = training_step(gpt, args.peer, world, ranks_per_node, args.micro_batch_size, args.lr)
+    train_step = training_step(gpt, args.rival, world, ranks_per_node, args.micro_batch_size, args.lr)
 
     batches = Batches("train", config.block_size, args.micro_batch_size, world, rank, seed=0)
     times, losses = [], []
@@ -185,8 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm.all_gather(peaks, peak, topology.world, bucket_numel=1)
     if rank == 0 and args.summary_json is not None:
         tokens = args.micro_batch_size * config.block_size * world * len(times)
-        summary = PeerSummary(
-            peer=args.peer,
+        summary = RivalSummary(
+            rival=args.rival,
             final_train_loss=losses[-1],
             train_losses=losses,
             tokens_per_s=tokens / sum(times),

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from zeropp.app.launch import usable_cpus
 from zeropp.app.summary import RunSummary
 from zeropp.tools.cluster.emulated import Counters, EmulatedCluster
 from zeropp.tools.cluster.errors import ClusterError
@@ -110,8 +111,8 @@ def run_cluster(
     Each node runs ``python -m zeropp.cli train --nnodes N --node-rank i --nproc-per-node P
     --master-addr <node 0> --master-port <port> <train_args> --summary-json <path>`` (zeropp's own
     launcher, c10d rendezvous), or, with `module`, ``python -m torch.distributed.run`` with the
-    same flags and ``-m <module> <train_args> --summary-json <path>`` (e.g. the peers of
-    zeropp.tools.bench.peers). `summary_json` (or a ``--summary-json`` in `train_args`) keeps the
+    same flags and ``-m <module> <train_args> --summary-json <path>`` (e.g. the rivals of
+    zeropp.tools.bench.rivals). `summary_json` (or a ``--summary-json`` in `train_args`) keeps the
     summary there; otherwise it goes to a temporary file. `echo` receives node 0's output as it comes
     (the CLI passes stdout). When a node fails the others get `failure_grace_s` to fail too, then
     are stopped; past `timeout_s` everything is stopped (returncode 124). Raises ClusterError (before
@@ -137,7 +138,7 @@ def run_cluster(
         summary_path = (work_dir / wanted).resolve() if wanted is not None else log_dir / "summary.json"
         cluster = stack.enter_context(EmulatedCluster(nodes, bandwidth_bps, prefix=prefix))
         master = cluster.nodes[0].address
-        threads = omp_threads or max(1, (os.cpu_count() or 1) // (nodes * nproc_per_node))
+        threads = omp_threads or max(1, usable_cpus() // (nodes * nproc_per_node))
         child_env = dict(os.environ if env is None else env)
         child_env["OMP_NUM_THREADS"] = str(threads)
         before = cluster.counters()

@@ -207,7 +207,9 @@ class Estimate:
             doubled = ledger.total(op="reduce_scatter", phase=phase, link=link) if backend == "gloo" else 0
             return ledger.total(phase=phase, link=link) + doubled
 
-        return {p: {"intra": sent(busiest, p, "intra"), "inter": per_node * sent(mean, p, "inter")} for p in STEP_PHASES}
+        return {
+            p: {"intra": sent(busiest, p, "intra"), "inter": per_node * sent(mean, p, "inter")} for p in STEP_PHASES
+        }
 
     def comm_seconds_by_phase(
         self, intra_bits_per_s: float, inter_bits_per_s: float, backend: Backend = "nccl"
@@ -265,7 +267,11 @@ class Estimate:
         }
 
     def as_dict(
-        self, intra_bits_per_s: float, inter_bits_per_s: float, compute_s: float | None = None, backend: Backend = "nccl"
+        self,
+        intra_bits_per_s: float,
+        inter_bits_per_s: float,
+        compute_s: float | None = None,
+        backend: Backend = "nccl",
     ) -> dict[str, Any]:
         mean, zero3 = self.ledger(), self.zero3_bytes()
         step = None if compute_s is None else self.step_time(compute_s, intra_bits_per_s, inter_bits_per_s, backend)
@@ -346,7 +352,11 @@ def estimate(
     for n in numels:
         frozen = math.floor(frozen_fraction * n)
         resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
-        units.append(Unit(n - frozen, padded(n - frozen), resident, frozen, padded(frozen) if policy.shard_parameters else frozen))
+        units.append(
+            Unit(
+                n - frozen, padded(n - frozen), resident, frozen, padded(frozen) if policy.shard_parameters else frozen
+            )
+        )
     est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations)
     transfers = [
         *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations),

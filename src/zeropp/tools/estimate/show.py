@@ -38,7 +38,9 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
     head.add_row("parameters", f"{est.psi:,}{per_rank} in {len(est.units)} unit(s), {est.padded_psi:,} padded")
     if est.frozen_psi:
         stored = f"int{zero.nontrainable_weight_bits}" if zero.quantized_nontrainable_weights else zero.precision
-        head.add_row("frozen parameters", f"{est.frozen_psi:,} beside them (no gradient or optimizer state), stored {stored}")
+        head.add_row(
+            "frozen parameters", f"{est.frozen_psi:,} beside them (no gradient or optimizer state), stored {stored}"
+        )
     head.add_row("world / nodes", f"{layout.world_size} ranks on {layout.nodes} node(s) of {layout.ranks_per_node}")
     tp = layout.tensor_parallel_size
     if tp > 1:

@@ -1,7 +1,7 @@
 """ZeRO-Infinity's disk tier for the optimizer: each rank's fp32 master shards and optimizer states
 live in files, and the optimizer step streams them through host memory unit by unit. The files, the
 swaps and the I/O thread are :class:`DiskFiles`, which the parameters' disk tier
-(:mod:`zeropp.zero.disk_params`) shares.
+(:mod:`zeropp.zero.offload.disk_params`) shares.
 
 A unit's states are one file, ``unit-NNNN.bin`` in the rank's folder: its master, then each
 per-element optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``) in key order. Swapped out, the
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
-from zeropp.zero.stepping import steps_unit_by_unit
+from zeropp.zero.optim.stepping import steps_unit_by_unit
 
 
 class DiskFiles:

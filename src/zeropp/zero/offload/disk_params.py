@@ -1,7 +1,7 @@
 """ZeRO-Infinity's disk tier for the parameters (``offload_params = "nvme"``, stage 3): each sharded
 unit's compute-dtype shard lives in a file, read ahead of its gather along the recorded execution
 order and written back after the optimizer step, through the same files, swaps and I/O thread as the
-optimizer's disk tier (:class:`zeropp.zero.disk.DiskFiles`).
+optimizer's disk tier (:class:`zeropp.zero.offload.disk.DiskFiles`).
 
 A shard is in host memory from its read until its gather has completed: the runtime calls
 :meth:`ParamFiles.fetch` before a unit's gather starts, :meth:`ParamFiles.release` once it is waited
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from zeropp.config.sections import ZeroConfig
-from zeropp.zero.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
+from zeropp.zero.offload.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
 from zeropp.zero.precision import DTYPES
 from zeropp.zero.unit import FlatUnit, ShardState
 

@@ -21,8 +21,8 @@ import torch
 from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
-    from zeropp.zero.disk import DiskTier
-    from zeropp.zero.disk_params import ParamFiles
+    from zeropp.zero.offload.disk import DiskTier
+    from zeropp.zero.offload.disk_params import ParamFiles
     from zeropp.zero.unit import FlatUnit
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -100,7 +100,9 @@ def step_units(
     batches = step_batches(optimizer, units)
     if disk is not None:
         index = {id(unit): i for i, unit in enumerate(units)}
-        batches = ([units[i] for i in indices] for indices in disk.streamed([[index[id(u)] for u in b] for b in batches]))
+        batches = (
+            [units[i] for i in indices] for indices in disk.streamed([[index[id(u)] for u in b] for b in batches])
+        )
     for batch in batches:
         for unit in batch:
             grad = copies.pop(id(unit), None)

@@ -26,9 +26,9 @@ from zeropp.comm.communicator import Communicator, Pending
 from zeropp.comm.quantized import all_gather_message, joined
 from zeropp.index.flat import FlatLayout, secondary_range
 from zeropp.topology import ShardGroups
-from zeropp.zero.dtensor_params import local_tensor, point_at
-from zeropp.zero.gather import start_weight_gather
 from zeropp.zero.options import UnitOptions
+from zeropp.zero.weights.dtensor_params import local_tensor, point_at
+from zeropp.zero.weights.gather import start_weight_gather
 
 
 class FrozenWeights:

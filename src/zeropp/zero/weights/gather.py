@@ -10,7 +10,7 @@ from zeropp.comm.quantized import all_gather_quantized
 from zeropp.comm.quantized_delta import all_gather_delta
 from zeropp.topology import ShardGroups
 from zeropp.zero.options import UnitOptions
-from zeropp.zero.reference import WeightReference
+from zeropp.zero.weights.reference import WeightReference
 
 
 def start_weight_gather(

@@ -7,7 +7,7 @@ median step time, tokens/s, cross-node bytes per step (the ledger's, for zeropp;
 all: bytes that crossed the links during the run divided by the steps, start-up included), peak
 memory per rank, the speedup over zeropp ZeRO-3 at the same bandwidth and nodes, and for zeropp
 on a shaped link the step's lower bound, the fraction of it reached and the estimator's prediction
-(:mod:`zeropp.tools.bench.cluster_bound`; the unshaped runs, added when not asked for, give the
+(:mod:`zeropp.tools.bench.cluster.bound`; the unshaped runs, added when not asked for, give the
 compute, and every shaped link is probed first). Writes results.json, results.md and the plots
 (step time with the bound, cross-node bytes) to the results folder.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 from zeropp.app.flags import as_flags
 from zeropp.app.summary import RunSummary
-from zeropp.tools.bench.cluster_bound import UNSHAPED, add_bounds, busiest_node_bytes, estimator_fields
-from zeropp.tools.bench.peers import PeerSummary
+from zeropp.tools.bench.cluster.bound import UNSHAPED, add_bounds, busiest_node_bytes, estimator_fields
+from zeropp.tools.bench.rivals import RivalSummary
 from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
 from zeropp.tools.cluster import probe_bandwidth, run_cluster
 from zeropp.tools.cluster.errors import ClusterError
@@ -48,7 +48,7 @@ ZEROPP = {
     "zeropp ZeRO++ unquantized intra-node hop": ["--stage", "3", *ZEROPP_ON_FLAGS, "--gradient-intra-node-bits", "0"],
     "zeropp ZeRO++ chunks of any size": ["--stage", "3", *ZEROPP_ON_FLAGS, "--qgz-pipeline-min-chunk", "1"],
 }
-PEERS = {
+RIVALS = {
     "DDP": "ddp",
     "FSDP2": "fsdp2",
     "FSDP2 HSDP": "fsdp2-hsdp",
@@ -67,9 +67,9 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
             args = [*common, "--eval-batches", "1", "--eval-interval", str(steps + 1), *ZEROPP[name]]
             result = run_cluster(nodes, ranks_per_node, bandwidth, args, summary_path, timeout_s=900)
         else:
-            args = ["--peer", PEERS[name], *common]
+            args = ["--rival", RIVALS[name], *common]
             result = run_cluster(
-                nodes, ranks_per_node, bandwidth, args, summary_path, module="zeropp.tools.bench.peers",
+                nodes, ranks_per_node, bandwidth, args, summary_path, module="zeropp.tools.bench.rivals",
                 timeout_s=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
             )  # fmt: skip
     row: dict[str, Any] = {
@@ -82,8 +82,8 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
         reason = lines[-1] if lines else ""
         row["error"] = reason.strip()[-200:] or f"exit status {result.returncode}"
         return row
-    s = result.summary if isinstance(result.summary, RunSummary) else PeerSummary.from_dict(result.summary)
-    ledger = s.inter_node_bytes_per_step if isinstance(s, RunSummary) else 0  # peers have no ledger
+    s = result.summary if isinstance(result.summary, RunSummary) else RivalSummary.from_dict(result.summary)
+    ledger = s.inter_node_bytes_per_step if isinstance(s, RunSummary) else 0  # rivals have no ledger
     row.update(
         median_step_time_s=s.median_step_time_s,
         tokens_per_s=s.tokens_per_s,
@@ -135,7 +135,12 @@ def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], out: Path) -> None
 
     for metric, label, color, name in (
         ("median_step_time_s", "median step time (s); black: the bound", "tab:blue", "step_time.png"),
-        ("wire_bytes_per_step", "cross-node wire MB per step (start-up included)", "tab:orange", "cross_node_bytes.png"),
+        (
+            "wire_bytes_per_step",
+            "cross-node wire MB per step (start-up included)",
+            "tab:orange",
+            "cross_node_bytes.png",
+        ),
     ):
         fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 5), squeeze=False)
         for ax, ((nodes, bandwidth), group) in zip(axes[0], groups.items(), strict=True):
@@ -163,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="configuration names to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_cluster"))
     args = parser.parse_args(argv)
-    names = [*ZEROPP, *PEERS]
+    names = [*ZEROPP, *RIVALS]
     if importlib.util.find_spec("deepspeed") is None:
         names = [n for n in names if not n.startswith("DeepSpeed")]
         print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
@@ -185,13 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(run_one(name, nodes, args.ranks_per_node, bandwidth, args.preset, args.steps))
                 print(json.dumps(rows[-1]), flush=True)
                 (args.out / "results.json").write_text(
-                    json.dumps({"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1)
+                    json.dumps(
+                        {"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1
+                    )
                 )
     add_bounds(rows, goodput)
     (args.out / "results.json").write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1)
     )
-    groups = {(n, b): [r for r in rows if (r["nodes"], r["bandwidth"]) == (n, b)] for n in args.nodes for b in bandwidths}
+    groups = {
+        (n, b): [r for r in rows if (r["nodes"], r["bandwidth"]) == (n, b)] for n in args.nodes for b in bandwidths
+    }
     report = "\n\n".join(markdown(group, *key) for key, group in groups.items())
     publish_report(args.out, report, lambda: plot(groups, args.out))
     return 0

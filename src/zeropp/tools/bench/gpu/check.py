@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from zeropp.tools.bench.gpu_report import markdown, summary
+from zeropp.tools.bench.gpu.report import markdown, summary
 
 STAGES = {
     "a": ("GPU and kernel tests (pytest -m 'gpu or kernels')", 200),
@@ -139,7 +139,7 @@ def run_measuring(stage: str, out: Path, args: argparse.Namespace, device_kind: 
     """Stages b, c, d, f: this module's --worker in a process; what it wrote, even when it died."""
     record = out / f"stage-{stage}.json"
     record.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "zeropp.tools.bench.gpu", "--worker", stage, "--out", str(out),
+    command = [sys.executable, "-m", "zeropp.tools.bench.gpu.check", "--worker", stage, "--out", str(out),
                "--worker-device", device_kind, "--worker-budget", str(int(timeout_s)), *(["--quick"] if args.quick else []),
                *(["--world2-backend", world2] if world2 else [])]  # fmt: skip
     try:
@@ -160,15 +160,15 @@ def run_measuring(stage: str, out: Path, args: argparse.Namespace, device_kind: 
 
 def worker(args: argparse.Namespace) -> int:
     """One measuring stage in this process: each result written to stage-X.json as it comes."""
-    from zeropp.tools.bench import gpu_checks
+    from zeropp.tools.bench.gpu import measures
 
     began, limit = time.monotonic(), args.worker_budget
 
     def budget() -> float:  # seconds a launch may still wait
         return max(10.0, limit - (time.monotonic() - began) - 5)
 
-    sizes = gpu_checks.Sizes.pick(args.worker_device, args.quick)
-    stage = getattr(gpu_checks, f"stage_{args.worker}")
+    sizes = measures.Sizes.pick(args.worker_device, args.quick)
+    stage = getattr(measures, f"stage_{args.worker}")
     extra = {"world2_backend": args.world2_backend} if args.worker == "c" else {}
     record, results = args.out / f"stage-{args.worker}.json", {}
     for key, value in stage(args.worker_device, sizes, budget, **extra):

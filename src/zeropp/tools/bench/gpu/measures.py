@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zeropp.app.models.gpt import GPT, GPTConfig
-from zeropp.tools.bench.gpu_ranks import first_line, launch, probe_backends, working_backend
+from zeropp.tools.bench.gpu.ranks import first_line, launch, probe_backends, working_backend
 
 Result = Iterator[tuple[str, Any]]
 EXACT_STEPS, EXACT_LR, ADAM_EPS, EXACT_BOUND = 5, 1e-2, 1e-4, 1e-5
@@ -31,8 +31,13 @@ EXACT_SCENARIOS = {  # name: ZeroConfig fields
     "stage3-zero++": dict(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
     "stage3-offload-cpu": dict(offload_optimizer="cpu"),
     "stage3-Pa+cpu": dict(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True),
-    "stage3-zero++-qwd": dict(quantized_weights=True, weight_quantization="delta", weight_bits=4,
-                              hpz_partition_size=0, quantized_gradients=True),  # fmt: skip
+    "stage3-zero++-qwd": dict(
+        quantized_weights=True,
+        weight_quantization="delta",
+        weight_bits=4,
+        hpz_partition_size=0,
+        quantized_gradients=True,
+    ),  # fmt: skip
 }
 ACROSS_NODES_ONLY = {"stage3-zero++-qwd"}  # qWD's reference is hpZ's copy: refused on one node
 
@@ -237,7 +242,7 @@ def _speed_step(variant: str, config: GPTConfig, topology: Any) -> tuple[Callabl
     """`variant`'s training step on a fresh bf16 model on the device, and notes on what it ran."""
     from zeropp.config.sections import ZeroConfig
     from zeropp.engine import ZeroEngine
-    from zeropp.tools.bench.peers import adamw, engine_step, module_step, wrap
+    from zeropp.tools.bench.rivals import adamw, engine_step, module_step, wrap
 
     torch.manual_seed(0)
     with topology.device:
@@ -350,7 +355,7 @@ def offload_rank(topology: Any, config: GPTConfig, batch: int, reps: int, steps:
     """Stage 3 bf16 without and with offload_optimizer="cpu", steps alternating; median step times."""
     from zeropp.config.sections import ZeroConfig
     from zeropp.engine import ZeroEngine
-    from zeropp.tools.bench.peers import adamw, engine_step
+    from zeropp.tools.bench.rivals import adamw, engine_step
 
     device, steps_of, times = topology.device, {}, {"none": [], "cpu": []}
     for offload in times:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeropp.app.launch import usable_cpus
 from zeropp.index.ranks import Layout
 from zeropp.topology import Topology, build_topology, free_port, shutdown
 
@@ -51,7 +52,7 @@ def _child(fn: Callable, rank: int, world: int, nodes: int, port: int, setup: tu
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(world // nodes),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, usable_cpus() // world))
     ok = False
     try:
         topology = rank_topology(backend, device_kind, rank, world, nodes)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zeropp.app.launch import usable_cpus
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
 
 VARIANTS = {
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     budget = args.budget_kib * 1024
     results = {
-        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo",
+        "machine": f"{usable_cpus()} CPU cores, torch {torch.__version__}, gloo",
         "preset": args.preset,
         "n_layer": args.n_layer,
         "budget_bytes": budget,

@@ -9,7 +9,7 @@ are tried from ``--depths`` in increasing order inside a memory cgroup limited t
 the deepest depth that succeeds is the answer, and the first failure's cause is recorded (out of
 memory, timeout, or the error's last line) with the cgroup's peak usage, the steps per second, and
 for the disk tiers the bytes they read and wrote per step. AdamW, ZeRO-3 without ZeRO++, one sequence of ``--block-size``
-tokens per rank, zeropp in ``--precision`` (fp32 by default; the peers in fp32).
+tokens per rank, zeropp in ``--precision`` (fp32 by default; the rivals in fp32).
 
     zeropp bench largest [--world 4] [--d-model 2048] [--depths 8 12 16 20 24 28] [--limit-gib 20]
                          [--precision fp32] [--offload-path results/offload] [--out results/bench_largest.json]
@@ -34,8 +34,8 @@ from typing import Any
 from zeropp.app.models.gpt import gpt_config
 from zeropp.app.summary import RunSummary
 from zeropp.config.model import ModelConfig
-from zeropp.tools.bench.memory import VARIANTS
-from zeropp.tools.bench.memory_peers import PEERS, worker_command, worker_env
+from zeropp.tools.bench.memory.peak import VARIANTS
+from zeropp.tools.bench.memory.rivals import RIVALS, worker_command, worker_env
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS
 
 CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
@@ -49,7 +49,7 @@ ZEROPP_VARIANTS = {  # the memory tiers: in memory, host offload, the disk tiers
 
 def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> list[str]:
     size = ["--n-layer", str(depth), "--d-model", str(args.d_model), "--block-size", str(args.block_size)]
-    if variant in PEERS:
+    if variant in RIVALS:
         return worker_command(variant, os.devnull, world, size, steps=2)
     return [sys.executable, "-m", "zeropp.cli", "train", *size, "--n-head", str(args.d_model // 64),
             "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
@@ -73,7 +73,7 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
 
     try:
         run = subprocess.run(
-            command(variant, world, depth, args) + (["--summary-json", str(summary_path)] if variant not in PEERS else []),
+            command(variant, world, depth, args) + (["--summary-json", str(summary_path)] if variant not in RIVALS else []),
             env={**worker_env(world), "OMP_NUM_THREADS": "1"},
             preexec_fn=enter_cgroup, capture_output=True, text=True, timeout=args.timeout_s, start_new_session=True,
         )  # fmt: skip
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="zeropp's compute dtype")
     parser.add_argument("--offload-path", type=Path, default=Path("results/offload"), help="the disk tier's folder")
-    parser.add_argument("--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *PEERS], default=[*ZEROPP_VARIANTS, *PEERS])
+    parser.add_argument("--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *RIVALS], default=[*ZEROPP_VARIANTS, *RIVALS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_largest.json"))
     args = parser.parse_args(argv)
     args.offload_path.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ trained for ``--steps`` steps (fp32, AdamW, ZeRO-3 without ZeRO++, one sequence 
   construction);
 - zeropp with ``--offload-optimizer cpu`` (on a CPU-only machine host and device are one memory);
 - FSDP2 (``fully_shard`` per block, the model built on the meta device, ``to_empty`` + init) and
-  DeepSpeed ZeRO-3 with ``zero.Init`` when ``deepspeed`` is installed (:mod:`zeropp.tools.bench.memory_peers`).
+  DeepSpeed ZeRO-3 with ``zero.Init`` when ``deepspeed`` is installed (:mod:`zeropp.tools.bench.memory.rivals`).
 
 Peaks are :class:`zeropp.costs.memory.PeakMeter`'s, above each process's memory before the model was
 built: ``init`` covers construction and set-up, ``step`` the training steps. The bounds:
@@ -39,7 +39,7 @@ import torch
 
 from zeropp.app.models.gpt import GPT, gpt_config
 from zeropp.config.model import ModelConfig
-from zeropp.tools.bench.memory_peers import PEERS, run_peer
+from zeropp.tools.bench.memory.rivals import RIVALS, run_rival
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
 from zeropp.zero.grouping import group_parameters, repeated_blocks
 
@@ -92,10 +92,10 @@ def activation_bytes(config: Any) -> int:
 
 
 def _measure(args: argparse.Namespace, world: int, variant: str) -> dict[str, Any]:
-    if variant in PEERS:
+    if variant in RIVALS:
         size = ["--n-layer", str(args.n_layer), "--d-model", str(args.d_model), "--block-size", str(args.block_size)]
         with tempfile.TemporaryDirectory() as tmp:
-            return run_peer(variant, world, size, args.steps, Path(tmp) / "peaks.json")
+            return run_rival(variant, world, size, args.steps, Path(tmp) / "peaks.json")
     return run_zeropp(args, world, VARIANTS[variant])
 
 
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *PEERS], default=[*VARIANTS, *PEERS])
+    parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *RIVALS], default=[*VARIANTS, *RIVALS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_memory.json"))
     args = parser.parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # inherited by every run (see the docstring)

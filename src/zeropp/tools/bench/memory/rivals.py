@@ -1,4 +1,4 @@
-"""The peers of ``zeropp bench memory`` and ``zeropp bench largest``: one rank that builds the GPT the
+"""The rivals of ``zeropp bench memory`` and ``zeropp bench largest``: one rank that builds the GPT the
 way its library documents for models bigger than one device, trains a few steps, and reports its
 construction and step peaks (:class:`zeropp.costs.memory.PeakMeter`, as ``zeropp train`` reports its own).
 
@@ -11,7 +11,7 @@ construction and step peaks (:class:`zeropp.costs.memory.PeakMeter`, as ``zeropp
 Run under torchrun, one process per rank; rank 0 writes {"init": bytes, "step": bytes}, the largest
 rank's peaks::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 -m zeropp.tools.bench.memory_peers \\
+    python -m torch.distributed.run --standalone --nproc-per-node 4 -m zeropp.tools.bench.memory.rivals \\
         "FSDP2 meta" OUT.json --n-layer 12 --d-model 1024 --block-size 256 --steps 2
 """
 
@@ -29,12 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeropp.app.launch import usable_cpus
 from zeropp.app.models.gpt import GPT, GPTConfig, gpt_config
 from zeropp.comm.communicator import Communicator
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import TopologyConfig
 from zeropp.costs.memory import PeakMeter
-from zeropp.tools.bench.peers import TrainingStep, engine_step, module_step
+from zeropp.tools.bench.rivals import TrainingStep, engine_step, module_step
 from zeropp.topology import Topology, init_topology, shutdown
 
 
@@ -69,40 +70,40 @@ def deepspeed_zero_init(config: GPTConfig, topology: Topology) -> TrainingStep:
     return engine_step(engine)
 
 
-PEERS: dict[str, Callable[[GPTConfig, Topology], TrainingStep]] = {
+RIVALS: dict[str, Callable[[GPTConfig, Topology], TrainingStep]] = {
     "FSDP2 meta": fsdp2,
     "DeepSpeed zero.Init": deepspeed_zero_init,
 }
 
 
-def worker_command(peer: str, out: str, world: int, size: Sequence[str], steps: int) -> list[str]:
-    """The torchrun command line of `peer` on `world` ranks; `size`: --n-layer/--d-model/--block-size flags."""
+def worker_command(rival: str, out: str, world: int, size: Sequence[str], steps: int) -> list[str]:
+    """The torchrun command line of `rival` on `world` ranks; `size`: --n-layer/--d-model/--block-size flags."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        "-m", "zeropp.tools.bench.memory_peers", peer, out, *size, "--steps", str(steps),
+        "-m", "zeropp.tools.bench.memory.rivals", rival, out, *size, "--steps", str(steps),
     ]  # fmt: skip
 
 
 def worker_env(world: int) -> dict[str, str]:
     return {
         **os.environ,
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+        "OMP_NUM_THREADS": str(max(1, usable_cpus() // world)),
         "DS_ACCELERATOR": "cpu",
     }
 
 
-def run_peer(peer: str, world: int, size: Sequence[str], steps: int, out: Path) -> dict[str, Any]:
-    """Run `peer` on `world` ranks of this machine; its peaks (bytes, the largest rank's)."""
+def run_rival(rival: str, world: int, size: Sequence[str], steps: int, out: Path) -> dict[str, Any]:
+    """Run `rival` on `world` ranks of this machine; its peaks (bytes, the largest rank's)."""
     subprocess.run(
-        worker_command(peer, str(out), world, size, steps),
+        worker_command(rival, str(out), world, size, steps),
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=worker_env(world),
     )  # fmt: skip
     return json.loads(out.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zeropp.tools.bench.memory_peers")
-    parser.add_argument("peer", choices=list(PEERS))
+    parser = argparse.ArgumentParser(prog="python -m zeropp.tools.bench.memory.rivals")
+    parser.add_argument("rival", choices=list(RIVALS))
     parser.add_argument("out", help="where rank 0 writes the peaks (JSON)")
     parser.add_argument("--n-layer", type=int, required=True)
     parser.add_argument("--d-model", type=int, required=True)
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = gpt_config(
         ModelConfig(n_layer=args.n_layer, d_model=args.d_model, n_head=args.d_model // 64, block_size=args.block_size)
     )
-    step = PEERS[args.peer](config, topology)
+    step = RIVALS[args.rival](config, topology)
     init = meter.peak()
     meter.reset_peak()
     for _ in range(args.steps):
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         step(x, x)
     peaks = torch.tensor([float(init), float(meter.peak())])
     rows = torch.zeros(2 * topology.world_size)
-    Communicator(topology).all_gather(rows, peaks, topology.world, bucket_numel=2)  # zeropp's door, not the peer's
+    Communicator(topology).all_gather(rows, peaks, topology.world, bucket_numel=2)  # zeropp's door, not the rival's
     if topology.rank == 0:
         init_max, step_max = rows.view(-1, 2).max(dim=0).values.tolist()
         Path(args.out).write_text(json.dumps({"init": init_max, "step": step_max}))

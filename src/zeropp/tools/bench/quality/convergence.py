@@ -20,7 +20,7 @@ Per configuration: validation loss every ``--eval-interval`` steps, mean and sta
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
 differences) at every evaluation after warm-up; cross-node bytes per rank and step; and the weight
 error after ``--weight-steps`` AdamW steps on one fixed batch against the exact run (ZeRO-3):
-:mod:`zeropp.tools.bench.weight_error`.
+:mod:`zeropp.tools.bench.quality.weight_error`.
 
     zeropp bench convergence [--seeds 1 2 3] [--steps 300] [--lr 1e-3] [--warmup-steps 50] [--resume]
                              [--preset tiny] [--out results/bench_convergence]
@@ -39,8 +39,8 @@ from typing import Any
 
 from zeropp.app.flags import as_flags
 from zeropp.config.sections import ZEROPP_SWITCHES
+from zeropp.tools.bench.quality.weight_error import base_config, measure
 from zeropp.tools.bench.runs import ZEROPP_OFF, publish_report, train_summary
-from zeropp.tools.bench.weight_error import base_config, measure
 
 # The recipe (docs/benchmarks.md, "ZeRO++ convergence"; zeropp train's defaults too): at lr 1e-3 with
 # 50 warm-up steps ZeRO-3's seeds leave the unigram plateau by step ~100 together; at 3e-3 each run
@@ -79,7 +79,7 @@ def _common(args: argparse.Namespace) -> list[str]:
 
 
 def weight_errors(args: argparse.Namespace) -> dict[str, float]:
-    """Weight error after --weight-steps steps on the first seed's first batch (zeropp.tools.bench.weight_error)."""
+    """Weight error after --weight-steps steps on the first seed's first batch (zeropp.tools.bench.quality.weight_error)."""
     base = base_config(args.preset, args.precision, args.lr, args.weight_steps, args.seeds[0], args.micro_batch_size)
     return measure({"base": base, "configs": {name: CONFIGS[name] for name in args.names}, "exact": "ZeRO-3"})
 

@@ -11,7 +11,7 @@ stage 3, ZeRO++'s communication switches off, once per seed and configuration:
 
 A seed fixes the adapters' initial values and the batches, so the runs of one seed are paired. Per
 configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation over the
-seeds, the paired gap to LoRA on the exact base (:func:`zeropp.tools.bench.convergence.curves`), and
+seeds, the paired gap to LoRA on the exact base (:func:`zeropp.tools.bench.quality.convergence.curves`), and
 the measured model-state bytes and bytes sent per rank and step.
 
     zeropp bench lora [--seeds 1 2 3] [--steps 100] [--base-steps 200] [--rank 8] [--nproc-per-node 2]
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.app.flags import as_flags
-from zeropp.tools.bench.convergence import curves, markdown_table, plot
+from zeropp.tools.bench.quality.convergence import curves, markdown_table, plot
 from zeropp.tools.bench.runs import ZEROPP_OFF, publish_report, train_summary
 
 BASE = "LoRA"

@@ -9,7 +9,7 @@ the initial weights: 0 is the exact run, 1 an error as large as the whole update
 removes the data's noise from the comparison: what remains is the quantization's.
 
 One torchrun job runs every configuration in turn (``python -m torch.distributed.run
---nproc-per-node 4 -m zeropp.tools.bench.weight_error SPEC.json OUT.json``, SPEC: ``{"base": config
+--nproc-per-node 4 -m zeropp.tools.bench.quality.weight_error SPEC.json OUT.json``, SPEC: ``{"base": config
 dict, "configs": {name: zero keys}, "exact": name}``); rank 0 writes ``{name: error}``.
 """
 
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from zeropp.app.launch import usable_cpus
 
 WORLD, NODES = 4, 2
 
@@ -66,9 +68,9 @@ def measure(spec: dict[str, Any]) -> dict[str, float]:
         spec_file.write_text(json.dumps(spec))
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-            "-m", "zeropp.tools.bench.weight_error", str(spec_file), str(out),
+            "-m", "zeropp.tools.bench.quality.weight_error", str(spec_file), str(out),
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // WORLD))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, usable_cpus() // WORLD))}
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from zeropp.app.launch import usable_cpus
+
 # (row, owner module path, owner attribute, function name): what the breakdown wraps
 TIMED = (
     ("hooks: pre-forward", "zeropp.runtime.hooks", "Runtime", "_pre_forward"),
@@ -236,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     counts = {"plain": op_counts(plain, 5), "zeropp": op_counts(zeropp, 5)}
     results = {
-        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.threads} thread(s); other jobs may share the CPU",
+        "machine": f"{usable_cpus()} CPU cores, torch {torch.__version__}, {args.threads} thread(s); other jobs may share the CPU",
         "model": {"n_layer": args.n_layer, "d_model": args.d_model, "block_size": args.block_size, "units": units},
         "stage": args.stage,
         "contiguous_memory": args.contiguous_memory,

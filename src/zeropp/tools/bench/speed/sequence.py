@@ -32,7 +32,10 @@ import torch.multiprocessing as mp
 
 from zeropp.comm.trace import CollectiveTrace, Entry
 
-VARIANTS = {"stage 3": {"stage": 3}, "ZeRO++": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True}}
+VARIANTS = {
+    "stage 3": {"stage": 3},
+    "ZeRO++": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+}
 _NOTHING = Entry(0, "", 0, "", "", "", 0, 0, 0.0)
 
 
@@ -122,8 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.join()
     per_issue = issue_seconds()
     rows = {}
-    print(f"world {args.world}, GPT {args.n_layer} x {args.d_model}; digest update {per_issue * 1e6:.2f} us per collective")
-    print(f"{'variant':<10}{'off (ms)':>10}{'on (ms)':>10}{'on-off':>9}{'colls':>7}{'digest':>9}{'check (ms)':>12}{'check/100':>11}")
+    print(
+        f"world {args.world}, GPT {args.n_layer} x {args.d_model}; digest update {per_issue * 1e6:.2f} us per collective"
+    )
+    print(
+        f"{'variant':<10}{'off (ms)':>10}{'on (ms)':>10}{'on-off':>9}{'colls':>7}{'digest':>9}{'check (ms)':>12}{'check/100':>11}"
+    )
     for name, r in results.items():
         off, on = statistics.median(r["times"]["off"]), statistics.median(r["times"]["on"])
         floor = r["collectives_per_step"] * per_issue

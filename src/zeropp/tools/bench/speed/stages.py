@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zeropp.app.launch import usable_cpus
 from zeropp.tools.bench.runs import train_summary
 
 ROW_FIELDS = (
@@ -44,7 +44,7 @@ def world1_overhead(steps: int, preset: str) -> dict[str, float]:
     from zeropp.engine import ZeroEngine
     from zeropp.topology import init_topology
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threadsusable_cpus()
     config = PRESETS[preset]
     batches = Batches("train", config.block_size, 8, 1, 0, seed=0)
 
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [world4_stage(stage, args.steps, args.preset) for stage in range(4)]
     overhead = world1_overhead(args.steps, args.preset)
     results = {
-        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo",
+        "machine": f"{usable_cpus()} CPU cores, torch {torch.__version__}, gloo",
         "preset": args.preset,
         "steps": args.steps,
         "world4_2nodes": rows,

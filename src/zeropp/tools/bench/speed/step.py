@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from zeropp.app.launch import usable_cpus
+
 BASE_VARIANTS = ("pytorch", "zeropp-0", "zeropp-1", "zeropp-2", "zeropp-3", "zeropp++", "fsdp2", "deepspeed-zero3")
 COMPILED_VARIANTS = ("pytorch-compiled", "zeropp-3-compiled")
 MD_VARIANTS = ("zeropp-3-md",)
@@ -60,7 +62,7 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
     """`variant`'s training step (forward, backward, optimizer step) on (x, y); returns the loss."""
     from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig
     from zeropp.engine import ZeroEngine
-    from zeropp.tools.bench.peers import adamw, engine_step, training_step
+    from zeropp.tools.bench.rivals import adamw, engine_step, training_step
 
     compiled, md = variant.endswith("-compiled"), variant.endswith("-md")
     name = variant.removesuffix("-compiled").removesuffix("-md")
@@ -76,8 +78,8 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
     if compiled:
         for block in gpt.blocks:
             block.forward = torch.compile(block.forward)
-    peer = "ddp" if name == "pytorch" and topology.world_size > 1 else name
-    return training_step(gpt, peer, topology.world_size, topology.ranks_per_node, args.micro_batch_size, args.lr)
+    rival = "ddp" if name == "pytorch" and topology.world_size > 1 else name
+    return training_step(gpt, rival, topology.world_size, topology.ranks_per_node, args.micro_batch_size, args.lr)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -126,7 +128,7 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def threads_per_rank(args: argparse.Namespace, world: int) -> int:
-    return args.threads or max(1, (os.cpu_count() or 1) // world)
+    return args.threads or max(1, usable_cpus() // world)
 
 
 def run_job(variant: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +138,7 @@ def run_job(variant: str, world: int, args: argparse.Namespace) -> dict[str, Any
         out = Path(tmp) / "record.json"
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "zeropp.tools.bench.step", "--worker", variant, "--worker-out", str(out), *size,
+            "-m", "zeropp.tools.bench.speed.step", "--worker", variant, "--worker-out", str(out), *size,
             "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr),
         ]  # fmt: skip
         env = {
@@ -232,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 records[world][variant].append(record)
                 print(f"rep {rep} world {world} {variant}: {record.get('failed') or record['times']}", flush=True)
     results = {
-        "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}, gloo",
+        "machine": f"{usable_cpus()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}, gloo",
         "load_note": "other jobs may share the CPU; load_1min is the 1-minute load average before each job",
         "model": {"n_layer": args.n_layer, "d_model": args.d_model, "block_size": args.block_size, "dtype": "fp32"},
         "micro_batch_size": args.micro_batch_size,
