@@ -54,7 +54,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.optim.low_precision_adam import low_precision_adam
-from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, step_units
+from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, refuse_shape_aware, step_units
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
@@ -91,6 +91,8 @@ class ZeroEngine:
         is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
         if optimizer_kwargs and not is_class:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
+        # a factory's class from a probe on one stand-in parameter, before any collective
+        refuse_shape_aware(optimizer if is_class else type(optimizer([nn.Parameter(torch.zeros(1))])))
         low = [
             f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"
         ]

@@ -1,5 +1,6 @@
-"""The optimizer steps the masters unit by unit where it is per-parameter (one unit's fp32 gradient
-and optimizer temporaries at a time), and over all masters at once otherwise, to the same weights."""
+"""The optimizer steps the masters unit by unit where it is one of torch's element-wise optimizers
+(one unit's fp32 gradient and optimizer temporaries at a time), and over all masters at once where
+it is a user's own element-wise one, to the same weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from zeropp.zero.optim.stepping import step_batches
 
 
 class WholeAdamW(torch.optim.AdamW):
-    """AdamW as an optimizer zeropp cannot vouch for: stepped over all masters at once."""
+    """AdamW as a user's own element-wise optimizer, whose step zeropp cannot vouch for: stepped over
+    all masters at once."""
+
+    elementwise = True
 
 
 def test_torch_optimizers_step_per_unit_and_others_at_once():

@@ -31,6 +31,8 @@ class LowPrecisionAdam(torch.optim.Optimizer):
     """Adam (`decoupled` False: weight decay added to the gradient) or AdamW (True: decoupled decay,
     torch's ``p *= 1 - lr * wd``), moments stored in `state_dtype`. No amsgrad, maximize, capturable."""
 
+    elementwise = True  # exact on flat shards (zeropp.zero.optim.stepping)
+
     def __init__(
         self,
         params: Iterable[nn.Parameter],

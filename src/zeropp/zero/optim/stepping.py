@@ -1,14 +1,21 @@
 """The optimizer step on the masters: which masters each ``optimizer.step()`` updates, the gradient
 statistics a step needs first (overflow, norm), and the step itself.
 
+A master is a unit's flat fp32 shard, pieces of several parameters end to end, so only an
+optimizer that updates every element from that element's own gradient and state alone (an
+element-wise one) computes on it what it computes on the parameters. One that reads a parameter's
+shape or norm (Adafactor's factored moments, Muon's orthogonalized matrices, LAMB's trust ratio)
+would train silently wrong on the shards: :func:`refuse_shape_aware` refuses it in one line, before
+anything starts.
+
 A step hands every master its fp32 gradient and runs the optimizer. Done for the whole shard at
 once, the step's peak holds an fp32 gradient of the whole shard (4 bytes per parameter over the
 16 of Table 1's model states) and, with torch's foreach implementations, temporaries of about as
-much again. The optimizers below update each parameter from its own gradient and state alone, so
-stepping them one unit at a time (the units without a gradient are skipped by ``step()``) gives the
-same weights while bounding both extras by the largest unit: DeepSpeed's ``sub_group_size``, with
-the unit as the group. Any other optimizer (one that reads across parameters, or one we cannot
-vouch for) is stepped once over all masters.
+much again. Element-wise optimizers update each parameter from its own gradient and state alone, so
+stepping torch's one unit at a time (the units without a gradient are skipped by ``step()``) gives
+the same weights while bounding both extras by the largest unit: DeepSpeed's ``sub_group_size``,
+with the unit as the group. A user's own element-wise optimizer (``elementwise = True`` on its
+class: we cannot vouch for its ``step``) is stepped once over all masters.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from zeropp.errors import ConfigError
 from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
@@ -25,7 +33,8 @@ if TYPE_CHECKING:
     from zeropp.zero.offload.disk_params import ParamFiles
     from zeropp.zero.unit import FlatUnit
 
-PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+# torch's element-wise optimizers, the classes themselves (a subclass may read more in its own step)
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -36,16 +45,35 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
     torch.optim.RMSprop,
     torch.optim.Rprop,
-    torch.optim.Adafactor,
+    torch.optim.ASGD,
 )
 
 Unit = TypeVar("Unit")
 
 
+def is_elementwise(cls: type) -> bool:
+    """Whether optimizer class `cls` is exact on flat shards: one of :data:`ELEMENTWISE_OPTIMIZERS`, or
+    marked ``elementwise = True`` by its author."""
+    return cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, "elementwise", False) is True
+
+
+def refuse_shape_aware(cls: type) -> None:
+    """One line for an optimizer class that is not element-wise (:func:`is_elementwise`)."""
+    if not is_elementwise(cls):
+        name = cls.__name__ if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__qualname__}"
+        allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ConfigError(
+            f"optimizer {name} is not element-wise: zeropp steps flat shards of parameters, where an optimizer "
+            f"that reads a parameter's shape or norm would train wrong; use one of torch.optim's {allowed}, "
+            "or set elementwise = True on your own optimizer's class if each element's update reads that "
+            "element's gradient and state alone"
+        )
+
+
 def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is one of torch's per-parameter optimizers itself (a subclass may read
-    across parameters in its own ``step``)."""
-    return type(optimizer) in PER_PARAMETER_OPTIMIZERS
+    """Whether `optimizer` is one of torch's element-wise optimizers itself, whose ``step`` we know
+    steps the masters it is given and no others."""
+    return type(optimizer) in ELEMENTWISE_OPTIMIZERS
 
 
 def step_batches(optimizer: torch.optim.Optimizer, units: Sequence[Unit]) -> list[Sequence[Unit]]:
