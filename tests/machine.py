@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -24,9 +26,22 @@ def cpu_model() -> str:
 
 
 def mkldnn_precisions() -> list[str]:
-    """The low precisions torch's oneDNN (mkldnn) kernels support on this CPU."""
-    checks = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}
-    return [name for name, supported in checks.items() if supported()]
+    """The low precisions torch's oneDNN (mkldnn) kernels support on this CPU (none in a build without it)."""
+    checks = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}
+    found = []
+    for name, check in checks.items():
+        with contextlib.suppress(Exception):
+            if getattr(torch.ops.mkldnn, check)():
+                found.append(name)
+    return found
+
+
+def compiler_missing() -> str | None:
+    """Why nothing here compiles C++ (torch.compile's CPU code, DeepSpeed's CPU ops), None where it can."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    if any(shutil.which(name) for name in names):
+        return None
+    return f"no C++ compiler ({' or '.join(names)}) on this machine"
 
 
 def deepspeed_cpu_precisions() -> list[str] | None:
@@ -47,7 +62,10 @@ def deepspeed_cpu_precisions() -> list[str] | None:
 
 @cache
 def deepspeed_cpu_refuses(precision: str) -> str | None:
-    """Why DeepSpeed cannot train in `precision` on this CPU (None: it can)."""
+    """Why DeepSpeed cannot train in `precision` on this CPU (None: it can). Its CPU accelerator
+    compiles a shared-memory op when it starts torch.distributed, so it needs a C++ compiler too."""
+    if missing := compiler_missing():
+        return f"DeepSpeed compiles its CPU communication op: {missing}"
     supported = deepspeed_cpu_precisions()
     if supported is None or precision in supported:
         return None
@@ -55,7 +73,10 @@ def deepspeed_cpu_refuses(precision: str) -> str | None:
 
 
 def report_header() -> list[str]:
-    deepspeed = deepspeed_cpu_precisions()
+    try:
+        deepspeed = deepspeed_cpu_precisions()
+    except Exception as error:  # a DeepSpeed that does not import beside this torch: say so, run the rest
+        deepspeed = [f"unavailable ({type(error).__name__}: {str(error).splitlines()[0][:120]})"]
     return [
         f"cpu: {cpu_model()}, {torch.get_num_threads()} torch threads; oneDNN low precisions: "
         f"{', '.join(mkldnn_precisions()) or 'none'}",

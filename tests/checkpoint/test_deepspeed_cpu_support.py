@@ -4,12 +4,14 @@ ones as skipped with DeepSpeed's reason, instead of erroring the whole module.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's import picks and caches an accelerator
 pytest.importorskip("deepspeed")
 
 TESTS = Path(__file__).resolve().parents[1]

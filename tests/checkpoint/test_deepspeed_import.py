@@ -23,6 +23,7 @@ from launcher import run_ranks
 from machine import deepspeed_cpu_refuses
 from models import ADAM_EPS, TOLERANCE, global_batch, loss_of, make_model, rows
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's import picks and caches an accelerator
 pytest.importorskip("deepspeed")
 
 LR = 3e-3

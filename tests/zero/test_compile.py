@@ -6,9 +6,16 @@ so the weights are not compared."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from launcher import run_ranks
+from machine import compiler_missing
 from models import global_batch, loss_of, make_model, rows
+
+# torch.compile's CPU code is C++ that inductor compiles on the spot
+pytestmark = pytest.mark.skipif(
+    compiler_missing() is not None, reason=f"torch.compile on the CPU: {compiler_missing()}"
+)
 
 STEPS = 3
 TOLERANCE = 1e-5
