@@ -11,7 +11,7 @@ Usage (one process per rank, under torchrun)::
 
 The engine is the user API: construction, ``__call__``, ``backward``, ``step`` and the state dicts.
 What happens to the units during forward and backward (hooks, prefetch, reductions) is the
-runtime's (:mod:`zeropp.runtime`); the per-parameter state layout is :mod:`zeropp.checkpoint.layout`'s.
+runtime's (:mod:`zeropp.runtime`); the per-parameter state is :mod:`zeropp.checkpoint.per_parameter`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from zeropp.checkpoint import layout
+from zeropp.checkpoint import per_parameter
 from zeropp.comm import quantized
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
@@ -445,12 +445,12 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
-    # -- state (per-parameter, sharding-independent: zeropp.checkpoint.layout) --------------------------------
+    # -- state (per-parameter, sharding-independent: zeropp.checkpoint.per_parameter) --------------------------------
 
     @functools.cached_property
-    def layout_mesh(self) -> layout.LayoutMesh:
-        """The ranks as the (tensor-parallel x data-parallel) mesh of the state layout (built once, on first use)."""
-        return layout.LayoutMesh(self.topology)
+    def checkpoint_mesh(self) -> per_parameter.CheckpointMesh:
+        """The ranks as the (tensor-parallel x data-parallel) mesh the per-parameter state is cut over (built once, on first use)."""
+        return per_parameter.CheckpointMesh(self.topology)
 
     def sharded_state_dict(self, frozen: bool = True) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective).
@@ -458,25 +458,25 @@ class ZeroEngine:
         Without `frozen`, the units' frozen parameters (stage 3) are left out rather than gathered."""
         copies = self.disk is not None and not self.disk.is_resident
         with self.states_resident():
-            state = layout.sharded_state_dict(self.units, self.optimizer, self.module, self.layout_mesh, frozen)
+            state = per_parameter.sharded_state_dict(self.units, self.optimizer, self.module, self.checkpoint_mesh, frozen)
             return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
-        """Empty tensors in the layout of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
+        """Empty tensors in the form of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
         maps each optimizer state key to (per-element, dtype)."""
-        return layout.sharded_state_template(self.units, self.module, self.layout_mesh, optimizer_keys)
+        return per_parameter.sharded_state_template(self.units, self.module, self.checkpoint_mesh, optimizer_keys)
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
         with self.states_resident(changes=True):
-            layout.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
+            per_parameter.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
         with self.comm.in_phase("other"):  # tensor-parallel pieces are gathered by DTensor
             with self.states_resident():
-                return layout.full_state_dict(self.units, self.module)
+                return per_parameter.full_state_dict(self.units, self.module)
 
     # See [Note: MD arenas]: with MD the gradient arena counts whole
     def model_state_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """Saved training states ("checkpoints"; activation checkpointing lives in :mod:`zeropp.runtime`).
 
-- :mod:`~zeropp.checkpoint.layout`: the per-parameter, mesh-independent layout of a saved state
+- :mod:`~zeropp.checkpoint.per_parameter`: a saved state as per-parameter tensors, independent of the mesh
   (sharded state dict, load template, full state dict) that checkpoints, ``full_state_dict`` and
   export share;
 - :mod:`~zeropp.checkpoint.dcp`: DCP sharded checkpoints on top of it: save, atomic publish,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp.checkpoint.layout import CheckpointError, fixed_tensors
+from zeropp.checkpoint.per_parameter import CheckpointError, fixed_tensors
 from zeropp.checkpoint.pretrained import PretrainedError, base_name, open_safetensors, weight_files
 from zeropp.zero.precision import DTYPES
 from zeropp.zero.unit import FlatUnit

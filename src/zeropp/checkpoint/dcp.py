@@ -5,8 +5,8 @@ A checkpoint is a directory ``step-00000120`` holding
 
 - DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) holding the engine's
   :meth:`~zeropp.engine.ZeroEngine.sharded_state_dict` (``model.<name>``, ``optim.<name>.<key>``,
-  ``fixed.<name>``: whole-shaped tensors, a layout that does not depend on how the run was
-  sharded, see :mod:`zeropp.checkpoint.layout`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
+  ``fixed.<name>``: whole-shaped tensors, a form that does not depend on how the run was
+  sharded, see :mod:`zeropp.checkpoint.per_parameter`; each rank writes its blocks) and ``rng.rank<r>``, each rank's
   CPU RNG state (and on CUDA ``rng.cuda.rank<r>``, its device's: dropout draws from it there),
   restored where the world size matches (a rank's stream is its own); a state the checkpoint lacks
   (saved on CPU, loaded on CUDA) leaves that generator as it is.
@@ -53,9 +53,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from zeropp.checkpoint import adapters, changes, layout
+from zeropp.checkpoint import adapters, changes, per_parameter
 from zeropp.checkpoint.failures import reason, write_failure
-from zeropp.checkpoint.layout import CheckpointError, LayoutError
+from zeropp.checkpoint.per_parameter import CheckpointError, UnsavableStateError
 from zeropp.comm.feedback import HOPS
 
 if TYPE_CHECKING:
@@ -213,11 +213,11 @@ def _refuse_non_finite(engine: ZeroEngine, final: Path) -> None:
 def _state_to_save(engine: ZeroEngine, base: dict[str, Any] | None = None) -> dict[str, Any]:
     try:
         saved = engine.sharded_state_dict(frozen=base is None)  # a referenced base is not gathered
-    except LayoutError as error:
+    except UnsavableStateError as error:
         raise CheckpointError(str(error)) from None
     # See [Note: a frozen base by reference] (docs/design.md)
     for name in base["params"] if base else ():  # referenced, not copied
-        saved.pop(layout.fixed_key(name), None)
+        saved.pop(per_parameter.fixed_key(name), None)
     saved.update(_rng_states(engine))
     saved.update(_residuals(engine))
     return saved
@@ -279,15 +279,15 @@ def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str
 def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str, Any]:
     """zeropp.json's description of the engine; `referenced`: frozen parameters left out of ``fixed``."""
     optimizer = engine.optimizer
-    fixed = layout.fixed_shapes(engine.units, engine.module)
+    fixed = per_parameter.fixed_shapes(engine.units, engine.module)
     return {
         "world_size": engine.topology.world_size,
         "nodes": engine.topology.nodes,
         "tensor_parallel_size": engine.topology.tensor_parallel.size,
         "stage": engine.config.stage,
-        "params": layout.parameter_shapes(engine.units),
+        "params": per_parameter.parameter_shapes(engine.units),
         "fixed": {name: shape for name, shape in fixed.items() if name not in referenced},
-        "aliases": layout.tied_aliases(engine.units, engine.module),
+        "aliases": per_parameter.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
@@ -323,12 +323,12 @@ def load_checkpoint(
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     optimizer_keys = {}
     for key, entry in saved.items():
-        name = layout.optimizer_state_name(key)
+        name = per_parameter.optimizer_state_name(key)
         if name is not None:
             optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
     wanted = engine.sharded_state_template(optimizer_keys)
     for name in referenced:  # the engine's own frozen parameters are the checkpoint's base (checked above)
-        del wanted[layout.fixed_key(name)]
+        del wanted[per_parameter.fixed_key(name)]
     rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
     if meta["world_size"] == engine.topology.world_size:  # a rank's stream belongs to its rank
         wanted.update(rng)
@@ -430,9 +430,9 @@ def consolidated_state(
     meta = read_meta(path)
     verify_files(path, meta)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    masters = {key: _empty_like_saved(keys[key]) for key in map(layout.model_key, meta["params"])}
+    masters = {key: _empty_like_saved(keys[key]) for key in map(per_parameter.model_key, meta["params"])}
     fixed_names = [] if trained_only else meta["fixed"]
-    fixed = {key: _empty_like_saved(keys[key]) for key in map(layout.fixed_key, fixed_names)}
+    fixed = {key: _empty_like_saved(keys[key]) for key in map(per_parameter.fixed_key, fixed_names)}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.simplefilter("ignore", UserWarning)
@@ -440,13 +440,13 @@ def consolidated_state(
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"could not read checkpoint {str(path)!r}: {reason(error)}") from None
     # whole-shaped (0-d parameters as one element; the older format flattened every parameter)
-    tensors = {name: masters[layout.model_key(name)].view(shape) for name, shape in meta["params"].items()}
+    tensors = {name: masters[per_parameter.model_key(name)].view(shape) for name, shape in meta["params"].items()}
     if trained_only:
         return meta, tensors
     for alias, name in meta["aliases"].items():
         tensors[alias] = tensors[name].clone()  # safetensors stores no shared tensors
     for name in fixed_names:
-        value = fixed[layout.fixed_key(name)]
+        value = fixed[per_parameter.fixed_key(name)]
         tensors[name] = value.float() if value.is_floating_point() else value
     if "frozen_base" in meta:
         tensors.update(adapters.read_base(meta))

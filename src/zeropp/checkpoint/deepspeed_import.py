@@ -1,8 +1,8 @@
 """A DeepSpeed ZeRO checkpoint written as a zeropp checkpoint (``zeropp import-deepspeed``).
 
 The DeepSpeed files are read whole in one process (:mod:`~zeropp.checkpoint.deepspeed_files`) and
-written with DCP's single-process save in the layout every zeropp checkpoint has
-(:mod:`~zeropp.checkpoint.layout`): ``model.<name>`` (fp32 masters), ``optim.<name>.<key>`` (the
+written with DCP's single-process save in the per-parameter form every zeropp checkpoint has
+(:mod:`~zeropp.checkpoint.per_parameter`): ``model.<name>`` (fp32 masters), ``optim.<name>.<key>`` (the
 optimizer's states), ``fixed.<name>`` (buffers, frozen parameters), then zeropp.json. So
 ``zeropp train --resume`` loads it on any world size and stage, and ``zeropp export`` consolidates it.
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
-from zeropp.checkpoint import layout
+from zeropp.checkpoint import per_parameter
 from zeropp.checkpoint.dcp import FORMAT, CheckpointError, check_writable, checkpoint_name, jsonable, publish
 from zeropp.checkpoint.deepspeed_files import DeepSpeedCheckpointError, DeepSpeedState, read_checkpoint
 
@@ -92,13 +92,13 @@ def import_deepspeed(source: str | Path, out_dir: str | Path) -> Imported:
 
 
 def _tensors(state: DeepSpeedState) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors in zeropp's layout (a 0-d parameter as one element)."""
+    """The checkpoint's tensors in zeropp's per-parameter form (a 0-d parameter as one element)."""
     tensors = {}
     for name, master in state.masters.items():
-        tensors[layout.model_key(name)] = master.float().reshape(master.shape or (1,))
+        tensors[per_parameter.model_key(name)] = master.float().reshape(master.shape or (1,))
         for key, value in state.optimizer_state[name].items():
-            tensors[layout.optim_key(name, key)] = value.reshape(master.shape or (1,)) if value.dim() else value
-    tensors.update({layout.fixed_key(name): t for name, t in state.fixed.items()})
+            tensors[per_parameter.optim_key(name, key)] = value.reshape(master.shape or (1,)) if value.dim() else value
+    tensors.update({per_parameter.fixed_key(name): t for name, t in state.fixed.items()})
     return tensors
 
 

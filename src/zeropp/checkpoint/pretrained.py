@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from zeropp.checkpoint import layout as state
+from zeropp.checkpoint import per_parameter as state
 from zeropp.errors import ZeroppError
 from zeropp.index.flat import FlatLayout
 from zeropp.zero.weights.dtensor_params import blocks

@@ -1,10 +1,10 @@
 """The engine's training state as per-parameter tensors, independent of how it is sharded.
 
-One layout serves checkpoints (save, load on any world size, node count or stage), the
+One form serves checkpoints (save, load on any world size, node count or stage), the
 consolidated ``full_state_dict`` and export. Keys:
 
 - ``model.<name>``: the fp32 master of parameter <name>, a DTensor of the parameter's whole shape
-  (a 0-d parameter as one element) on :class:`LayoutMesh`: each rank holds its piece;
+  (a 0-d parameter as one element) on :class:`CheckpointMesh`: each rank holds its piece;
 - ``optim.<name>.<key>``: the optimizer's per-element state of that parameter the same way, and
   its scalar states (Adam's ``step``) whole on every rank;
 - ``fixed.<name>``: what the optimizer does not touch, whole: buffers and frozen parameters (at
@@ -67,11 +67,11 @@ class CheckpointError(ZeroppError, RuntimeError):
     """A checkpoint cannot be written or read. The message is one line and says what to do."""
 
 
-class LayoutError(ZeroppError, RuntimeError):
-    """The optimizer keeps state this layout cannot express. One line."""
+class UnsavableStateError(ZeroppError, RuntimeError):
+    """The optimizer keeps state this per-parameter form cannot express. One line."""
 
 
-class LayoutMesh:
+class CheckpointMesh:
     """Every rank as the mesh a parameter's state is cut over: the tensor-parallel dimension first,
     then the data-parallel one (so a rank's rows are rows of its tensor-parallel piece). A dimension
     of one rank is left out (it has no process group); one rank alone is a mesh of one."""
@@ -130,7 +130,7 @@ def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> N
 
 
 def sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: LayoutMesh, frozen: bool = True
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: CheckpointMesh, frozen: bool = True
 ) -> dict[str, Any]:
     """The state in the layout above (collective: gathers one unit's flat buffers at a time); without
     `frozen`, the units' frozen parameters are left out."""
@@ -146,7 +146,7 @@ def sharded_state_dict(
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
                 state.update({optim_key(name, key): value.clone() for name in unit.names})
             else:
-                raise LayoutError(
+                raise UnsavableStateError(
                     f"optimizer state {key!r} of {type(optimizer).__name__} is neither per-element "
                     "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
                 )
@@ -157,7 +157,7 @@ def sharded_state_dict(
 def sharded_state_template(
     units: list[FlatUnit],
     module: nn.Module,
-    mesh: LayoutMesh,
+    mesh: CheckpointMesh,
     optimizer_keys: Mapping[str, tuple[bool, torch.dtype]],
 ) -> dict[str, Any]:
     """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own, or
