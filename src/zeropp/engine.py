@@ -93,9 +93,7 @@ class ZeroEngine:
             raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
         # a factory's class from a probe on one stand-in parameter, before any collective
         refuse_shape_aware(optimizer if is_class else type(optimizer([nn.Parameter(torch.zeros(1))])))
-        low = [
-            f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"
-        ]
+        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
         if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
             optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0]), False
@@ -243,15 +241,8 @@ class ZeroEngine:
             )
             unit = (
                 FlatUnit(
-                    module,
-                    params,
-                    self.comm,
-                    self.groups,
-                    self.policy,
-                    options,
-                    broadcast_initial=not meta,
-                    initial_flat=flat,
-                    name=names.get(id(module), ""),
+                    module, params, self.comm, self.groups, self.policy, options,
+                    broadcast_initial=not meta, initial_flat=flat, name=names.get(id(module), ""),
                 )  # fmt: skip
                 if params
                 else None
@@ -338,9 +329,7 @@ class ZeroEngine:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
-                step_units(
-                    self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk
-                )
+                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
