@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from zeropp.tools.bench.gpu.check import junit_counts
+from zeropp.tools.bench.gpu.check import SRC, TESTS, junit_counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -53,3 +53,8 @@ def test_the_pytest_report_is_counted(tmp_path):
         '</testcase><testcase classname="t" name="off"><skipped/></testcase></testsuite></testsuites>'
     )
     assert junit_counts(xml) == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1, "failures": ["t::bad"]}
+
+
+def test_stage_a_finds_the_checkouts_tests_and_its_ranks_find_zeropp():
+    assert (SRC / "zeropp" / "__init__.py").is_file()
+    assert (TESTS / "conftest.py").is_file()

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+import zeropp
 from zeropp.tools.bench.gpu.report import markdown, summary
 
 STAGES = {
@@ -46,7 +47,7 @@ STAGES = {
     "f": ("offload copy overlap", 90),
 }  # stage: (what, seconds it may take at most)
 BUDGET_S = 460  # the whole run, start-up included, stays under 8 minutes
-SRC = Path(__file__).resolve().parents[3]  # the folder holding the zeropp package
+SRC = Path(zeropp.__file__).resolve().parents[1]  # the folder holding the zeropp package
 TESTS = SRC.parent / "tests"
 
 

@@ -171,7 +171,20 @@ def _formula(psi: int, world: int, unit_numel: int, prefetch: int, config: GPTCo
             "activation_checkpoints": acts.checkpoint_bytes(tp=1, element_bytes=2)}  # fmt: skip
 
 
-def memory_rank(topology: Any, config: GPTConfig, batch: int, optimizer: dict | None = None) -> dict[str, Any]:
+def _backend_staging(backend: str, world: int, unit_numel: int) -> dict[str, float]:
+    """gloo on CUDA tensors copies each reduction's input to the host side before it reduces: one unit's
+    bf16 gradient for each reduction in flight, allocated inside the collective call (seen in the CUDA
+    allocator's history at stage c's world-2 peak, 2026-11-26). NCCL reduces in place; it adds nothing."""
+    from zeropp.runtime.reductions import MAX_IN_FLIGHT
+
+    if backend != "gloo" or world == 1:
+        return {}
+    return {"gloo_reduction_copies": MAX_IN_FLIGHT * unit_numel * 2}
+
+
+def memory_rank(
+    topology: Any, config: GPTConfig, batch: int, optimizer: dict | None = None, collective_backend: str = "nccl"
+) -> dict[str, Any]:
     """Peak allocated bytes after construction and during the second step (stage 3, bf16, AC), the
     step's peak split at ``engine.step()``: forward + backward, then the optimizer step (with
     `optimizer`'s AdamW options, e.g. ``fused``), and what is allocated when the step starts."""
@@ -209,6 +222,8 @@ def memory_rank(topology: Any, config: GPTConfig, batch: int, optimizer: dict | 
                  "optimizer_step_peak_bytes": step_peak}  # fmt: skip
     unit = max(u.layout.numel for u in engine.units)
     formula = _formula(engine.param_count, topology.world_size, unit, zero.prefetch, config, batch)
+    if cuda:
+        formula |= _backend_staging(collective_backend, topology.world_size, unit)
     bound = sum(formula.values())
     result = {"psi": engine.param_count, "constructed_bytes": built, "step_peak_bytes": peaks[-1], **split,
               "formula_bytes": bound, "formula": formula, "ratio": peaks[-1] / bound if cuda else None}  # fmt: skip
@@ -228,7 +243,7 @@ def stage_c(device_kind: str, sizes: Sizes, budget: Callable[[], float], world2_
             continue
         try:
             ranks = launch(memory_rank, world, backend, device_kind, budget(), config=sizes.memory,
-                           batch=sizes.memory_batch, optimizer=optimizer)  # fmt: skip
+                           batch=sizes.memory_batch, optimizer=optimizer, collective_backend=backend)  # fmt: skip
             yield f"world{world}{label}", {"backend": backend, "bound": "step peak <= 1.1 x formula", **ranks[0],
                                            "ranks_step_peak_bytes": [r["step_peak_bytes"] for r in ranks]}  # fmt: skip
         except RuntimeError as error:

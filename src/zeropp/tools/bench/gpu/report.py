@@ -69,7 +69,8 @@ def _memory(results: dict[str, Any]) -> list[str]:
     return _table(header, rows) + [
         "",
         "formula: 16Ψ/N + 2 units gathered (bf16) + 3 units' whole gradients (world > 1: the unit in backward, two in "
-        "reduction) + activation checkpoints (zeropp.costs.memory)",
+        "reduction) + activation checkpoints (zeropp.costs.memory); on gloo at world > 1, + gloo's copy of each "
+        "reduction's input (two in flight)",
     ]
 
 
