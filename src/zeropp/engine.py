@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,30 +45,31 @@ from zeropp.runtime.activation_checkpointing import (
     kv_cache_configs,
     kv_cache_off,
 )
+from zeropp.runtime.compiled import compile_units
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
 from zeropp.zero.fingerprint import check_same_model
-from zeropp.zero.grouping import group_parameters, innermost_units, refuse_expert_units, repeated_blocks
+from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated_blocks
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.optim.low_precision_adam import low_precision_adam
-from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, refuse_shape_aware, step_units
+from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
+from zeropp.zero.optim.spec import OptimizerFactory, read_optimizer
+from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.unit import FlatUnit
 from zeropp.zero.weights.dtensor_params import is_split
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
 
 class ZeroEngine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: type[torch.optim.Optimizer] | OptimizerFactory,
+        optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | list[torch.optim.Optimizer] | OptimizerFactory,
         optimizer_kwargs: dict[str, Any] | None = None,
         config: ZeroConfig | None = None,
         topology: Topology | None = None,
@@ -78,7 +79,8 @@ class ZeroEngine:
         init_fn: InitFn | None = None,
         seed: int = 0,
     ) -> None:
-        """Wrap `model` (built for real, or on the meta device) and build the optimizer on its shards.
+        """Wrap `model` (built for real, or on the meta device) and build the optimizer on its shards: a class
+        and `optimizer_kwargs`, a factory, or optimizers built on the model (:mod:`zeropp.zero.optim.spec`).
 
         The model is brought onto the ranks one unit at a time (:mod:`zeropp.zero.materialize`): a
         meta-device model is initialized unit by unit under per-unit seeds derived from `seed`
@@ -88,17 +90,13 @@ class ZeroEngine:
 
         self.config = config or ZeroConfig()
         self.config.validate()
-        is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
-        if optimizer_kwargs and not is_class:
-            raise ConfigError("optimizer_kwargs given with an optimizer factory; pass them to one or the other")
-        # a factory's class from a probe on one stand-in parameter, before any collective
-        refuse_shape_aware(optimizer if is_class else type(optimizer([nn.Parameter(torch.zeros(1))])))
+        spec = self.optimizer_spec = read_optimizer(optimizer, optimizer_kwargs, model)  # before any collective
         low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
         if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
-            optimizer, is_class = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0]), False
-            optimizer_kwargs = None
+            spec.factory = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0])
         self.topology = topology or init_topology()
+        refuse_whole_with(spec, self.config, self.topology)
         self.comm = Communicator(self.topology, ledger)
         if self.config.flight_record_dir is not None:  # See [Note: collective sequences]
             self.comm.trace.folder = Path(self.config.flight_record_dir)
@@ -125,13 +123,15 @@ class ZeroEngine:
         for tier in (t for t in (self.disk, self.param_disk) if t is not None):
             weakref.finalize(self, tier.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
-        masters = [unit.master for unit in self.units]
-        self.optimizer = optimizer(masters, **(optimizer_kwargs or {})) if is_class else optimizer(masters)
+        # See [Note: the whole-parameter step]
+        self.whole = WholeParameterStep(self.units, self.comm, spec, self.topology.rank) if spec.whole else None
+        self.optimizer = self.whole.optimizers[0] if self.whole else spec.factory([u.master for u in self.units])
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
-        self.states = StateOffloader(self.units, self.optimizer, self.topology.device)
+        optimizers, masters = (self.whole.optimizers, self.whole.masters()) if self.whole else ([self.optimizer], [])
+        self.states = StateOffloader(self.units, optimizers, self.topology.device, masters)
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -329,7 +329,11 @@ class ZeroEngine:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
-                step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
+                if self.whole is not None:
+                    self.whole.step(self.scaler, coefficient)
+                else:
+                    self.optimizer_spec.parts[0].follow_source(self.optimizer)  # the user's scheduler's rate
+                    step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -447,8 +451,15 @@ class ZeroEngine:
         Without `frozen`, the units' frozen parameters (stage 3) are left out rather than gathered."""
         copies = self.disk is not None and not self.disk.is_resident
         with self.states_resident():
-            state = per_parameter.sharded_state_dict(self.units, self.optimizer, self.module, self.checkpoint_mesh, frozen)
+            state = per_parameter.sharded_state_dict(self.units, self._flat_optimizer, self.module, self.checkpoint_mesh, frozen)
             return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
+
+    @property
+    def _flat_optimizer(self) -> torch.optim.Optimizer:
+        if self.whole is not None:  # per-parameter state saves the masters' state; owners keep theirs whole
+            raise ConfigError(f"checkpoints of {self.optimizer_spec.described} on the whole-parameter path are "
+                              "not built yet; save the weights with engine.full_state_dict()")  # fmt: skip
+        return self.optimizer
 
     def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the form of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
@@ -459,7 +470,7 @@ class ZeroEngine:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
         with self.states_resident(changes=True):
-            per_parameter.load_sharded_state_dict(self.units, self.optimizer, self.module, sharded)
+            per_parameter.load_sharded_state_dict(self.units, self._flat_optimizer, self.module, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""
@@ -471,6 +482,8 @@ class ZeroEngine:
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""
         tensors = [t for unit in self.units for t in unit.state_tensors()]
+        if self.whole is not None:
+            tensors.extend(self.whole.state_tensors())
         for per_param in self.optimizer.state.values():
             tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         seen, total = set(), 0
@@ -485,11 +498,3 @@ class ZeroEngine:
     def param_count(self) -> int:
         return sum(unit.layout.numel for unit in self.units)
 
-
-def compile_units(units: Sequence[FlatUnit]) -> None:
-    """``torch.compile`` the forward of every unit that calls no other unit (the blocks: per block, as
-    FSDP2 recommends). Only ``forward`` is replaced, so ``nn.Module.__call__`` still runs the hooks
-    that gather and reshard eagerly around it, and the compiled code sees gathered parameters only.
-    A unit that contains others (the root) stays eager: its forward calls the hooked units."""
-    for unit in innermost_units(list(units)):
-        unit.module.forward = torch.compile(unit.module.forward)

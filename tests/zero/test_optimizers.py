@@ -1,7 +1,7 @@
 """Which optimizers train on the flat shards: torch's element-wise ones and a user's own marked
-``elementwise = True`` train to the weights of one process; one that reads a parameter's shape or
-norm (Adafactor, Muon, ...) is refused in one line before anything starts, never trained silently
-wrong on the shards."""
+``elementwise = True`` train there to the weights of one process; one that reads a parameter's shape
+or norm (Adafactor, Muon, ...) steps whole parameters instead (tests/zero/test_whole_parameter_step.py),
+never trained silently wrong on the shards."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from launcher import run_ranks
 from models import STEPS, TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
 
-from zeropp.errors import ConfigError
-from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, is_elementwise, refuse_shape_aware
+from zeropp.zero.optim.spec import read_optimizer
+from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, is_elementwise
 
 
 class SignDescent(torch.optim.Optimizer):
@@ -34,38 +34,24 @@ class NormalizedAdamW(torch.optim.AdamW):
     """A subclass whose step reads each parameter's norm: zeropp cannot tell it from AdamW by its base."""
 
 
-SHAPE_AWARE = [torch.optim.Adafactor, torch.optim.Muon, torch.optim.LBFGS, torch.optim.SparseAdam, NormalizedAdamW]
+SHAPE_AWARE = [torch.optim.Adafactor, torch.optim.Muon, NormalizedAdamW]
 
 
 @pytest.mark.parametrize("cls", SHAPE_AWARE, ids=lambda c: c.__name__)
-def test_an_optimizer_that_is_not_elementwise_is_refused_in_one_line(cls):
-    with pytest.raises(ConfigError) as refused:
-        refuse_shape_aware(cls)
-    message = str(refused.value)
-    assert "\n" not in message and message.startswith("optimizer ") and cls.__name__ in message.split()[1]
-    assert "is not element-wise" in message and "AdamW" in message and "elementwise = True" in message
+@pytest.mark.parametrize("form", ["class", "factory"])
+def test_an_optimizer_that_is_not_elementwise_steps_whole_parameters(cls, form):
+    model = make_model("gpt")
+    given, kwargs = (cls, {"lr": 1e-2}) if form == "class" else (lambda ps: cls(ps, lr=1e-2), None)
+    spec = read_optimizer(given, kwargs, model)
+    assert spec.whole and spec.factory is None and spec.parts[0].cls is cls
+    assert spec.parts[0].hyperparameters[0]["lr"] == 1e-2
 
 
 def test_torch_elementwise_optimizers_and_a_marked_one_are_accepted():
     assert all(is_elementwise(cls) for cls in (*ELEMENTWISE_OPTIMIZERS, SignDescent))
     assert not is_elementwise(NormalizedAdamW)
-    refuse_shape_aware(SignDescent)  # no error
-
-
-def _no_collective(*args, **kwargs):
-    raise AssertionError("a process group was started before the optimizer was checked")
-
-
-@pytest.mark.parametrize("form", ["class", "factory"])
-def test_the_engine_refuses_adafactor_before_any_process_group(form, monkeypatch):
-    from zeropp import ZeroConfig, ZeroEngine
-
-    monkeypatch.setattr(torch.distributed, "init_process_group", _no_collective)
-    optimizer, kwargs = (
-        (torch.optim.Adafactor, {"lr": 1e-2}) if form == "class" else (lambda ps: torch.optim.Adafactor(ps), None)
-    )
-    with pytest.raises(ConfigError, match=r"^optimizer Adafactor is not element-wise"):
-        ZeroEngine(make_model("gpt"), optimizer, kwargs, ZeroConfig(stage=3))
+    model = make_model("gpt")
+    assert not read_optimizer(SignDescent, {"lr": 1e-3}, model).whole
 
 
 OPTIMIZERS = {

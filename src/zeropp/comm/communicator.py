@@ -290,6 +290,24 @@ class Communicator:
         work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
         return self._done(Pending([work], issued=issued), async_op)
 
+    def exchange(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, out_counts: list[int], in_counts: list[int],
+        *, label: str, plan_numel: int,
+    ) -> None:  # fmt: skip
+        """An all-to-all of uneven pieces: the next `in_counts[j]` elements of `inp` go to group rank j,
+        `out_counts[i]` elements of `out` come from group rank i. `label`: the ledger's op; `plan_numel`:
+        the elements the whole group moves (the same on every rank: the collective's trace entry)."""
+        if group.size == 1:
+            out.copy_(inp)
+            return
+        here, me, size = self.topology.node_of(self.topology.rank), self.topology.rank, inp.element_size()
+        sent = [(r, count * size) for r, count in zip(group.ranks, in_counts, strict=True) if r != me]
+        inter = sum(b for r, b in sent if self.topology.node_of(r) != here)
+        self.ledger.record(label, sum(b for _, b in sent) - inter, inter)
+        issued = self._issue(label, group, plan_numel * size)
+        work = dist.all_to_all_single(out, inp, out_counts, in_counts, group=group.pg, async_op=True)
+        self._done(Pending([work], issued=issued), async_op=False)
+
     def barrier(self, group: Group) -> None:
         """Wait until every rank of the group has arrived (no payload: a call, 0 bytes)."""
         self.ledger.record("barrier", 0, 0)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from zeropp.errors import ConfigError
 from zeropp.zero.unit import FlatUnit
@@ -54,10 +55,14 @@ class _Slot:
 
 
 class StateOffloader:
-    """Moves the states of `units` and `optimizer` between `device` and host memory."""
+    """Moves the states of `units` and `optimizers` (and the whole-parameter path's `masters`) between
+    `device` and host memory."""
 
-    def __init__(self, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.units, self.optimizer, self.device = list(units), optimizer, device
+    def __init__(
+        self, units: Sequence[FlatUnit], optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+        masters: Sequence[nn.Parameter] = (),
+    ) -> None:  # fmt: skip
+        self.units, self.optimizers, self.device, self.masters = list(units), list(optimizers), device, list(masters)
         self.offloaded: list[_Slot] | None = None  # None: no offload in effect
 
     def offload(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
@@ -106,15 +111,19 @@ class StateOffloader:
             on_host = unit.options.master_device is not None  # ZeRO-Offload: master and optimizer state
             if "master" in include and not on_host and not _is_compute_weights(unit):
                 yield _Slot("master", lambda u=unit: u.master.data, lambda t, u=unit: setattr(u.master, "data", t))
-            state = self.optimizer.state.get(unit.master, {}) if "optimizer" in include and not on_host else {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    yield _Slot("optimizer", lambda s=state, k=key: s[k], lambda t, s=state, k=key: s.__setitem__(k, t))
             for name in ("grad_flat", "grad_shard") if "gradients" in include else ():
                 if getattr(unit, name) is not None:
                     yield _Slot(
                         "gradients", lambda u=unit, n=name: getattr(u, n), lambda t, u=unit, n=name: setattr(u, n, t)
                     )
+        for master in self.masters if "master" in include else ():
+            yield _Slot("master", lambda m=master: m.data, lambda t, m=master: setattr(m, "data", t))
+        # every state tensor of every optimizer: ZeRO-Offload's, on the host already, stay (offload's device test)
+        states = [s for o in self.optimizers for s in o.state.values()] if "optimizer" in include else []
+        for state in states:
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    yield _Slot("optimizer", lambda s=state, k=key: s[k], lambda t, s=state, k=key: s.__setitem__(k, t))
 
 
 def _is_compute_weights(unit: FlatUnit) -> bool:

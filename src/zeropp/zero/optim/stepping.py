@@ -5,8 +5,8 @@ A master is a unit's flat fp32 shard, pieces of several parameters end to end, s
 optimizer that updates every element from that element's own gradient and state alone (an
 element-wise one) computes on it what it computes on the parameters. One that reads a parameter's
 shape or norm (Adafactor's factored moments, Muon's orthogonalized matrices, LAMB's trust ratio)
-would train silently wrong on the shards: :func:`refuse_shape_aware` refuses it in one line, before
-anything starts.
+would train silently wrong on the shards: it steps whole parameters instead (See [Note: the
+whole-parameter step]).
 
 A step hands every master its fp32 gradient and runs the optimizer. Done for the whole shard at
 once, the step's peak holds an fp32 gradient of the whole shard (4 bytes per parameter over the
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from zeropp.errors import ConfigError
 from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
@@ -55,19 +54,6 @@ def is_elementwise(cls: type) -> bool:
     """Whether optimizer class `cls` is exact on flat shards: one of :data:`ELEMENTWISE_OPTIMIZERS`, or
     marked ``elementwise = True`` by its author."""
     return cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, "elementwise", False) is True
-
-
-def refuse_shape_aware(cls: type) -> None:
-    """One line for an optimizer class that is not element-wise (:func:`is_elementwise`)."""
-    if not is_elementwise(cls):
-        name = cls.__name__ if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__qualname__}"
-        allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ConfigError(
-            f"optimizer {name} is not element-wise: zeropp steps flat shards of parameters, where an optimizer "
-            f"that reads a parameter's shape or norm would train wrong; use one of torch.optim's {allowed}, "
-            "or set elementwise = True on your own optimizer's class if each element's update reads that "
-            "element's gradient and state alone"
-        )
 
 
 def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,0 +1,166 @@
+"""The whole-parameter step: any optimizer, stepped on whole parameters, exactly.
+
+See [Note: the whole-parameter step] (docs/design.md): each trainable parameter has an owner rank, which
+keeps its fp32 master whole and steps it with the user's optimizers; gradients go to the owners and
+updated parameters come back by two uneven all-to-alls a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zeropp.comm.communicator import Communicator
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
+from zeropp.topology import Group, Topology
+from zeropp.zero.optim.spec import OptimizerSpec
+from zeropp.zero.precision import LossScaler
+from zeropp.zero.unit import FlatUnit
+
+Key = tuple[int, int]  # (unit, parameter index in the unit)
+
+
+def balanced_owners(sizes: Sequence[int], ranks: int) -> list[int]:
+    """An owner rank for each size: largest first to the least loaded rank (ties: the lower index)."""
+    load, owners = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i], load[rank] = rank, load[rank] + sizes[i]
+    return owners
+
+
+class WholeParameterStep:
+    """Owners, whole masters and the user's optimizers over them (See [Note: the whole-parameter step])."""
+
+    def __init__(self, units: Sequence[FlatUnit], comm: Communicator, spec: OptimizerSpec, rank: int) -> None:
+        self.units, self.comm, self.spec = list(units), comm, spec
+        sharded = next((u for u in self.units if u.shard_world > 1), None)
+        self.group = sharded.groups.shard if sharded is not None else Group(None, (rank,), 0)
+        self.keys: list[Key] = [(k, i) for k, u in enumerate(self.units) for i in range(len(u.params))]
+        sizes = [self.units[k].layout.numels[i] for k, i in self.keys]
+        self.owner = dict(zip(self.keys, balanced_owners(sizes, self.group.size), strict=True))
+        self.mine = [key for key in self.keys if self.owner[key] == self.group.rank]
+        self.whole = {key: self._empty_master(key) for key in self.mine}
+        wholes = {key: w.data for key, w in self.whole.items()}
+        self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
+        by_param = {id(self.units[k].params[i]): self.whole[(k, i)] for k, i in self.mine}
+        every = [self.whole[key] for key in self.mine]
+        self.optimizers = [
+            part.cls(part.groups_over(lambda p: by_param.get(id(p)), every)) for part in spec.parts
+        ]  # fmt: skip
+
+    def _empty_master(self, key: Key) -> nn.Parameter:
+        unit, index = self.units[key[0]], key[1]
+        shape = unit.layout.shapes[index]
+        return nn.Parameter(torch.empty(shape, dtype=torch.float32, device=unit.master.device))
+
+    # -- the two directions of the exchange --------------------------------------------------------
+
+    def _piece(self, key: Key, rank: int) -> tuple[int, int]:
+        """[start, stop) of parameter `key` inside group rank `rank`'s shard, in the flat buffer (empty: start >= stop)."""
+        layout = self.units[key[0]].layout
+        a, b = layout.param_range(key[1])
+        s, e = layout.shard_range(rank) if self.units[key[0]].shard_world > 1 else (0, layout.padded_numel)
+        return max(a, s), min(b, e)
+
+    def _shard_start(self, key: Key) -> int:
+        unit = self.units[key[0]]
+        return unit.layout.shard_range(self.group.rank)[0] if unit.shard_world > 1 else 0
+
+    def _exchange(
+        self, to_owners: bool, shards: list[torch.Tensor], wholes: dict[Key, torch.Tensor], label: str
+    ) -> None:
+        """`to_owners`: this rank's pieces of `shards` (one flat shard per unit, aligned with its master)
+        go into the owners' `wholes` (one per owned parameter). Otherwise the other way round."""
+        n, me = self.group.size, self.group.rank
+        local = []  # (rank, key, flat range) in the order of the shard side's buffer
+        for dest in range(n):
+            local.extend((dest, key, self._piece(key, me)) for key in self.keys if self.owner[key] == dest)
+        remote = [(src, key, self._piece(key, src)) for src in range(n) for key in self.mine]
+        local = [(r, key, (a, b)) for r, key, (a, b) in local if a < b]
+        remote = [(r, key, (a, b)) for r, key, (a, b) in remote if a < b]
+        shard_counts, owner_counts = [0] * n, [0] * n
+        for r, _, (a, b) in local:
+            shard_counts[r] += b - a
+        for r, _, (a, b) in remote:
+            owner_counts[r] += b - a
+        plan_numel = sum(self.units[k].layout.numels[i] for k, i in self.keys)
+        device = self.units[0].master.device if self.units else torch.device("cpu")
+
+        def shard_view(key: Key, a: int, b: int) -> torch.Tensor:
+            start = self._shard_start(key)
+            return shards[key[0]][a - start : b - start]
+
+        def whole_view(key: Key, a: int, b: int) -> torch.Tensor:
+            first = self.units[key[0]].layout.param_range(key[1])[0]
+            return wholes[key].view(-1)[a - first : b - first]
+
+        if to_owners:
+            inp = _cat([shard_view(key, a, b) for _, key, (a, b) in local], device)
+            out = torch.empty(sum(owner_counts), dtype=torch.float32, device=device)
+            self.comm.exchange(out, inp, self.group, owner_counts, shard_counts, label=label, plan_numel=plan_numel)
+            for (_, key, (a, b)), piece in zip(remote, out.split([b - a for _, _, (a, b) in remote]), strict=True):
+                whole_view(key, a, b).copy_(piece)
+        else:
+            inp = _cat([whole_view(key, a, b) for _, key, (a, b) in remote], device)
+            out = torch.empty(sum(shard_counts), dtype=torch.float32, device=device)
+            self.comm.exchange(out, inp, self.group, shard_counts, owner_counts, label=label, plan_numel=plan_numel)
+            for (_, key, (a, b)), piece in zip(local, out.split([b - a for _, _, (a, b) in local]), strict=True):
+                shard_view(key, a, b).copy_(piece)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, scaler: LossScaler, coefficient: torch.Tensor | None) -> None:
+        """Gradients to their owners (unscaled, clipped), the user's optimizers on the whole masters,
+        the updated parameters back to the shards, which publish them."""
+        grads = []
+        for unit in self.units:
+            grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: its last use
+            if scaler.enabled:
+                grad.div_(scaler.scale)
+            if coefficient is not None:
+                grad.mul_(coefficient.to(grad.device))
+            grads.append(grad)
+        for whole in self.whole.values():
+            whole.grad = torch.empty_like(whole)
+        self._exchange(True, grads, {key: w.grad for key, w in self.whole.items()}, label="to_owners")
+        for part, optimizer in zip(self.spec.parts, self.optimizers, strict=True):
+            part.follow_source(optimizer)
+            optimizer.step()
+        for whole in self.whole.values():
+            whole.grad = None
+        wholes = {key: w.data for key, w in self.whole.items()}
+        self._exchange(False, [u.master.data for u in self.units], wholes, label="from_owners")
+        for unit in self.units:
+            unit.publish_master()
+
+    def masters(self) -> list[nn.Parameter]:
+        return list(self.whole.values())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The whole masters and every optimizer state tensor (measured model-state bytes)."""
+        states = [v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+        return [*(w.data for w in self.whole.values()), *(t for t in states if t.dim() > 0)]
+
+
+def _cat(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in pieces]) if pieces else torch.empty(0, device=device)
+
+
+def refuse_whole_with(spec: OptimizerSpec, config: ZeroConfig, topology: Topology) -> None:
+    """What the whole-parameter path does not run with (yet), one line each, before any unit is built."""
+    if not spec.whole:
+        return
+    places = {"offload_optimizer": config.offload.optimizer, "offload_params": config.offload.params}
+    offload = next((f"zero.{k} = {v!r}" for k, v in places.items() if v != "none"), None)
+    tp = topology.tensor_parallel.size
+    why = offload or (f"topology.tensor_parallel_size = {tp} (a parameter is whole on no rank)" if tp > 1 else None)
+    if why:
+        raise ConfigError(
+            f"optimizer {spec.described} steps whole parameters on owner ranks, which does not run with {why}; "
+            "use an element-wise optimizer with one param group (AdamW, SGD, ...) there"
+        )
