@@ -84,4 +84,4 @@ def factory_and_misuse() -> tuple[float, str]:
 def test_optimizer_factory_trains_exactly_and_factory_with_kwargs_is_refused():
     error, message = run_ranks(factory_and_misuse, 1)[0]
     assert error <= TOLERANCE
-    assert message == "optimizer_kwargs given with an optimizer factory; pass them to one or the other"
+    assert message == "optimizer_kwargs given with an optimizer factory or object; pass them to one or the other"

@@ -118,9 +118,9 @@ class StateOffloader:
                     )
         for master in self.masters if "master" in include else ():
             yield _Slot("master", lambda m=master: m.data, lambda t, m=master: setattr(m, "data", t))
-        # every state tensor of every optimizer: ZeRO-Offload's, on the host already, stay (offload's device test)
-        states = [s for o in self.optimizers for s in o.state.values()] if "optimizer" in include else []
-        for state in states:
+        on_host = {id(u.master) for u in self.units if u.options.master_device is not None}  # ZeRO-Offload's stay
+        states = [s for o in self.optimizers for p, s in o.state.items() if id(p) not in on_host]
+        for state in states if "optimizer" in include else ():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     yield _Slot("optimizer", lambda s=state, k=key: s[k], lambda t, s=state, k=key: s.__setitem__(k, t))

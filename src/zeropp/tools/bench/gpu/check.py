@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-import zeropp
 from zeropp.tools.bench.gpu.report import markdown, summary
 
 STAGES = {
@@ -47,7 +46,7 @@ STAGES = {
     "f": ("offload copy overlap", 90),
 }  # stage: (what, seconds it may take at most)
 BUDGET_S = 460  # the whole run, start-up included, stays under 8 minutes
-SRC = Path(zeropp.__file__).resolve().parents[1]  # the folder holding the zeropp package
+SRC = Path(__file__).resolve().parents[4]  # the folder holding the zeropp package (src/zeropp/tools/bench/gpu)
 TESTS = SRC.parent / "tests"
 
 
