@@ -130,8 +130,8 @@ class ZeroEngine:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
-        optimizers, masters = (self.whole.optimizers, self.whole.masters()) if self.whole else ([self.optimizer], [])
-        self.states = StateOffloader(self.units, optimizers, self.topology.device, masters)
+        self.optimizers = self.whole.optimizers if self.whole else [self.optimizer]  # what the user's step drives
+        self.states = StateOffloader(self.units, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -451,26 +451,25 @@ class ZeroEngine:
         Without `frozen`, the units' frozen parameters (stage 3) are left out rather than gathered."""
         copies = self.disk is not None and not self.disk.is_resident
         with self.states_resident():
-            state = per_parameter.sharded_state_dict(self.units, self._flat_optimizer, self.module, self.checkpoint_mesh, frozen)
+            flat = None if self.whole else self.optimizer  # the whole-parameter path's owners write their own
+            state = per_parameter.sharded_state_dict(self.units, flat, self.module, self.checkpoint_mesh, frozen)
+            state.update(per_parameter.owned_state_entries(self.whole) if self.whole else {})
             return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
 
-    @property
-    def _flat_optimizer(self) -> torch.optim.Optimizer:
-        if self.whole is not None:  # per-parameter state saves the masters' state; owners keep theirs whole
-            raise ConfigError(f"checkpoints of {self.optimizer_spec.described} on the whole-parameter path are "
-                              "not built yet; save the weights with engine.full_state_dict()")  # fmt: skip
-        return self.optimizer
-
-    def sharded_state_template(self, optimizer_keys: Mapping[str, tuple[bool, torch.dtype]]) -> dict[str, Any]:
-        """Empty tensors in the form of :meth:`sharded_state_dict`, to load into; `optimizer_keys`
-        maps each optimizer state key to (per-element, dtype)."""
-        return per_parameter.sharded_state_template(self.units, self.module, self.checkpoint_mesh, optimizer_keys)
+    def sharded_state_template(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+        """Empty tensors in the form of :meth:`sharded_state_dict`, to load into; `saved`: the shape and
+        dtype of each ``optim.<name>.<key>`` entry of the checkpoint."""
+        keys = {per_parameter.optimizer_state_name(k): (len(s) > 0, d) for k, (s, d) in saved.items()}
+        template = per_parameter.sharded_state_template(self.units, self.module, self.checkpoint_mesh, {} if self.whole else keys)
+        return template | (per_parameter.owned_state_template(self.whole, saved) if self.whole else {})
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
         with self.states_resident(changes=True):
-            per_parameter.load_sharded_state_dict(self.units, self._flat_optimizer, self.module, sharded)
+            per_parameter.load_sharded_state_dict(self.units, None if self.whole else self.optimizer, self.module, sharded)
+            if self.whole is not None:
+                per_parameter.load_owned_states(self.whole, sharded)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated fp32 model state (``model.state_dict()`` keys), on CPU, on every rank."""

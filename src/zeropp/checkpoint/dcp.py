@@ -278,7 +278,6 @@ def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str
 
 def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str, Any]:
     """zeropp.json's description of the engine; `referenced`: frozen parameters left out of ``fixed``."""
-    optimizer = engine.optimizer
     fixed = per_parameter.fixed_shapes(engine.units, engine.module)
     return {
         "world_size": engine.topology.world_size,
@@ -289,8 +288,8 @@ def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str,
         "fixed": {name: shape for name, shape in fixed.items() if name not in referenced},
         "aliases": per_parameter.tied_aliases(engine.units, engine.module),
         "precision": engine.config.precision,
-        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-        "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups],
+        "optimizer": " + ".join(f"{type(o).__module__}.{type(o).__qualname__}" for o in engine.optimizers),
+        "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}) for g in _groups(engine)],
         "scaler": engine.scaler.state_dict(),
         "global_step": engine.global_step,
     }
@@ -321,12 +320,8 @@ def load_checkpoint(
     if referenced:
         adapters.check_base(engine.units, engine.module, meta, path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    optimizer_keys = {}
-    for key, entry in saved.items():
-        name = per_parameter.optimizer_state_name(key)
-        if name is not None:
-            optimizer_keys[name] = (len(entry.size) > 0, entry.properties.dtype)
-    wanted = engine.sharded_state_template(optimizer_keys)
+    optimizer_entries = {k: (tuple(e.size), e.properties.dtype) for k, e in saved.items() if k.startswith("optim.")}
+    wanted = engine.sharded_state_template(optimizer_entries)
     for name in referenced:  # the engine's own frozen parameters are the checkpoint's base (checked above)
         del wanted[per_parameter.fixed_key(name)]
     rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
@@ -349,7 +344,7 @@ def load_checkpoint(
 
 def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, optimizer_settings: str) -> None:
     """Rank 0's lines on what differs from the checkpoint; the checkpoint's optimizer settings taken if asked."""
-    groups = engine.optimizer.param_groups
+    groups = _groups(engine)
     lines = [changes.resharding_line(meta, _describe(engine), path)]
     differ = changes.optimizer_differences(groups, meta["param_groups"])
     if differ and optimizer_settings == "checkpoint":
@@ -365,6 +360,10 @@ def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, opt
     for line in lines:
         if line and engine.topology.rank == 0:
             print(line, flush=True)
+
+
+def _groups(engine: ZeroEngine) -> list[dict[str, Any]]:
+    return [group for optimizer in engine.optimizers for group in optimizer.param_groups]
 
 
 def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:

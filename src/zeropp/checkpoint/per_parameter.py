@@ -44,6 +44,7 @@ from zeropp.zero.weights.dtensor_params import Slices, blocks
 
 if TYPE_CHECKING:
     from zeropp.topology import Topology
+    from zeropp.zero.optim.owners import WholeParameterStep
 
 
 def model_key(name: str) -> str:
@@ -130,16 +131,18 @@ def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> N
 
 
 def sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, mesh: CheckpointMesh, frozen: bool = True
-) -> dict[str, Any]:
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer | None, module: nn.Module, mesh: CheckpointMesh,
+    frozen: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     """The state in the layout above (collective: gathers one unit's flat buffers at a time); without
-    `frozen`, the units' frozen parameters are left out."""
+    `frozen`, the units' frozen parameters are left out; without `optimizer` (the whole-parameter path:
+    :func:`owned_state_entries`), the masters' optimizer state too."""
     state: dict[str, Any] = {}
     for unit in units:
         params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
         for (name, param, shape), piece in zip(params, param_chunks(unit, unit.master.data), strict=True):
             state[model_key(name)] = mesh.piece(piece, param, shape)
-        for key, value in optimizer.state.get(unit.master, {}).items():
+        for key, value in optimizer.state.get(unit.master, {}).items() if optimizer is not None else ():
             if isinstance(value, torch.Tensor) and value.shape == unit.master.shape:
                 for (name, param, shape), piece in zip(params, param_chunks(unit, value), strict=True):
                     state[optim_key(name, key)] = mesh.piece(piece, param, shape)
@@ -184,7 +187,7 @@ def sharded_state_template(
 
 
 def load_sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer, module: nn.Module, state: Mapping[str, Any]
+    units: list[FlatUnit], optimizer: torch.optim.Optimizer | None, module: nn.Module, state: Mapping[str, Any]
 ) -> None:
     """Set masters, weights and optimizer state from `state` (layout above; collective)."""
     for unit in units:
@@ -204,6 +207,8 @@ def load_sharded_state_dict(
 def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     master = [state[model_key(name)].to_local() for name in unit.names]
     unit.load_master(flat_from_param_chunks(unit, master))
+    if optimizer is None:  # the whole-parameter path: load_owned_states
+        return
     prefix = optim_key(unit.names[0], "")
     loaded = {}
     for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
@@ -215,6 +220,52 @@ def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer,
             loaded[key] = values[0]
     if loaded:
         optimizer.state[unit.master] = loaded
+
+
+# -- the whole-parameter path (See [Note: the whole-parameter step]) ----------------------------------
+# Each owner writes its parameters' ``optim.<name>.<key>`` whole, as its optimizer keeps them: a
+# per-element state has the parameter's shape (a flat-path load reads its own pieces of it), others
+# (Adafactor's factored moments, a step count) their own shapes; no other rank writes those keys, so
+# DCP takes them from the owner, and a load at any world size reads them whole on the new owners.
+
+
+def owned_state_entries(whole: WholeParameterStep) -> dict[str, torch.Tensor]:
+    entries = {}
+    for name in whole.owned:
+        for key, value in whole.owned_state(name).items():
+            if not isinstance(value, torch.Tensor):
+                raise UnsavableStateError(
+                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a tensor; "
+                    "zeropp checkpoints save tensors"
+                )
+            entries[optim_key(name, key)] = value
+    return entries
+
+
+def _owned_entries(whole: WholeParameterStep, keys: Iterator[str]) -> Iterator[tuple[str, str, str]]:
+    """(entry, parameter name, state key) of each ``optim.`` entry of `keys` that belongs to an owned parameter."""
+    for entry in keys:
+        name, _, key = entry.removeprefix("optim.").rpartition(".")
+        if entry.startswith("optim.") and name in whole.owned:
+            yield entry, name, key
+
+
+def owned_state_template(
+    whole: WholeParameterStep, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """Empty tensors for the saved entries (`saved`: shape and dtype by key) of the owned parameters;
+    a 0-d state on the host, where torch's optimizers keep their step counts."""
+    return {
+        entry: torch.empty(saved[entry][0], dtype=saved[entry][1], device=whole.owned_device(name) if saved[entry][0] else "cpu")
+        for entry, name, _ in _owned_entries(whole, iter(saved))
+    }
+
+
+def load_owned_states(whole: WholeParameterStep, state: Mapping[str, Any]) -> None:
+    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in whole.owned}
+    for entry, name, key in _owned_entries(whole, iter(state)):
+        states[name][key] = state[entry]
+    whole.load_owned_states(states)
 
 
 def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ updated parameters come back by two uneven all-to-alls a step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ class WholeParameterStep:
         self.optimizers = [
             part.cls(part.groups_over(lambda p: by_param.get(id(p)), every)) for part in spec.parts
         ]  # fmt: skip
+        self.owned = {self.units[k].names[i]: (k, i) for k, i in self.mine}  # name -> key
 
     def _empty_master(self, key: Key) -> nn.Parameter:
         unit, index = self.units[key[0]], key[1]
@@ -140,6 +142,26 @@ class WholeParameterStep:
 
     def masters(self) -> list[nn.Parameter]:
         return list(self.whole.values())
+
+    def _optimizer_of(self, whole: nn.Parameter) -> torch.optim.Optimizer:
+        return next(o for o in self.optimizers if any(whole is p for g in o.param_groups for p in g["params"]))
+
+    def owned_state(self, name: str) -> dict[str, Any]:
+        """The optimizer state of owned parameter `name`, whole, as its optimizer keeps it."""
+        whole = self.whole[self.owned[name]]
+        return self._optimizer_of(whole).state.get(whole, {})
+
+    def owned_device(self, name: str) -> torch.device:
+        return self.whole[self.owned[name]].device
+
+    def load_owned_states(self, states: Mapping[str, dict[str, torch.Tensor]]) -> None:
+        """Set each owned parameter's optimizer state (by name), and every whole master from the master
+        shards, which a load has set already (collective)."""
+        for name, state in states.items():
+            whole = self.whole[self.owned[name]]
+            self._optimizer_of(whole).state[whole] = dict(state)
+        wholes = {key: w.data for key, w in self.whole.items()}
+        self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The whole masters and every optimizer state tensor (measured model-state bytes)."""
