@@ -107,3 +107,17 @@ def test_hpz_partition_that_does_not_fit_the_world_is_refused_before_launch():
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("zeropp: error: zero.hpz_partition_size = 3 is not allowed")
+
+
+def test_train_with_muon_steps_whole_parameters_and_the_ledger_names_the_exchange(tmp_path):
+    out = tmp_path / "summary.json"
+    result = run_cli(
+        "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1", "--optimizer", "muon",
+        "--nproc-per-node", "2", "--master-port", str(free_port()), "--summary-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    ledger = summary["ledger"]
+    for op in ("to_owners", "from_owners"):  # every rank sends its pieces of the others' parameters, both ways
+        assert sum(ledger[op]["step"].values()) > 0, ledger.get(op)
+    assert summary["final_train_loss"] < 6 and "to_owners" in result.stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from zeropp.app import lora, schedule
 from zeropp.app.data.batches import Batches
@@ -40,16 +41,20 @@ from zeropp.engine import ZeroEngine
 from zeropp.errors import ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
+from zeropp.zero.grouping import repeated_blocks
 from zeropp.zero.offload.disk_params import io_bytes
+from zeropp.zero.optim.owners import OWNER_OPS
 from zeropp.zero.options import frozen_quant
 from zeropp.zero.weights.dtensor_params import local_tensor
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
-LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER)
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER, *OWNER_OPS)
 
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+OPTIMIZERS = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor
+}  # fmt: skip
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -124,10 +129,11 @@ class Trainer:
         with torch.device("meta") if config.train.init == "meta" else contextlib.nullcontext():
             model = parallelize(self.source.build(), self.topology)
         adapters = config.model.lora_rank is not None
+        optimizer, kwargs = self.optimizer(model)
         self.engine = ZeroEngine(
             model,
-            OPTIMIZERS[config.optim.optimizer],
-            self.hyperparameters(),
+            optimizer,
+            kwargs,
             config.zero,
             self.topology,
             init_fn=lora.initializer(model) if adapters else None,
@@ -146,7 +152,7 @@ class Trainer:
         self.resumed_from = checkpoint_to_resume(config)
         if self.resumed_from is not None:
             saved_at = read_meta(self.resumed_from)["step"]
-            for group in self.engine.optimizer.param_groups:  # the schedule's rate there: named only if it changed
+            for group in self.param_groups():  # the schedule's rate there: named only if it changed
                 group["lr"] = learning_rate(config, max(saved_at - 1, 0))
             self.start_step = load_checkpoint(self.engine, self.resumed_from)["step"]  # this run's settings win
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
@@ -162,16 +168,30 @@ class Trainer:
         )
         self.peak_flops = peak_flops(self.topology.device)
 
-    def hyperparameters(self) -> dict[str, Any]:
+    def optimizer(self, model: nn.Module) -> tuple[Any, dict[str, Any] | None]:
+        """optim.optimizer for ZeroEngine: a class and its settings, or for muon Muon over the blocks'
+        matrices (its lr matched to AdamW's RMS, so one schedule drives both) and AdamW over the rest."""
+        if self.config.optim.optimizer != "muon":
+            return OPTIMIZERS[self.config.optim.optimizer], self.hyperparameters()
+        blocks = {id(p) for block in repeated_blocks(model) for p in block.parameters() if p.dim() == 2}
+        named = [p for p in model.parameters() if p.requires_grad]
+        hidden, rest = [p for p in named if id(p) in blocks], [p for p in named if id(p) not in blocks]
+        optim = self.config.optim
+        muon = torch.optim.Muon(hidden, lr=optim.lr, weight_decay=optim.weight_decay, adjust_lr_fn="match_rms_adamw")
+        return [muon, torch.optim.AdamW(rest, **self.hyperparameters("adamw"))], None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.engine.optimizers for group in optimizer.param_groups]
+
+    def hyperparameters(self, name: str | None = None) -> dict[str, Any]:
         """The optimizer's settings; where it steps on the host, its fused kernel, several times faster
         than foreach and without shard-sized temporaries (zeropp bench optimizer)."""
         optim, zero = self.config.optim, self.config.zero
+        name = name or optim.optimizer
+        if name == "adafactor":  # torch's defaults beside the rate and decay (its betas and eps are its own)
+            return dict(lr=optim.lr, weight_decay=optim.weight_decay)
         on_host = self.topology.device.type == "cpu" or zero.offload.optimizer == "cpu"
-        own = (
-            dict(momentum=optim.momentum)
-            if optim.optimizer == "sgd"
-            else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
-        )
+        own = dict(momentum=optim.momentum) if name == "sgd" else dict(betas=(optim.beta1, optim.beta2), eps=optim.eps)
         return dict(lr=optim.lr, **own, weight_decay=optim.weight_decay, fused=on_host)
 
     def say(self, text: str) -> None:
@@ -261,7 +281,7 @@ class Trainer:
         return loss
 
     def _train_step(self, step: int) -> float:
-        for group in self.engine.optimizer.param_groups:
+        for group in self.param_groups():
             group["lr"] = learning_rate(self.config, step)
         self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
         losses = []

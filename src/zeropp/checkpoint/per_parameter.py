@@ -256,7 +256,9 @@ def owned_state_template(
     """Empty tensors for the saved entries (`saved`: shape and dtype by key) of the owned parameters;
     a 0-d state on the host, where torch's optimizers keep their step counts."""
     return {
-        entry: torch.empty(saved[entry][0], dtype=saved[entry][1], device=whole.owned_device(name) if saved[entry][0] else "cpu")
+        entry: torch.empty(
+            saved[entry][0], dtype=saved[entry][1], device=whole.owned_device(name) if saved[entry][0] else "cpu"
+        )
         for entry, name, _ in _owned_entries(whole, iter(saved))
     }
 

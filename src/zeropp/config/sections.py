@@ -272,8 +272,11 @@ class TopologyConfig:
 class OptimConfig:
     """The optimizer and learning-rate schedule of `zeropp train` (schedules: zeropp.app.schedule)."""
 
-    optimizer: Literal["adamw", "adam", "sgd"] = setting(
-        "adamw", "adamw (decoupled weight decay), adam (L2 weight decay) or sgd, from torch.optim"
+    optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = setting(
+        "adamw",
+        "adamw (decoupled weight decay), adam (L2 weight decay), sgd, adafactor, or muon (the blocks' matrices, "
+        "its lr matched to AdamW's RMS, with AdamW for the rest), from torch.optim; adafactor and muon step whole "
+        "parameters on owner ranks",
     )
     lr: float = setting(
         1e-3, "peak learning rate of the schedule (with 50 warm-up steps: no plateau lottery, docs/benchmarks.md)"

@@ -22,6 +22,7 @@ from zeropp.zero.precision import LossScaler
 from zeropp.zero.unit import FlatUnit
 
 Key = tuple[int, int]  # (unit, parameter index in the unit)
+OWNER_OPS = ("to_owners", "from_owners")  # the ledger's names of a step's two exchanges
 
 
 def balanced_owners(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -129,14 +130,14 @@ class WholeParameterStep:
             grads.append(grad)
         for whole in self.whole.values():
             whole.grad = torch.empty_like(whole)
-        self._exchange(True, grads, {key: w.grad for key, w in self.whole.items()}, label="to_owners")
+        self._exchange(True, grads, {key: w.grad for key, w in self.whole.items()}, label=OWNER_OPS[0])
         for part, optimizer in zip(self.spec.parts, self.optimizers, strict=True):
             part.follow_source(optimizer)
             optimizer.step()
         for whole in self.whole.values():
             whole.grad = None
         wholes = {key: w.data for key, w in self.whole.items()}
-        self._exchange(False, [u.master.data for u in self.units], wholes, label="from_owners")
+        self._exchange(False, [u.master.data for u in self.units], wholes, label=OWNER_OPS[1])
         for unit in self.units:
             unit.publish_master()
 

@@ -15,6 +15,8 @@ runs of one seed are paired: their differences are the configurations', not the 
 - with the best gradient path (error feedback, two-level qgZ, Hadamard) and hpZ: qwZ int4 on the raw
   weights, and qWD (``--weight-quantization delta``: the weights' change since the last gather) int4 and int8.
 - ZeRO-3 with bf16 masters too (``--master-dtype bf16``, Kahan-compensated: 10 bytes per parameter).
+- ZeRO-3 with Muon for the blocks' matrices and AdamW for the rest (``--optimizer muon``): another
+  optimizer at equal steps, not another communication (it has no weight error against AdamW's run).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -67,6 +69,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO++ int8 qWD": {**BEST_QGZ, "weight_quantization": "delta"},
     # bf16 masters, Kahan-compensated, with bf16 moments: 10 bytes of model states per parameter (--precision bf16)
     "ZeRO-3 + bf16 masters and states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16", "master_dtype": "bf16"},
+    # another optimizer, not another communication: whole parameters on owner ranks (no weight error: not AdamW)
+    "ZeRO-3, Muon + AdamW": {**ZEROPP_OFF, "optimizer": "muon"},
 }
 
 
@@ -81,7 +85,8 @@ def _common(args: argparse.Namespace) -> list[str]:
 def weight_errors(args: argparse.Namespace) -> dict[str, float]:
     """Weight error after --weight-steps steps on the first seed's first batch (zeropp.tools.bench.quality.weight_error)."""
     base = base_config(args.preset, args.precision, args.lr, args.weight_steps, args.seeds[0], args.micro_batch_size)
-    return measure({"base": base, "configs": {name: CONFIGS[name] for name in args.names}, "exact": "ZeRO-3"})
+    configs = {name: CONFIGS[name] for name in args.names if "optimizer" not in CONFIGS[name]}
+    return measure({"base": base, "configs": configs, "exact": "ZeRO-3"})
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
