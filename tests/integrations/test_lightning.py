@@ -84,7 +84,19 @@ def _lightning_classes():
             self.losses.append(loss.item())
             return loss
 
-    return Regression, MetaRegression
+    class GroupedRegression(Regression):
+        """Groups that differ in more than weight decay (a larger rate and other betas for the last
+        layer, LoRA+-style) with Adafactor for the rest: stepped whole on owner ranks."""
+
+        def configure_optimizers(self):
+            last = set(self.net[-1].parameters())
+            rest = [p for p in self.parameters() if p not in last]
+            groups = [{"params": rest}, {"params": list(last), "lr": 9e-2, "beta2_decay": -0.5}]
+            optimizer = torch.optim.Adafactor(groups, lr=3e-2)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return Regression, MetaRegression, GroupedRegression
 
 
 def _data(devices: int):
@@ -110,12 +122,12 @@ def _trainer(out: str, devices: int, strategy, **overrides):
     return lightning.Trainer(**settings)
 
 
-def _fit(out: str, devices: int, strategy, meta: bool = False, **overrides) -> dict:
+def _fit(out: str, devices: int, strategy, meta: bool = False, grouped: bool = False, **overrides) -> dict:
     import lightning
 
     lightning.seed_everything(0, verbose=False)
-    regression, meta_regression = _lightning_classes()
-    module = meta_regression() if meta else regression()
+    regression, meta_regression, grouped_regression = _lightning_classes()
+    module = meta_regression() if meta else grouped_regression() if grouped else regression()
     trainer = _trainer(out, devices, strategy, **overrides)
     trainer.fit(module, _data(devices))
     if hasattr(trainer.strategy, "engine"):
@@ -152,7 +164,7 @@ def test_two_ranks_equal_plain_lightning_in_one_process(tmp_path):
         for run in rank_runs:
             assert _close(run["state"], reference["state"]) < TOLERANCE
             assert torch.allclose(run["losses"], reference["losses"], atol=TOLERANCE, rtol=0)
-    regression, _ = _lightning_classes()
+    regression = _lightning_classes()[0]
     torch.manual_seed(0)
     assert _close(reference["state"], regression().state_dict()) > 1e-3  # it trained
 
@@ -179,7 +191,7 @@ def _resume(out: str) -> tuple[dict, dict, list[str], str]:
     from zeropp.integrations.lightning import ZeroStrategy
 
     straight = _fit(f"{out}/straight", 2, ZeroStrategy(), max_steps=-1, max_epochs=2)
-    regression, _ = _lightning_classes()
+    regression = _lightning_classes()[0]
     lightning.seed_everything(0, verbose=False)
     first = _trainer(f"{out}/first", 2, "zeropp", max_steps=-1, max_epochs=1)
     first.fit(regression(), _data(2))
@@ -225,3 +237,16 @@ def test_the_example_runs_under_torchrun(tmp_path):
 
 def test_the_docs_include_the_example():
     assert docs_include("trainer-and-lightning.md", "lightning_zeropp.py")
+
+
+def _grouped(out: str) -> list[dict]:
+    from zeropp.integrations.lightning import ZeroStrategy
+
+    return [_fit(f"{out}/stage{stage}", 2, ZeroStrategy({"stage": stage}), grouped=True) for stage in (3, 1)]
+
+
+def test_adafactor_with_groups_of_their_own_rates_equals_plain_lightning(tmp_path):
+    plain = run_ranks(_fit, 1, start=SPAWN, out=str(tmp_path / "plain"), devices=1, strategy="auto", grouped=True)[0]
+    for zero in run_ranks(_grouped, 2, start=SPAWN, out=str(tmp_path))[0]:
+        assert _close(zero["state"], plain["state"]) <= TOLERANCE
+        assert torch.allclose(zero["losses"], plain["losses"], atol=TOLERANCE)

@@ -192,3 +192,26 @@ def test_args_deepspeed_is_read_by_zeropp(tmp_path):
     pytest.importorskip("deepspeed")
     for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, start=SPAWN, out=str(tmp_path)):
         assert (stage, deepspeed_on, difference) == (2, False, 0.0)
+
+
+ADAFACTOR = dict(optim="adafactor")  # transformers' own Adafactor (factored moments), weight decay 0.1: its two groups
+
+
+def _plain_adafactor(out: str) -> dict[str, torch.Tensor]:
+    import transformers
+
+    model = tiny_llama()
+    transformers.Trainer(model, training_args(out, 1, **ADAFACTOR), train_dataset=rows()).train()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _zero_adafactor(out: str) -> dict[str, torch.Tensor]:
+    return _zero_run(out, 2, 3, **ADAFACTOR)["state"]
+
+
+def test_adafactor_with_the_trainers_decay_groups_equals_the_plain_trainer(tmp_path):
+    """A shape-aware optimizer with the Trainer's decay / no-decay groups: whole parameters on owner ranks."""
+    reference = run_ranks(_plain_adafactor, 1, start=SPAWN, out=str(tmp_path / "plain"))[0]
+    for state in run_ranks(_zero_adafactor, 2, start=SPAWN, out=str(tmp_path / "zero")):
+        assert max_difference(state, reference) < TOLERANCE
+    assert max_difference(reference, tiny_llama().state_dict()) > 1e-3  # it trained

@@ -18,6 +18,7 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
 from zeropp.integrations.settings import IntegrationError
 from zeropp.topology import Topology
+from zeropp.zero.optim.stepping import is_elementwise
 
 ZEROPP_DIR = "zeropp"  # <checkpoint>/zeropp/step-0000000N: the sharded training state
 GROUP_ONLY = ("params", "weight_decay", "initial_lr")  # group keys that are not constructor hyperparameters
@@ -108,7 +109,7 @@ class EngineOptimizer(torch.optim.Optimizer):
 
 def build_engine(
     model: nn.Module,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer,
     config: ZeroConfig,
     topology: Topology,
     *,
@@ -117,7 +118,8 @@ def build_engine(
     decayed: Iterable[nn.Parameter] = (),
 ) -> ZeroEngine:
     """A ZeroEngine on `model` whose optimizer (built by `optimizer` on the masters, without weight
-    decay) decays `decayed` parameters' elements only, by `decay`, as torch's AdamW does."""
+    decay) decays `decayed` parameters' elements only, by `decay`, as torch's AdamW does; or, where
+    `optimizer` is the user's own, that optimizer as ZeroEngine takes it."""
     engine = ZeroEngine(model, optimizer, None, config, topology, seed=seed)
     if decay:
         masks = decay_masks(engine, {id(p) for p in decayed})
@@ -127,23 +129,19 @@ def build_engine(
 
 def from_torch_optimizer(
     optimizer: torch.optim.Optimizer,
-) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], float, list[nn.Parameter]]:
+) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer, float, list[nn.Parameter]]:
     """(a factory building `optimizer`'s class and groups on the masters, the weight decay, the decayed
-    parameters) for :func:`build_engine`. The groups may differ in weight decay only, one nonzero
-    value and 0 (AdamW's decay / no-decay groups); anything else is refused in one line. The engine's
-    optimizer keeps the groups, in order, so that schedulers built on `optimizer` can drive it: the
-    first holds every master, the others hold none and only carry their hyperparameters."""
+    parameters) for :func:`build_engine`, where the groups differ in weight decay only, one nonzero value
+    and 0 (AdamW's decay / no-decay groups on the flat shards). The engine's optimizer keeps the groups,
+    in order, so that schedulers built on `optimizer` can drive it: the first holds every master, the
+    others hold none and only carry their hyperparameters. Any other optimizer is returned itself: the
+    engine steps its groups on whole parameters (See [Note: the whole-parameter step])."""
     cls, groups = type(optimizer), optimizer.param_groups
     hyper = [{k: v for k, v in g.items() if k not in GROUP_ONLY} for g in groups]
-    if not groups or any(h != hyper[0] for h in hyper):
-        raise IntegrationError(
-            f"{cls.__name__}'s param groups differ in more than weight_decay; zeropp steps one group per unit"
-        )
     decays = {g.get("weight_decay", 0.0) for g in groups}
-    if len(decays) > 1 and (not issubclass(cls, torch.optim.AdamW) or len(decays - {0.0}) != 1):
-        raise IntegrationError(
-            f"weight decays {sorted(decays)} in {cls.__name__}'s groups: zeropp takes one AdamW decay and 0"
-        )
+    one_decay = len(decays) == 1 or (issubclass(cls, torch.optim.AdamW) and len(decays - {0.0}) == 1)
+    if not (is_elementwise(cls) and all(h == hyper[0] for h in hyper) and one_decay):
+        return optimizer, 0.0, []
     decay = max(decays) if len(decays) > 1 else 0.0  # the masters' group then decays by masks (build_engine)
     decayed = [p for g in groups if g["weight_decay"] for p in g["params"]] if decay else []
     first = {**groups[0], **({"weight_decay": 0.0} if decay else {})}

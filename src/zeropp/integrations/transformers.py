@@ -151,15 +151,14 @@ class ZeroTrainer(transformers.Trainer):
             "optimizer_dict",
         } & set(kwargs):
             raise TrainerError(
-                f"optim {args.optim!r} is not an elementwise torch.optim optimizer; zeropp steps fp32 shards with one"
+                f"optim {args.optim!r} is not a torch.optim optimizer that zeropp can build on the model's parameters"
             )
-        decay = args.weight_decay
-        if decay and not issubclass(cls, torch.optim.AdamW):
-            raise TrainerError(
-                f"weight_decay {decay} with {cls.__name__}: ZeroTrainer keeps the Trainer's no-decay groups for AdamW only"
-            )
-        decayed = set(self.get_decay_parameter_names(model))
-        kwargs = {**kwargs, "weight_decay": 0.0} if issubclass(cls, torch.optim.AdamW) else dict(kwargs)
+        decay, adamw = args.weight_decay, issubclass(cls, torch.optim.AdamW)
+        decayed = set(self.get_decay_parameter_names(model)) if adamw else set()
+        kwargs = {**kwargs, "weight_decay": 0.0} if adamw else dict(kwargs)
+        # AdamW's decay / no-decay groups on the flat shards (by masks); any other optimizer with decay is the
+        # Trainer's own, its groups stepped whole on owner ranks (See [Note: the whole-parameter step])
+        optimizer = super().create_optimizer() if decay and not adamw else (lambda masters: cls(masters, **kwargs))
         config = resolve_zero_config(
             self.zero_source,
             args,
@@ -167,7 +166,7 @@ class ZeroTrainer(transformers.Trainer):
             getattr(getattr(model, "config", None), "hidden_size", None),
         )
         engine = build_engine(
-            model, lambda masters: cls(masters, **kwargs), config, self.topology, seed=args.seed, decay=decay,
+            model, optimizer, config, self.topology, seed=args.seed, decay=decay if adamw else 0.0,
             decayed=[p for name, p in model.named_parameters() if name in decayed],
         )  # fmt: skip
         if self.pretrained is not None:
