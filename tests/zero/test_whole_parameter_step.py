@@ -283,3 +283,46 @@ def test_the_whole_parameter_path_saves_resumes_bit_for_bit_and_reshards(tmp_pat
     assert all(same[f"{name}: resumed against straight"] == 0.0 for name in CHECKPOINTED), same
     resharded = run_ranks(save_and_resume, 4, folder=str(tmp_path), stage=1)[0]  # world 2 -> 4, stage 3 -> 1
     assert all(d <= TOLERANCE for d in (*same.values(), *resharded.values())), (same, resharded)
+
+
+def edge_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Decay on the matrices, none elsewhere: two groups, so whole parameters on owner ranks."""
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() == 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() != 2]
+    return [torch.optim.AdamW([{"params": matrices}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, eps=ADAM_EPS)]
+
+
+def train_edge_model() -> dict[str, float]:
+    """The model's never-called layer and module get no gradient: torch's AdamW skips them (no decay,
+    no step), and so must the owners."""
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    reference = make_model("edge")
+    optimizers = edge_adamw(reference)
+    for step in range(STEPS):
+        x, y = global_batch("edge", step, 0, topology.world_size)
+        optimizers[0].zero_grad()
+        loss_of("edge", reference, x, y).backward()
+        optimizers[0].step()
+    start, ref = make_model("edge").state_dict(), reference.state_dict()
+    results = {}
+    for stage in (1, 3):
+        model = make_model("edge")
+        engine = ZeroEngine(model, edge_adamw(model), None, ZeroConfig(stage=stage), topology)
+        for step in range(STEPS):
+            x, y = rows(global_batch("edge", step, 0, topology.world_size), topology.rank)
+            engine.backward(loss_of("edge", engine, x, y))
+            engine.step()
+        ours = engine.full_state_dict()
+        results[f"stage{stage}"] = distance(ours, ref)
+        unused = [k for k in ref if k.startswith(("unused.", "layers.3."))]
+        results[f"stage{stage} unused moved"] = max((ours[k] - start[k]).abs().max().item() for k in unused)
+    return results
+
+
+def test_a_parameter_without_a_gradient_is_left_as_torch_leaves_it():
+    results = run_ranks(train_edge_model, 2)[0]
+    assert all(results[f"stage{s} unused moved"] == 0.0 for s in (1, 3)), results
+    assert all(results[f"stage{s}"] <= TOLERANCE for s in (1, 3)), results

@@ -145,6 +145,7 @@ class FlatUnit:
         self._grads_missing = 0
         self._inputs_pending = 0  # forward calls whose input gradients backward has yet to compute
         self._unwritten: set[int] | None = None  # parameters with nothing in a fresh grad_flat yet
+        self.with_grad: set[int] = set()  # parameters this rank gave a gradient since the last step
         self._tp_partial: set[int] = set()  # parameters whose gradients are partial sums over tp ranks
         self.reshard()
         if groups.secondary is not None and not self.resident:  # filled by the first gather's reshard
@@ -304,6 +305,7 @@ class FlatUnit:
                 grad = grad.redistribute(placements=param.placements)
             grad = grad.to_local()
         start, stop = self.layout.param_range(index)
+        self.with_grad.add(index)
         if self._unwritten is not None and index in self._unwritten:
             self._unwritten.discard(index)
             self.grad_flat[start:stop].copy_(grad.reshape(-1))
@@ -430,6 +432,7 @@ class FlatUnit:
         return total
 
     def clear_gradients(self) -> None:
+        self.with_grad.clear()
         if self.policy.shard_gradients:
             self._gradients.give_back(self.grad_shard)
             self._gradients.give_back(self.grad_flat)

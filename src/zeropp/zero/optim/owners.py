@@ -131,6 +131,8 @@ class WholeParameterStep:
         for whole in self.whole.values():
             whole.grad = torch.empty_like(whole)
         self._exchange(True, grads, {key: w.grad for key, w in self.whole.items()}, label=OWNER_OPS[0])
+        for key in self._without_gradient():  # as torch's optimizers skip a parameter whose grad is None
+            self.whole[key].grad = None
         for part, optimizer in zip(self.spec.parts, self.optimizers, strict=True):
             part.follow_source(optimizer)
             optimizer.step()
@@ -140,6 +142,15 @@ class WholeParameterStep:
         self._exchange(False, [u.master.data for u in self.units], wholes, label=OWNER_OPS[1])
         for unit in self.units:
             unit.publish_master()
+
+    def _without_gradient(self) -> list[Key]:
+        """The owned parameters no rank gave a gradient this step (an expert no token chose, a layer
+        skipped): one max all-reduce of a flag per parameter, read on the host."""
+        device = self.units[0].master.device if self.units else torch.device("cpu")
+        given = torch.tensor([float(i in self.units[k].with_grad) for k, i in self.keys], device=device)
+        self.comm.all_reduce(given, self.group, reduce="max")
+        flags = dict(zip(self.keys, given.tolist(), strict=True))
+        return [key for key in self.mine if not flags[key]]
 
     def masters(self) -> list[nn.Parameter]:
         return list(self.whole.values())
