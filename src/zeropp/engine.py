@@ -96,7 +96,8 @@ class ZeroEngine:
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
             spec.factory = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0])
         self.topology = topology or init_topology()
-        refuse_whole_with(spec, self.config, self.topology)
+        if spec.whole:
+            refuse_whole_with(spec.described, self.config, self.topology.tensor_parallel.size)
         self.comm = Communicator(self.topology, ledger)
         if self.config.flight_record_dir is not None:  # See [Note: collective sequences]
             self.comm.trace.folder = Path(self.config.flight_record_dir)

@@ -506,3 +506,19 @@ def test_the_estimate_of_the_disk_tiers_and_bf16_states(tmp_path):
         "read_bytes_per_step": 8 * shard + 2 * 2 * 2 * shard,  # the optimizer's states; 2 gathers x 2 micro-batches
         "written_bytes_per_step": 8 * shard + 2 * shard,
     }
+
+
+def test_the_whole_parameter_path_prices_its_exchanges_and_whole_masters():
+    """Two fp32 exchanges of a rank's pieces of the other ranks' parameters (2 x 4Ψ/N x (N-1)/N), the
+    share to other nodes crossing; the owned parameters' whole masters and gradients (8Ψ/N) beside the model states."""
+    psi, n = 8_000_000, 4
+    zero = ZeroConfig(stage=3, persistence_threshold=0)
+    flat, whole = estimate(psi, n, 2, zero), estimate(psi, n, 2, zero, whole_parameters=True)
+    exchange = 2 * 4 * psi / n * (n - 1) / n
+    added = {link: whole.ledger().total(link=link) - flat.ledger().total(link=link) for link in ("intra", "inter")}
+    assert added["intra"] + added["inter"] == pytest.approx(exchange, abs=4)
+    assert added["inter"] == pytest.approx(exchange * 2 / 3, abs=4)  # 2 ranks a node: 2 of the 3 others elsewhere
+    assert whole.ledger().bytes[("to_owners", "step", "inter")] == whole.ledger().bytes[("from_owners", "step", "inter")]
+    assert whole.model_state_bytes - flat.model_state_bytes == 8 * psi / n
+    with pytest.raises(ConfigError, match=r"^optimizer --optimizer-path whole .*tensor_parallel_size = 2"):
+        estimate(psi, n, 1, zero, tensor_parallel=2, whole_parameters=True)

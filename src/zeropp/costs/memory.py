@@ -163,6 +163,13 @@ def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_qua
     return (4 * psi if intra_node_quantized else 0) + (4 * psi / ranks_per_node if nodes > 1 else 0)
 
 
+def owner_state_bytes(psi: int, world: int) -> float:
+    """The whole-parameter step's memory beside the model states above, per rank on average: the owned
+    parameters' whole fp32 masters and, while a step runs, their fp32 gradients (See [Note: the
+    whole-parameter step]); the optimizer's state is the optimizer's own (Adam's 8 bytes as above)."""
+    return 8 * psi / world
+
+
 def stage3_transient_bytes(
     largest_gathered: int, largest_trainable: int, world: int, compute_bytes: int, grad_bytes: int, prefetch: int
 ) -> dict[str, int]:

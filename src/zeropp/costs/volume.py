@@ -40,6 +40,7 @@ from zeropp.costs.memory import BYTES, Activations
 from zeropp.index.flat import FlatLayout, qgz_column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
+from zeropp.zero.optim.owners import OWNER_OPS
 from zeropp.zero.options import frozen_quant
 from zeropp.zero.stages import StagePolicy
 
@@ -73,6 +74,18 @@ class Transfer:
         if not self.over_world:  # the rank's place in its data-parallel group, a node-major world of its own
             rank, layout = rank // layout.tensor_parallel_size, layout.data_parallel_layout()
         return rank % layout.ranks_per_node == layout.ranks_per_node - 1
+
+
+def owner_transfers(psi: int, data_parallel: Layout) -> list[Transfer]:
+    """The whole-parameter step's two exchanges (See [Note: the whole-parameter step]) as the mean rank
+    sends them: its shard's pieces of the other ranks' parameters, fp32, to their owners and back, spread
+    evenly over the other ranks of its data-parallel group; the share sent to other nodes crosses."""
+    n, per_node = data_parallel.world_size, data_parallel.ranks_per_node
+    if n == 1:
+        return []
+    sent, inter = 4 * psi / n * (n - 1) / n, (n - per_node) / (n - 1)
+    shares = [(share, crossing) for share, crossing in ((1 - inter, 0.0), (inter, 1.0)) if share]
+    return [Transfer(op, "step", round(sent * share), crossing) for op in OWNER_OPS for share, crossing in shares]
 
 
 def ring_crossing(group_size: int, ranks_per_node: int) -> float:

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     zero.add_argument(
         "--optimizer-state-bytes", type=_at_least(0), default=8, metavar="N", help="beside the fp32 master (Adam: 8)"
     )
+    zero.add_argument(
+        "--optimizer-path", choices=("flat", "whole"), default="flat",
+        help="flat: one element-wise optimizer group on the flat shards; whole: whole parameters on owner ranks "
+        "(several param groups, Adafactor, Muon): two fp32 exchanges a step and the owned parameters' whole "
+        "masters and gradients priced",
+    )  # fmt: skip
     acts = parser.add_argument_group(
         "activations (tensor-parallel traffic, ZeRO-R's checkpoints; with --params: give --n-layer, --d-model, --block-size)"
     )
@@ -243,6 +249,7 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         tensor_parallel=tp,
         activations=activations,
         frozen_fraction=args.frozen_fraction,
+        whole_parameters=args.optimizer_path == "whole",
     )
     backend = args.backend or ("gloo" if config.topology.backend == "gloo" else "nccl")
     result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth, args.compute_seconds, backend)

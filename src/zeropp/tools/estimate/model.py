@@ -34,12 +34,21 @@ from zeropp.costs.memory import (
     disk_params_step_bytes,
     disk_tier_ring_bytes,
     disk_tier_step_bytes,
+    owner_state_bytes,
     stage3_transient_bytes,
 )
 from zeropp.costs.step_time import Backend, StepTime, step_seconds
-from zeropp.costs.volume import STEP_PHASES, Transfer, frozen_transfers, step_transfers, zero3_step_bytes
+from zeropp.costs.volume import (
+    STEP_PHASES,
+    Transfer,
+    frozen_transfers,
+    owner_transfers,
+    step_transfers,
+    zero3_step_bytes,
+)
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
+from zeropp.zero.optim.owners import refuse_whole_with
 from zeropp.zero.options import frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.stages import StagePolicy
 
@@ -64,6 +73,7 @@ class Estimate:
     optimizer_bytes: int
     transfers: tuple[Transfer, ...]
     activations: Activations | None = None  # the transformer's shape and ZeRO-R switches; None: not priced
+    whole_parameters: bool = False  # the optimizer steps whole parameters on owner ranks
 
     @property
     def data_parallel(self) -> Layout:
@@ -92,7 +102,8 @@ class Estimate:
         rings are :meth:`disk_tiers`'), or all. A resident unit at stage 3 keeps whole weights on the
         device and no secondary copy: stage 2's formula."""
         zero, world, offload = self.zero, self.data_parallel.world_size, self.zero.offload
-        return sum(
+        owners = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
+        return owners + sum(
             analytic_model_state_bytes(
                 u.padded,
                 world,
@@ -289,6 +300,7 @@ class Estimate:
             "zero": dataclasses.asdict(self.zero),
             "hpz_group_size": self.hpz_group_size,
             "optimizer_state_bytes": self.optimizer_bytes,
+            "optimizer_path": "whole" if self.whole_parameters else "flat",
             "model_state_bytes_per_rank": self.model_state_bytes,
             "model_state_bytes_per_rank_by_tier": {w: self.model_state_bytes_on(w) for w in ("device", "host", "disk")},
             "disk_tiers_per_rank": self.disk_tiers(),
@@ -322,6 +334,7 @@ def estimate(
     tensor_parallel: int = 1,
     activations: Activations | None = None,
     frozen_fraction: float = 0.0,
+    whole_parameters: bool = False,
 ) -> Estimate:
     """Estimate one optimizer step of `model` on `world` ranks over `nodes` nodes under `zero`
     (ZeroConfig's defaults when None), with `tensor_parallel` ranks splitting each weight matrix.
@@ -332,7 +345,8 @@ def estimate(
     switches, for the tensor-parallel traffic and the activation checkpoints (None: neither is
     priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master, in fp32 (Adam: 8;
     halved where ``zero.optimizer_state_dtype`` is bf16). `frozen_fraction`: the share of every unit's
-    parameters that is frozen (rounded down). Raises ConfigError for a bad combination."""
+    parameters that is frozen (rounded down). `whole_parameters`: the optimizer steps whole parameters
+    on owner ranks (its exchanges and whole masters priced). Raises ConfigError for a bad combination."""
     zero = zero or ZeroConfig()
     zero.validate()
     if zero.optimizer_state_dtype == "bf16":
@@ -341,6 +355,8 @@ def estimate(
     dp = layout.data_parallel_size
     hpz = layout.hpz_group_size(zero.hpz_partition_size)
     refuse_qwd_without_hpz(zero, hpz, nodes)  # as the engine does
+    if whole_parameters:
+        refuse_whole_with("--optimizer-path whole", zero, tensor_parallel)
     numels = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
     shard_world = dp if zero.stage >= 1 else 1
     policy = StagePolicy.for_stage(zero.stage)
@@ -357,10 +373,11 @@ def estimate(
                 n - frozen, padded(n - frozen), resident, frozen, padded(frozen) if policy.shard_parameters else frozen
             )
         )
-    est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations)
+    est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters)
     transfers = [
         *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations),
         *frozen_transfers(est.gathered_frozen, layout.data_parallel_layout(), zero, hpz),
+        *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
     ]
     return dataclasses.replace(est, transfers=tuple(transfers))
 

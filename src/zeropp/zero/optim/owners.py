@@ -16,7 +16,7 @@ from torch import nn
 from zeropp.comm.communicator import Communicator
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
-from zeropp.topology import Group, Topology
+from zeropp.topology import Group
 from zeropp.zero.optim.spec import OptimizerSpec
 from zeropp.zero.precision import LossScaler
 from zeropp.zero.unit import FlatUnit
@@ -185,16 +185,15 @@ def _cat(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in pieces]) if pieces else torch.empty(0, device=device)
 
 
-def refuse_whole_with(spec: OptimizerSpec, config: ZeroConfig, topology: Topology) -> None:
-    """What the whole-parameter path does not run with (yet), one line each, before any unit is built."""
-    if not spec.whole:
-        return
+def refuse_whole_with(described: str, config: ZeroConfig, tensor_parallel_size: int) -> None:
+    """What the whole-parameter path (optimizer `described`) does not run with (yet), one line each,
+    before any unit is built."""
     places = {"offload_optimizer": config.offload.optimizer, "offload_params": config.offload.params}
     offload = next((f"zero.{k} = {v!r}" for k, v in places.items() if v != "none"), None)
-    tp = topology.tensor_parallel.size
+    tp = tensor_parallel_size
     why = offload or (f"topology.tensor_parallel_size = {tp} (a parameter is whole on no rank)" if tp > 1 else None)
     if why:
         raise ConfigError(
-            f"optimizer {spec.described} steps whole parameters on owner ranks, which does not run with {why}; "
+            f"optimizer {described} steps whole parameters on owner ranks, which does not run with {why}; "
             "use an element-wise optimizer with one param group (AdamW, SGD, ...) there"
         )
