@@ -28,6 +28,10 @@ def assert_mentions(message: str, *needles: str) -> None:
 
 # (source, overrides, what the message must name: key, value, what is allowed)
 BAD = [
+    pytest.param(
+        {"zero": {"stage": 3, "weight_quantization": "delta"}}, None,
+        ("zero.weight_quantization = 'delta'", "unless zero.quantized_weights is on"), id="qwd-without-qwz",
+    ),  # fmt: skip
     pytest.param({"zeroo": {}}, None, ("'zeroo'", "did you mean 'zero'?"), id="unknown-top-level-key-a-typo"),
     pytest.param({"banana": {}}, None, ("'banana'", "allowed keys: zero, topology"), id="unknown-top-level-key"),
     pytest.param({"zero": {"stge": 3}}, None, ("'zero.stge'", "did you mean 'zero.stage'?"), id="unknown-nested-key"),

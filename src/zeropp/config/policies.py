@@ -62,6 +62,9 @@ class QuantizedWeights:
         check_choices(self, "", name)
         require(self.block_size >= 1, name("block_size"), self.block_size, "an integer >= 1")
         check_finite(self, "", name)
+        # qWD quantizes what qwZ gathers: without qwZ it would be ignored without a word
+        require(self.enabled or self.quantization != "delta", name("quantization"), "delta",
+                f"'block' or 'tensor' unless {name('enabled')} is on (qWD quantizes qwZ's gathers)")  # fmt: skip
 
 
 @dataclass

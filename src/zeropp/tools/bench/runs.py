@@ -1,8 +1,10 @@
 """What the benchmarks share: ``zeropp train`` runs read back as a :class:`~zeropp.app.summary.RunSummary`,
-and the flags that switch ZeRO++ on or off."""
+the flags that switch ZeRO++ on or off, and where a one-file benchmark writes (:func:`output_file`)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,3 +39,20 @@ def publish_report(out: Path, report: str, plot: Callable[[], None]) -> None:
         plot()
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
+
+
+def output_file(parser: argparse.ArgumentParser, out: Path, default_name: str) -> Path:
+    """Where a one-file benchmark writes, checked before any work (a late failure would lose every
+    number): `out` itself where it names a file (it has a suffix), else `default_name` inside the
+    folder `out`, as the folder benchmarks take it. One line through `parser` where it cannot be written."""
+    path = out if out.suffix and not out.is_dir() else out / default_name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as error:
+        parser.error(f"--out {str(out)!r} cannot be written ({error.strerror}); give a folder or a .json file")
+    return path

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from zeropp.quant import reference
 from zeropp.quant.spec import Quantized, QuantKernels, QuantSpec
+from zeropp.tools.bench.runs import output_file
 
 SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 ROW = 4096  # elements a row of the benchmarked buffers
@@ -180,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fp32 buffer sizes in MiB (default: %(default)s)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"), help="JSON results path")
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_kernels.json")
     console = Console()
     if not torch.cuda.is_available():
         console.print("zeropp bench kernels: needs a CUDA GPU (the kernels are Triton)")

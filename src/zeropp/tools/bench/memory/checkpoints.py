@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
-from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file, train_summary
 
 VARIANTS = {
     "checkpointing": ["--activation-checkpointing"],
@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-micro-batch", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("results/bench_checkpoints.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_checkpoints.json")
 
     budget = args.budget_kib * 1024
     results = {

@@ -36,7 +36,7 @@ from zeropp.app.summary import RunSummary
 from zeropp.config.model import ModelConfig
 from zeropp.tools.bench.memory.peak import VARIANTS
 from zeropp.tools.bench.memory.rivals import RIVALS, worker_command, worker_env
-from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file
 
 CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
 ZEROPP_VARIANTS = {  # the memory tiers: in memory, host offload, the disk tiers, and bf16 moments
@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *RIVALS], default=[*ZEROPP_VARIANTS, *RIVALS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_largest.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_largest.json")
     args.offload_path.mkdir(parents=True, exist_ok=True)
     if not Path("/sys/fs/cgroup/memory").is_dir() or os.geteuid() != 0:
         print("zeropp bench largest: error: needs root and the cgroup v1 memory controller", file=sys.stderr)

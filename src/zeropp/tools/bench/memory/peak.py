@@ -40,7 +40,7 @@ import torch
 from zeropp.app.models.gpt import GPT, gpt_config
 from zeropp.config.model import ModelConfig
 from zeropp.tools.bench.memory.rivals import RIVALS, run_rival
-from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, train_summary
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file, train_summary
 from zeropp.zero.grouping import group_parameters, repeated_blocks
 
 VARIANTS = {
@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=[*VARIANTS, *RIVALS], default=[*VARIANTS, *RIVALS])
     parser.add_argument("--out", type=Path, default=Path("results/bench_memory.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_memory.json")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # inherited by every run (see the docstring)
     floor_args = argparse.Namespace(**{**vars(args), "n_layer": 1, "d_model": 64})
     rows = []

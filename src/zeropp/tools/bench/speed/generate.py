@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
+from zeropp.tools.bench.runs import output_file
 from zeropp.topology import free_port
 
 VARIANTS = ("unit by unit", "gathered", "plain model")
@@ -140,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("results/bench_generate.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_generate.json")
     when, cpu = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), cpu_model()
     print(f"{cpu}, {usable_cpus()} CPUs, {when}; Llama of {args.layers} layers x {args.hidden}, fp32, stage 3")
     rows = []

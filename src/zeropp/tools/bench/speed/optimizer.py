@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from zeropp.tools.bench.runs import output_file
+
 LR = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -81,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=Path("results/bench_optimizer.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_optimizer.json")
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{int(args.params):,} fp32 parameters in {args.units} shards, {args.threads} threads")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
+from zeropp.tools.bench.runs import output_file
 
 # (row, owner module path, owner attribute, function name): what the breakdown wraps
 TIMED = (
@@ -196,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("results/bench_overhead.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_overhead.json")
     for key, value in (
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", str(_free_port())),

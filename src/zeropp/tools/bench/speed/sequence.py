@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from zeropp.comm.trace import CollectiveTrace, Entry
+from zeropp.tools.bench.runs import output_file
 
 VARIANTS = {
     "stage 3": {"stage": 3},
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checks", type=int, default=20, help="comparisons timed per variant")
     parser.add_argument("--out", type=Path, default=Path("results/bench_sequence.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_sequence.json")
     from zeropp.topology import free_port
 
     ctx = mp.get_context("spawn")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
-from zeropp.tools.bench.runs import train_summary
+from zeropp.tools.bench.runs import output_file, train_summary
 
 ROW_FIELDS = (
     "stage", "median_step_time_s", "tokens_per_s", "param_count", "intra_node_bytes_per_step",
@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--out", type=Path, default=Path("results/bench_stages.json"))
     args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_stages.json")
 
     rows = [world4_stage(stage, args.steps, args.preset) for stage in range(4)]
     overhead = world1_overhead(args.steps, args.preset)

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
+from zeropp.tools.bench.runs import output_file
 
 BASE_VARIANTS = ("pytorch", "zeropp-0", "zeropp-1", "zeropp-2", "zeropp-3", "zeropp++", "fsdp2", "deepspeed-zero3")
 COMPILED_VARIANTS = ("pytorch-compiled", "zeropp-3-compiled")
@@ -244,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    args.out = output_file(parser, args.out, "bench_step.json")
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no step to time; allowed: fewer than --steps ({args.steps})")
     variants = args.variants or [*BASE_VARIANTS, *(COMPILED_VARIANTS if args.compile else ())]
@@ -257,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant in variants[shift:] + variants[:shift]:
                 record = run_job(variant, world, args)
                 records[world][variant].append(record)
+                args.out.write_text(json.dumps({"partial": True, "worlds": records}, indent=2))  # kept if a later job dies
                 print(f"rep {rep} world {world} {variant}: {record.get('failed') or record['times']}", flush=True)
     results = {
         "machine": f"{usable_cpus()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}, gloo",
