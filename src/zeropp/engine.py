@@ -33,6 +33,7 @@ from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
 from zeropp.comm.sequence import check_sequences
 from zeropp.config.sections import ZeroConfig
+from zeropp.costs.memory import distinct_storage_bytes
 from zeropp.errors import ConfigError
 from zeropp.quant import scratch
 from zeropp.quant.backends import kernels_for
@@ -481,18 +482,10 @@ class ZeroEngine:
     # See [Note: MD arenas]: with MD the gradient arena counts whole
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""
+        states = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
+        held = [*states, *(self.whole.masters() if self.whole else ())]  # the owners' whole masters
         tensors = [t for unit in self.units for t in unit.state_tensors()]
-        if self.whole is not None:
-            tensors.extend(self.whole.state_tensors())
-        for per_param in self.optimizer.state.values():
-            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        seen, total = set(), 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return distinct_storage_bytes([*tensors, *(t for t in held if isinstance(t, torch.Tensor) and t.dim() > 0)])
 
     @property
     def param_count(self) -> int:

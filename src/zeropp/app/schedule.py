@@ -21,6 +21,9 @@ scales a whole schedule. ``optim.schedule`` picks one:
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import torch
 
 from zeropp.config.sections import OptimConfig
 
@@ -66,3 +69,11 @@ def _deepspeed(optim: OptimConfig, total: int, iteration: int) -> float:
     if optim.schedule == "warmup_cosine":
         return max(0.0, _cosine(floor, min(1.0, (iteration - warmup + 1) / max(1, total - warmup))))
     return 1.0
+
+
+def set_rate(group: dict[str, Any], lr: float) -> None:
+    """Set a param group's learning rate; in place where the optimizer keeps it as a tensor (torchao's)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr

@@ -38,7 +38,7 @@ from zeropp.config.sections import Config
 from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.engine import ZeroEngine
-from zeropp.errors import ZeroppError
+from zeropp.errors import ConfigError, ZeroppError
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
 from zeropp.zero.grouping import repeated_blocks
@@ -55,6 +55,18 @@ LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER, *OWN
 OPTIMIZERS = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor
 }  # fmt: skip
+
+
+LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # torchao.optim's classes
+
+
+def low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW with low-bit states for optim.optimizer `name`; one line where torchao is missing."""
+    try:
+        import torchao.optim
+    except ImportError:
+        raise ConfigError(f"optim.optimizer = {name!r} needs torchao, which is not installed: pip install 'zeropp[lowbit]'") from None
+    return getattr(torchao.optim, LOW_BIT[name])
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -153,7 +165,7 @@ class Trainer:
         if self.resumed_from is not None:
             saved_at = read_meta(self.resumed_from)["step"]
             for group in self.param_groups():  # the schedule's rate there: named only if it changed
-                group["lr"] = learning_rate(config, max(saved_at - 1, 0))
+                schedule.set_rate(group, learning_rate(config, max(saved_at - 1, 0)))
             self.start_step = load_checkpoint(self.engine, self.resumed_from)["step"]  # this run's settings win
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
@@ -171,8 +183,11 @@ class Trainer:
     def optimizer(self, model: nn.Module) -> tuple[Any, dict[str, Any] | None]:
         """optim.optimizer for ZeroEngine: a class and its settings, or for muon Muon over the blocks'
         matrices (its lr matched to AdamW's RMS, so one schedule drives both) and AdamW over the rest."""
-        if self.config.optim.optimizer != "muon":
-            return OPTIMIZERS[self.config.optim.optimizer], self.hyperparameters()
+        name = self.config.optim.optimizer
+        if name in LOW_BIT:
+            return low_bit_adamw(name), {k: v for k, v in self.hyperparameters("adamw").items() if k != "fused"}
+        if name != "muon":
+            return OPTIMIZERS[name], self.hyperparameters()
         blocks = {id(p) for block in repeated_blocks(model) for p in block.parameters() if p.dim() == 2}
         named = [p for p in model.parameters() if p.requires_grad]
         hidden, rest = [p for p in named if id(p) in blocks], [p for p in named if id(p) not in blocks]
@@ -282,7 +297,7 @@ class Trainer:
 
     def _train_step(self, step: int) -> float:
         for group in self.param_groups():
-            group["lr"] = learning_rate(self.config, step)
+            schedule.set_rate(group, learning_rate(self.config, step))
         self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
         losses = []
         for micro in range(self.config.zero.gradient_accumulation_steps):

@@ -272,10 +272,11 @@ class TopologyConfig:
 class OptimConfig:
     """The optimizer and learning-rate schedule of `zeropp train` (schedules: zeropp.app.schedule)."""
 
-    optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = setting(
+    optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon", "adamw8bit", "adamw4bit"] = setting(
         "adamw",
         "adamw (decoupled weight decay), adam (L2 weight decay), sgd, adafactor, or muon (the blocks' matrices, "
-        "its lr matched to AdamW's RMS, with AdamW for the rest), from torch.optim; adafactor and muon step whole "
+        "its lr matched to AdamW's RMS, with AdamW for the rest), from torch.optim; adamw8bit, adamw4bit: "
+        "torchao's AdamW with 8- or 4-bit states (the lowbit extra); all but adamw, adam and sgd step whole "
         "parameters on owner ranks",
     )
     lr: float = setting(

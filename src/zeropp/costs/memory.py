@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -161,6 +162,23 @@ def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_qua
     """fp32 residuals of qgZ's error feedback per rank: hop 1's 4Ψ (none where hop 1 is unquantized), and
     hop 2's 4Ψ/X across nodes."""
     return (4 * psi if intra_node_quantized else 0) + (4 * psi / ranks_per_node if nodes > 1 else 0)
+
+
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and aliases counted once); a tensor
+    subclass (torchao's quantized optimizer states) by the plain tensors it is made of."""
+    seen, total = set(), 0
+    stack = list(tensors)
+    while stack:
+        tensor = stack.pop()
+        if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
+            stack.extend(getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+            continue
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def owner_state_bytes(psi: int, world: int) -> float:

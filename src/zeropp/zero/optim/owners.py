@@ -175,10 +175,6 @@ class WholeParameterStep:
         wholes = {key: w.data for key, w in self.whole.items()}
         self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The whole masters and every optimizer state tensor (measured model-state bytes)."""
-        states = [v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-        return [*(w.data for w in self.whole.values()), *(t for t in states if t.dim() > 0)]
 
 
 def _cat(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -15,8 +15,9 @@ runs of one seed are paired: their differences are the configurations', not the 
 - with the best gradient path (error feedback, two-level qgZ, Hadamard) and hpZ: qwZ int4 on the raw
   weights, and qWD (``--weight-quantization delta``: the weights' change since the last gather) int4 and int8.
 - ZeRO-3 with bf16 masters too (``--master-dtype bf16``, Kahan-compensated: 10 bytes per parameter).
-- ZeRO-3 with Muon for the blocks' matrices and AdamW for the rest (``--optimizer muon``): another
-  optimizer at equal steps, not another communication (it has no weight error against AdamW's run).
+- ZeRO-3 with Muon for the blocks' matrices and AdamW for the rest (``--optimizer muon``), and with
+  torchao's AdamW with 8-bit or 4-bit states (``--optimizer adamw8bit``, ``adamw4bit``): other
+  optimizers at equal steps, not another communication (no weight error against AdamW's run).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -71,6 +72,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3 + bf16 masters and states": {**ZEROPP_OFF, "optimizer_state_dtype": "bf16", "master_dtype": "bf16"},
     # another optimizer, not another communication: whole parameters on owner ranks (no weight error: not AdamW)
     "ZeRO-3, Muon + AdamW": {**ZEROPP_OFF, "optimizer": "muon"},
+    "ZeRO-3, torchao AdamW 8-bit": {**ZEROPP_OFF, "optimizer": "adamw8bit"},
+    "ZeRO-3, torchao AdamW 4-bit": {**ZEROPP_OFF, "optimizer": "adamw4bit"},
 }
 
 
