@@ -68,3 +68,29 @@ def test_torchao_low_bit_adamw_equals_torchao_in_one_process_and_its_bytes_are_t
         held = sum(rank[name][1] for rank in by_rank)  # each parameter's states on its owner alone
         assert held == state_bytes_formula(shapes, bits), (name, held, state_bytes_formula(shapes, bits))
     assert state_bytes_formula(shapes, 4) < state_bytes_formula(shapes, 8) < 8 * sum(math.prod(s) for s in shapes)
+
+
+def save_low_bit(folder: str) -> str:
+    from torchao.optim import AdamW8bit
+
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.checkpoint import CheckpointError, save_checkpoint
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    model = make_model("gpt")
+    engine = ZeroEngine(model, AdamW8bit(model.parameters(), lr=1e-3), None, ZeroConfig(stage=3), topology)
+    x, y = rows(global_batch("gpt", 0, 0, topology.world_size), topology.rank)
+    engine.backward(loss_of("gpt", engine, x, y))
+    engine.step()
+    try:
+        save_checkpoint(engine, folder, 1)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+def test_a_checkpoint_of_quantized_states_is_refused_in_one_line_not_saved_dense(tmp_path):
+    """DCP would write torchao's states dequantized, and a resumed run would step fp32 states: refused."""
+    message = run_ranks(save_low_bit, 1, folder=str(tmp_path))[0]
+    assert "\n" not in message and "is a OptimState8bit, not a plain tensor" in message, message

@@ -233,10 +233,10 @@ def owned_state_entries(whole: WholeParameterStep) -> dict[str, torch.Tensor]:
     entries = {}
     for name in whole.owned:
         for key, value in whole.owned_state(name).items():
-            if not isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor:  # a tensor subclass (torchao's quantized states) would load dense
                 raise UnsavableStateError(
-                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a tensor; "
-                    "zeropp checkpoints save tensors"
+                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a plain tensor; "
+                    "zeropp checkpoints save plain tensors (save the weights with engine.full_state_dict())"
                 )
             entries[optim_key(name, key)] = value
     return entries
