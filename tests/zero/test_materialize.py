@@ -144,3 +144,27 @@ def test_no_rank_holds_the_whole_model_while_constructing():
 def test_eager_models_are_synchronized_with_one_broadcast_per_unit():
     first, _ = run_ranks(construction_memory, 2, meta=False, blocks=4, width=64)
     assert first["broadcasts"] == first["units"] == 4  # rank 0 sends (rank 1 forwards nothing: the ledger's ring)
+
+
+def test_a_hugging_face_model_nested_in_a_wrapper_initializes_as_it_would_whole():
+    """A LightningModule, a value head or a PeftModel around a Hugging Face model: its modules get the
+    model's own _init_weights (Llama: Linear and Embedding weights N(0, initializer_range), norms 1)."""
+    pytest.importorskip("transformers")
+    from zeropp.zero.grouping import repeated_blocks
+    from zeropp.zero.materialize import initialize_model
+
+    class ValueHead(torch.nn.Module):  # a wrapper with no _init_weights of its own
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model("hf-llama")
+            self.value = torch.nn.Linear(self.model.config.hidden_size, 1)
+
+    with torch.device("meta"):
+        wrapped = ValueHead()
+    initialize_model(wrapped, repeated_blocks(wrapped))
+    llama = wrapped.model
+    norms = [m.weight for m in llama.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert norms and all(torch.equal(w, torch.ones_like(w)) for w in norms)
+    matrices = torch.cat([m.weight.flatten() for m in llama.modules() if isinstance(m, torch.nn.Linear)])
+    assert abs(matrices.std().item() - llama.config.initializer_range) < 0.1 * llama.config.initializer_range
+    assert torch.isfinite(wrapped.value.weight).all()  # outside the model: its own reset_parameters

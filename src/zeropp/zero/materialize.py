@@ -9,8 +9,8 @@ are made real, one scope at a time:
   engine's ``seed`` and the unit's module name. The weights are therefore the same at every world
   size, node count and stage, and on every device (initialization runs on the host). The
   initializer is ``init_fn(module)`` for every module of the scope when given; otherwise the
-  module's own ``reset_parameters()`` followed by the root model's ``_init_weights(module)`` when it
-  has one (the convention of Hugging Face models and of nanoGPT-style models, which also computes
+  module's own ``reset_parameters()`` followed by ``_init_weights(module)`` of the outermost module
+  around it that has one, the root or a model nested in a wrapper (the convention of Hugging Face models and of nanoGPT-style models, which also computes
   Hugging Face's rotary ``inv_freq`` buffers). A module is initialized only when every tensor it
   holds directly is still on the meta device (a tensor shared with an already materialized unit is
   never written twice). Every tensor is filled with a sentinel (NaN, or the smallest integer) first:
@@ -150,15 +150,27 @@ def _sentinel(dtype: torch.dtype) -> float | int | bool:
 
 
 def default_init(root: nn.Module) -> InitFn:
-    """The initializer without `init_fn`: a module's own ``reset_parameters()``, then the root's ``_init_weights``."""
-    model_init = getattr(root, "_init_weights", None)
+    """The initializer without `init_fn`: a module's own ``reset_parameters()``, then ``_init_weights`` of
+    the outermost module around it that has one: the root's, or that of a Hugging Face model nested in a
+    wrapper (a LightningModule, a value head, a PeftModel), which initializes its modules as it would whole."""
+    model_init: dict[int, Callable[[nn.Module], None]] = {}
+
+    def visit(module: nn.Module, outer: Callable[[nn.Module], None] | None) -> None:
+        own = getattr(module, "_init_weights", None)
+        outer = outer or (own if callable(own) else None)
+        if outer is not None:
+            model_init.setdefault(id(module), outer)
+        for child in module.children():
+            visit(child, outer)
+
+    visit(root, None)
 
     def init(module: nn.Module) -> None:
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
-        if callable(model_init):
-            model_init(module)
+        if id(module) in model_init:
+            model_init[id(module)](module)
 
     return init
 
