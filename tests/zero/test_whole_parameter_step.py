@@ -326,3 +326,40 @@ def test_a_parameter_without_a_gradient_is_left_as_torch_leaves_it():
     results = run_ranks(train_edge_model, 2)[0]
     assert all(results[f"stage{s} unused moved"] == 0.0 for s in (1, 3)), results
     assert all(results[f"stage{s}"] <= TOLERANCE for s in (1, 3)), results
+
+
+def pretrained_then_trained(folder: str) -> float:
+    """Weights loaded after construction (zeropp.checkpoint.load_pretrained) reach the owners' whole masters."""
+    from safetensors.torch import save_file
+
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.checkpoint.pretrained import load_pretrained
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    pretrained = make_model("gpt")
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.mul_(0.5).add_(0.01)
+    path = f"{folder}/model.safetensors"
+    if topology.rank == 0:
+        save_file({k: v.contiguous().clone() for k, v in pretrained.state_dict().items()}, path)
+    torch.distributed.barrier()
+    build = OPTIMIZERS["adafactor"][0]
+    model = make_model("gpt")
+    engine = ZeroEngine(model, build(model), None, ZeroConfig(stage=3), topology)
+    load_pretrained(engine, path)
+    optimizers = build(pretrained)
+    for step in range(2):
+        x, y = global_batch("gpt", step, 0, topology.world_size)
+        optimizers[0].zero_grad()
+        loss_of("gpt", pretrained, x, y).backward()
+        optimizers[0].step()
+        x, y = rows((x, y), topology.rank)
+        engine.backward(loss_of("gpt", engine, x, y))
+        engine.step()
+    return distance(engine.full_state_dict(), pretrained.state_dict())
+
+
+def test_weights_loaded_after_construction_reach_the_owners(tmp_path):
+    assert run_ranks(pretrained_then_trained, 2, folder=str(tmp_path))[0] <= TOLERANCE

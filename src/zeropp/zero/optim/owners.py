@@ -46,14 +46,22 @@ class WholeParameterStep:
         self.owner = dict(zip(self.keys, balanced_owners(sizes, self.group.size), strict=True))
         self.mine = [key for key in self.keys if self.owner[key] == self.group.rank]
         self.whole = {key: self._empty_master(key) for key in self.mine}
-        wholes = {key: w.data for key, w in self.whole.items()}
-        self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
+        self._versions: list[int] = []
+        self._take_masters()
         by_param = {id(self.units[k].params[i]): self.whole[(k, i)] for k, i in self.mine}
         every = [self.whole[key] for key in self.mine]
         self.optimizers = [
             part.cls(part.groups_over(lambda p: by_param.get(id(p)), every)) for part in spec.parts
         ]  # fmt: skip
         self.owned = {self.units[k].names[i]: (k, i) for k, i in self.mine}  # name -> key
+
+    def _take_masters(self) -> None:
+        """The whole masters from the master shards (collective): at construction, and whenever the shards
+        changed other than by this path's own step (a load of pretrained weights or of a checkpoint bumps
+        the units' versions on every rank alike)."""
+        wholes = {key: w.data for key, w in self.whole.items()}
+        self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
+        self._versions = [u.version for u in self.units]
 
     def _empty_master(self, key: Key) -> nn.Parameter:
         unit, index = self.units[key[0]], key[1]
@@ -120,6 +128,8 @@ class WholeParameterStep:
     def step(self, scaler: LossScaler, coefficient: torch.Tensor | None) -> None:
         """Gradients to their owners (unscaled, clipped), the user's optimizers on the whole masters,
         the updated parameters back to the shards, which publish them."""
+        if [u.version for u in self.units] != self._versions:
+            self._take_masters()
         grads = []
         for unit in self.units:
             grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: its last use
@@ -142,6 +152,7 @@ class WholeParameterStep:
         self._exchange(False, [u.master.data for u in self.units], wholes, label=OWNER_OPS[1])
         for unit in self.units:
             unit.publish_master()
+        self._versions = [u.version for u in self.units]
 
     def _without_gradient(self) -> list[Key]:
         """The owned parameters no rank gave a gradient this step (an expert no token chose, a layer
@@ -167,13 +178,11 @@ class WholeParameterStep:
         return self.whole[self.owned[name]].device
 
     def load_owned_states(self, states: Mapping[str, dict[str, torch.Tensor]]) -> None:
-        """Set each owned parameter's optimizer state (by name), and every whole master from the master
-        shards, which a load has set already (collective)."""
+        """Set each owned parameter's optimizer state (by name); the whole masters follow the loaded
+        shards at the next step (their versions changed)."""
         for name, state in states.items():
             whole = self.whole[self.owned[name]]
             self._optimizer_of(whole).state[whole] = dict(state)
-        wholes = {key: w.data for key, w in self.whole.items()}
-        self._exchange(True, [u.master.data for u in self.units], wholes, label="owners.init")
 
 
 
