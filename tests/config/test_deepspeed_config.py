@@ -27,6 +27,7 @@ OFFLOAD = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
 # DeepSpeed key -> (a config holding it, {zeropp key: the value it must give}), world size 4
 TABLE = {
     "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, {"zero.stage": 2}),
+    "tensor_parallel.autotp_size": ({"tensor_parallel": {"autotp_size": 2}}, {"topology.tensor_parallel_size": 2}),
     "zero_optimization.reduce_bucket_size": (
         {"zero_optimization": {"reduce_bucket_size": 4e6}}, {"zero.reduce_bucket_numel": 1_000_000}),
     "zero_optimization.allgather_bucket_size": (
@@ -429,3 +430,19 @@ def test_zero_infinity_with_both_on_disk_keeps_one_folder_and_count(tmp_path):
     note = translation.note()
     assert "zero_optimization.offload_param.buffer_count (zero.offload_buffer_count = 4, offload_optimizer's)" in note
     assert "zero_optimization.offload_param.buffer_size" in note
+
+
+def test_the_autotp_block_sets_the_tensor_parallel_size_and_the_host_loops_refuse_it():
+    """DeepSpeed's AutoTP size is zeropp's tensor-parallel size (zeropp train splits the model by
+    transformers' plans); the Trainer and Lightning doors wrap one replica per rank: refused in one line."""
+    from zeropp.integrations.settings import IntegrationError, resolve_zero_config
+
+    autotp = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    translation = translate(autotp, world_size=4, hidden_size=64)
+    with translation.worded():
+        assert translation.config().topology.tensor_parallel_size == 2
+    with pytest.raises(IntegrationError) as refused:
+        resolve_zero_config(autotp, {}, owner="the TrainingArguments", world_size=4, hidden_size=64)
+    assert "tensor_parallel.autotp_size = 2" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="^DeepSpeed tensor_parallel.tp_overlap_comm = true is not allowed: "):
+        translate({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}, world_size=4, hidden_size=64)

@@ -28,11 +28,7 @@ REFUSED = {
         "DeepSpeed fp16.fp16_master_weights_and_grads = true is not allowed: zeropp keeps fp32 master weights",
     "deepspeedexamples__ds_zero_stage_infinity_config.json":  # a typo DeepSpeed 0.19 refuses too
         "DeepSpeed key 'zero_optimization.stage3_param_persitance_threshold' is not known to zeropp",
-    "deepspeedexamples__tensor_parallel_hf_ds_config.json":
-        "DeepSpeed tensor_parallel = {\"autotp_size\": 4} is not allowed: DeepSpeed's AutoTP block is not read",
     "deepspeedexamples__zenflow_zf_config.json": "is not allowed: ZenFlow is not implemented",
-    "llama-factory__ds_z2_autotp_config.json":
-        "DeepSpeed tensor_parallel = {\"autotp_size\": 2} is not allowed: DeepSpeed's AutoTP block is not read",
     "llama-factory__ds_z3_fp8_config.json": "is not allowed: zeropp trains in fp32, bf16 or fp16",
     "transformers__ds_config_zero3.json":  # DeepSpeed 0.19 requires reduce_bucket_size > 0 too
         "DeepSpeed zero_optimization.reduce_bucket_size = 0 is not allowed; expected an integer >= 1",

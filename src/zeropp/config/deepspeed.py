@@ -198,6 +198,7 @@ class _Reader:
             "gradient_clipping": self.clipping, "communication_data_type": self.grad_dtype,
             "data_types": self.grad_dtype, "train_batch_size": self.batch, "train_micro_batch_size_per_gpu": self.batch,
             "gradient_accumulation_steps": self.batch, "activation_checkpointing": self.activation_checkpointing,
+            "tensor_parallel": self.tensor_parallel,
         }  # fmt: skip
         self.check_keys("", self.data)
         done: list[Callable[[], None]] = []
@@ -206,6 +207,14 @@ class _Reader:
                 done.append(handler)
                 handler()
         return self.out
+
+    def tensor_parallel(self) -> None:
+        """DeepSpeed's AutoTP block: its size is zeropp's tensor-parallel size, from transformers' plans."""
+        block = self.block("tensor_parallel")
+        self.check_keys("tensor_parallel", block)
+        size = block.get("autotp_size", AUTO)
+        if size != AUTO:
+            self.set("topology.tensor_parallel_size", size, "tensor_parallel.autotp_size")
 
     def zero(self) -> None:
         given = self.block("zero_optimization")

@@ -17,6 +17,7 @@ AUTO = "auto"
 # DeepSpeed key -> the zeropp key it sets (documentation and the table test; "+" where it sets several)
 MAPPED = {
     "zero_optimization.stage": "zero.stage",
+    "tensor_parallel.autotp_size": "topology.tensor_parallel_size (transformers' tp plans; refused where the model has none)",
     "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_numel (/ world size)",
     "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_numel (/ world size)",
     "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch = 0 when 0 (else noted: zeropp prefetches units)",
@@ -74,6 +75,7 @@ MAPPED = {
 BLOCKS = (
     "", "zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "fp16",
     "bf16", "optimizer", "optimizer.params", "scheduler", "scheduler.params", "activation_checkpointing", "data_types",
+    "tensor_parallel",
 )  # fmt: skip
 
 # accepted, change nothing here: block -> its keys (values that would change something are REFUSED)
@@ -114,6 +116,8 @@ NOTED = {
     "optimizer": ("legacy_fusion",),
     "optimizer.params": ("torch_adam", "fused"),
     "activation_checkpointing": ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
+    # AutoTP's module dtype (zeropp casts by zero.precision) and where DeepSpeed keeps modules while it splits
+    "tensor_parallel": ("dtype", "keep_module_on_host"),
 }  # fmt: skip
 COMMENT = "_"  # a top-level key starting with it is a comment (``"_comment"``): noted
 
@@ -135,8 +139,15 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "hybrid_engine": ("DeepSpeed-Chat's hybrid engine is not part of zeropp", OFF),
     "nebula": ("Nebula checkpointing is not supported", OFF),
     "expert_parallel": ("zeropp has no mixture-of-experts parallelism", NEVER),
-    "tensor_parallel": ("DeepSpeed's AutoTP block is not read; use --tensor-parallel (topology.tensor_parallel_size)",
-                        NEVER),
+    "tensor_parallel.tp_overlap_comm": ("zeropp's tensor parallelism does not overlap its communication", False),
+    "tensor_parallel.vocab_parallel_lm_head": ("a vocabulary-parallel head is not implemented", None),
+    "tensor_parallel.vocab_parallel_ce_backend": ("a vocabulary-parallel head is not implemented", "torch"),
+    "tensor_parallel.tensor_parallel": ("DeepSpeed's inference tensor parallelism is not part of zeropp; "
+                                        "autotp_size sets the size", {}),
+    "tensor_parallel.injection_policy_tuple": ("zeropp splits by transformers' tp plans, not injection policies", None),
+    "tensor_parallel.partition_config": ("zeropp splits by transformers' tp plans, not partition configs", None),
+    "tensor_parallel.preset_model": ("zeropp splits by transformers' tp plans, not DeepSpeed's presets", None),
+    "tensor_parallel.replace_with_kernel_inject": ("DeepSpeed's kernel injection is not part of zeropp", False),
     "sequence_parallel_size": ("zeropp has no Ulysses sequence parallelism (topology.sequence_parallel is "
                                "Megatron's, inside tensor parallelism)", 1),
     "gradient_allreduce_op": ("zeropp averages gradients over the ranks", "mean"),
@@ -156,6 +167,8 @@ REFUSED: dict[str, tuple[str, Any]] = {
 # another name DeepSpeed accepts -> the key as the tables write it
 ALIASES = {
     "bfloat16": "bf16",
+    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
     **{f"zero_optimization.{name}": f"zero_optimization.stage3_{name}" for name in (
         "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
         "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",

@@ -54,6 +54,11 @@ def resolve_zero_config(
             )
         if any(key in deepspeed.read(source) for key in ("optimizer", "scheduler")):
             logger.warning("zeropp: the DeepSpeed config's optimizer and scheduler are replaced by %s'", owner)
+        if config.topology.tensor_parallel_size > 1:  # the host loop wraps one model replica per rank
+            raise IntegrationError(
+                f"the DeepSpeed config's tensor_parallel.autotp_size = {config.topology.tensor_parallel_size}: "
+                f"{owner} do not split the model; train it with zeropp train --deepspeed, which does"
+            )
         defaults, zero, where = base.zero, config.zero, "the DeepSpeed config"
     for key, value in wanted.items():
         mine = getattr(zero, key)
