@@ -1,2 +1,3 @@
-"""The optimizer on the ranks' shards: which masters each step updates and when (``stepping``), and
-Adam with its moments stored in bf16 (``low_precision_adam``)."""
+"""The optimizer: the user's as given (``spec``), stepped on the flat shards where it is one element-wise
+optimizer with one group (``stepping``), else on whole parameters on owner ranks (``owners``), and Adam
+with its moments stored in bf16 (``low_precision_adam``)."""
