@@ -22,6 +22,7 @@ from zeropp.zero.precision import LossScaler
 from zeropp.zero.unit import FlatUnit
 
 Key = tuple[int, int]  # (unit, parameter index in the unit)
+Piece = tuple[int, Key, tuple[int, int]]  # (group rank on the other side, parameter, [start, stop) in the flat buffer)
 OWNER_OPS = ("to_owners", "from_owners")  # the ledger's names of a step's two exchanges
 
 
@@ -46,6 +47,9 @@ class WholeParameterStep:
         self.owner = dict(zip(self.keys, balanced_owners(sizes, self.group.size), strict=True))
         self.mine = [key for key in self.keys if self.owner[key] == self.group.rank]
         self.whole = {key: self._empty_master(key) for key in self.mine}
+        self.plan = self._plan()
+        self.plan_numel = sum(sizes)  # the elements the group moves one way: the same on every rank
+        self.device = self.units[0].master.device if self.units else torch.device("cpu")
         self._versions: list[int] = []
         self._take_masters()
         by_param = {id(self.units[k].params[i]): self.whole[(k, i)] for k, i in self.mine}
@@ -81,25 +85,28 @@ class WholeParameterStep:
         unit = self.units[key[0]]
         return unit.layout.shard_range(self.group.rank)[0] if unit.shard_world > 1 else 0
 
+    def _plan(self) -> tuple[list[Piece], list[Piece], list[int], list[int]]:
+        """The exchanges' fixed plan (layouts and owners never change): this rank's pieces of other
+        ranks' parameters by owner, the pieces of its own parameters by holder, and the element counts
+        of each side's buffer per group rank."""
+        n, me = self.group.size, self.group.rank
+        held = [(dest, key, self._piece(key, me)) for dest in range(n) for key in self.keys if self.owner[key] == dest]
+        owned = [(src, key, self._piece(key, src)) for src in range(n) for key in self.mine]
+        held = [(r, key, (a, b)) for r, key, (a, b) in held if a < b]
+        owned = [(r, key, (a, b)) for r, key, (a, b) in owned if a < b]
+        held_counts, owned_counts = [0] * n, [0] * n
+        for r, _, (a, b) in held:
+            held_counts[r] += b - a
+        for r, _, (a, b) in owned:
+            owned_counts[r] += b - a
+        return held, owned, held_counts, owned_counts
+
     def _exchange(
         self, to_owners: bool, shards: list[torch.Tensor], wholes: dict[Key, torch.Tensor], label: str
     ) -> None:
         """`to_owners`: this rank's pieces of `shards` (one flat shard per unit, aligned with its master)
         go into the owners' `wholes` (one per owned parameter). Otherwise the other way round."""
-        n, me = self.group.size, self.group.rank
-        local = []  # (rank, key, flat range) in the order of the shard side's buffer
-        for dest in range(n):
-            local.extend((dest, key, self._piece(key, me)) for key in self.keys if self.owner[key] == dest)
-        remote = [(src, key, self._piece(key, src)) for src in range(n) for key in self.mine]
-        local = [(r, key, (a, b)) for r, key, (a, b) in local if a < b]
-        remote = [(r, key, (a, b)) for r, key, (a, b) in remote if a < b]
-        shard_counts, owner_counts = [0] * n, [0] * n
-        for r, _, (a, b) in local:
-            shard_counts[r] += b - a
-        for r, _, (a, b) in remote:
-            owner_counts[r] += b - a
-        plan_numel = sum(self.units[k].layout.numels[i] for k, i in self.keys)
-        device = self.units[0].master.device if self.units else torch.device("cpu")
+        held, owned, held_counts, owned_counts = self.plan
 
         def shard_view(key: Key, a: int, b: int) -> torch.Tensor:
             start = self._shard_start(key)
@@ -109,18 +116,14 @@ class WholeParameterStep:
             first = self.units[key[0]].layout.param_range(key[1])[0]
             return wholes[key].view(-1)[a - first : b - first]
 
-        if to_owners:
-            inp = _cat([shard_view(key, a, b) for _, key, (a, b) in local], device)
-            out = torch.empty(sum(owner_counts), dtype=torch.float32, device=device)
-            self.comm.exchange(out, inp, self.group, owner_counts, shard_counts, label=label, plan_numel=plan_numel)
-            for (_, key, (a, b)), piece in zip(remote, out.split([b - a for _, _, (a, b) in remote]), strict=True):
-                whole_view(key, a, b).copy_(piece)
-        else:
-            inp = _cat([whole_view(key, a, b) for _, key, (a, b) in remote], device)
-            out = torch.empty(sum(shard_counts), dtype=torch.float32, device=device)
-            self.comm.exchange(out, inp, self.group, shard_counts, owner_counts, label=label, plan_numel=plan_numel)
-            for (_, key, (a, b)), piece in zip(local, out.split([b - a for _, _, (a, b) in local]), strict=True):
-                shard_view(key, a, b).copy_(piece)
+        shard_side, owner_side = (held, shard_view, held_counts), (owned, whole_view, owned_counts)
+        sending, receiving = (shard_side, owner_side) if to_owners else (owner_side, shard_side)
+        (sent, sent_view, in_counts), (received, received_view, out_counts) = sending, receiving
+        inp = _cat([sent_view(key, a, b) for _, key, (a, b) in sent], self.device)
+        out = torch.empty(sum(out_counts), dtype=torch.float32, device=self.device)
+        self.comm.exchange(out, inp, self.group, out_counts, in_counts, label=label, plan_numel=self.plan_numel)
+        for (_, key, (a, b)), piece in zip(received, out.split([b - a for _, _, (a, b) in received]), strict=True):
+            received_view(key, a, b).copy_(piece)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -157,8 +160,7 @@ class WholeParameterStep:
     def _without_gradient(self) -> list[Key]:
         """The owned parameters no rank gave a gradient this step (an expert no token chose, a layer
         skipped): one max all-reduce of a flag per parameter, read on the host."""
-        device = self.units[0].master.device if self.units else torch.device("cpu")
-        given = torch.tensor([float(i in self.units[k].with_grad) for k, i in self.keys], device=device)
+        given = torch.tensor([float(i in self.units[k].with_grad) for k, i in self.keys], device=self.device)
         self.comm.all_reduce(given, self.group, reduce="max")
         flags = dict(zip(self.keys, given.tolist(), strict=True))
         return [key for key in self.mine if not flags[key]]
@@ -183,7 +185,6 @@ class WholeParameterStep:
         for name, state in states.items():
             whole = self.whole[self.owned[name]]
             self._optimizer_of(whole).state[whole] = dict(state)
-
 
 
 def _cat(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
