@@ -16,7 +16,8 @@ from zeropp.runtime.reductions import ReductionQueue
 from zeropp.topology import Group, ShardGroups, Topology
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.stages import StagePolicy
-from zeropp.zero.unit import FlatUnit, TrainingState
+from zeropp.zero.unit import FlatUnit
+from zeropp.zero.unit_states import TrainingState
 
 
 def test_order_is_recorded_once_and_prefetch_follows_it():

@@ -18,8 +18,6 @@ Which modules form units is :mod:`zeropp.zero.grouping`'s concern; when hooks fi
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -32,25 +30,13 @@ from zeropp.topology import ShardGroups
 from zeropp.zero.arena import Arena, Loans
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.stages import StagePolicy
+from zeropp.zero.unit_states import ShardState, TrainingState
 from zeropp.zero.weights.dtensor_params import is_split, local_tensor, point_at
 from zeropp.zero.weights.frozen import FrozenWeights
 from zeropp.zero.weights.gather import start_weight_gather
 from zeropp.zero.weights.reference import WeightReference
 
 _RELEASED = torch.empty(0)
-
-
-class ShardState(enum.Enum):
-    SHARDED = "sharded"  # only this rank's shard exists; parameters point at empty storage
-    GATHERING = "gathering"  # an all-gather into compute_flat is in flight
-    UNSHARDED = "unsharded"  # parameters are views of the gathered compute_flat
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"  # no backward pass under way (forward and evaluation run here)
-    PRE_BACKWARD = "pre_backward"  # backward has begun; no output gradient has reached the unit yet
-    BACKWARD = "backward"  # gathered for backward; parameter gradients are arriving
-    POST_BACKWARD = "post_backward"  # every gradient of this backward is in (reduced, or kept to accumulate)
 
 
 class FlatUnit:

@@ -23,7 +23,8 @@ from torch import nn
 from zeropp.config.sections import ZeroConfig
 from zeropp.zero.offload.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
 from zeropp.zero.precision import DTYPES
-from zeropp.zero.unit import FlatUnit, ShardState
+from zeropp.zero.unit import FlatUnit
+from zeropp.zero.unit_states import ShardState
 
 
 class ParamFiles(DiskFiles):
