@@ -93,6 +93,14 @@ def distance(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
     return max((ours[k] - ref[k]).abs().max().item() for k in ref)
 
 
+def train(engine, topology, steps: range = range(STEPS), kind: str = "gpt", per_rank: int = 2) -> None:
+    """`steps` of this rank's rows of each step's global batch (world size x `per_rank` rows)."""
+    for step in steps:
+        x, y = rows(global_batch(kind, step, 0, topology.world_size, per_rank), topology.rank, per_rank)
+        engine.backward(loss_of(kind, engine, x, y))
+        engine.step()
+
+
 def expected_exchange_bytes(engine) -> int:
     """What the ranks send together one way per step: every element held by a rank other than its owner, fp32."""
     whole = engine.whole
@@ -118,10 +126,7 @@ def train_every_optimizer() -> dict[str, tuple[float, float, int, int]]:
         for stage in (1, 2, 3):
             model = make_model("gpt")
             engine = ZeroEngine(model, build(model), None, ZeroConfig(stage=stage), topology)
-            for step in range(STEPS):
-                x, y = rows(global_batch("gpt", step, 0, topology.world_size), topology.rank)
-                engine.backward(loss_of("gpt", engine, x, y))
-                engine.step()
+            train(engine, topology)
             error = distance(engine.full_state_dict(), ref)
             ledger = engine.comm.ledger.bytes
             sent = sum(v for (op, _, _), v in ledger.items() if op == "to_owners") // STEPS
@@ -242,14 +247,6 @@ CHECKPOINTED = {"adafactor": OPTIMIZERS["adafactor"], "adamw-3-groups": OPTIMIZE
 SAVED_AT = 3
 
 
-def _train(engine, steps: range, topology) -> None:
-    per_rank = 4 // topology.world_size  # the same 4-row global batch at every world size
-    for step in steps:
-        x, y = rows(global_batch("gpt", step, 0, topology.world_size, per_rank), topology.rank, per_rank)
-        engine.backward(loss_of("gpt", engine, x, y))
-        engine.step()
-
-
 def save_and_resume(folder: str, stage: int) -> dict[str, float]:
     """At this world size and `stage`: steps 0-2, save; a fresh engine loads and runs steps 3-4 (and, at
     world 2, against the same engine run straight through: bit for bit)."""
@@ -258,19 +255,20 @@ def save_and_resume(folder: str, stage: int) -> dict[str, float]:
     from zeropp.topology import init_topology
 
     topology = init_topology()
+    per_rank = 4 // topology.world_size  # the same 4-row global batch at every world size
     distances = {}
     for name, (build, _) in CHECKPOINTED.items():
         path = f"{folder}/{name}"
         if topology.world_size == 2:
             model = make_model("gpt")
             straight = ZeroEngine(model, build(model), None, ZeroConfig(stage=3), topology)
-            _train(straight, range(SAVED_AT), topology)
+            train(straight, topology, range(SAVED_AT), per_rank=per_rank)
             save_checkpoint(straight, path, SAVED_AT)
-            _train(straight, range(SAVED_AT, STEPS), topology)
+            train(straight, topology, range(SAVED_AT, STEPS), per_rank=per_rank)
         model = make_model("gpt")
         resumed = ZeroEngine(model, build(model), None, ZeroConfig(stage=stage), topology)
         load_checkpoint(resumed, f"{path}/step-{SAVED_AT:08d}")
-        _train(resumed, range(SAVED_AT, STEPS), topology)
+        train(resumed, topology, range(SAVED_AT, STEPS), per_rank=per_rank)
         ours = resumed.full_state_dict()
         if topology.world_size == 2:
             distances[f"{name}: resumed against straight"] = distance(ours, straight.full_state_dict())
@@ -311,10 +309,7 @@ def train_edge_model() -> dict[str, float]:
     for stage in (1, 3):
         model = make_model("edge")
         engine = ZeroEngine(model, edge_adamw(model), None, ZeroConfig(stage=stage), topology)
-        for step in range(STEPS):
-            x, y = rows(global_batch("edge", step, 0, topology.world_size), topology.rank)
-            engine.backward(loss_of("edge", engine, x, y))
-            engine.step()
+        train(engine, topology, kind="edge")
         ours = engine.full_state_dict()
         results[f"stage{stage}"] = distance(ours, ref)
         unused = [k for k in ref if k.startswith(("unused.", "layers.3."))]
