@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
-from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, is_elementwise
+from zeropp.zero.optim.stepping import is_elementwise
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 NO_CLOSURE = (torch.optim.LBFGS,)  # a step that re-evaluates the model through a closure
@@ -161,5 +161,3 @@ def _read_objects(optimizers: list[torch.optim.Optimizer], model: nn.Module) -> 
         return OptimizerSpec(parts, lambda masters: only.cls([{**hyper, "params": masters}]), described=described)
     return OptimizerSpec(parts, whole=True, described=described)
 
-
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerPart", "OptimizerSpec", "read_optimizer"]
