@@ -41,6 +41,7 @@ from zeropp.app.launch import (
     describe_failure,
     follow_launcher,
     is_rank,
+    on_stop,
     quiet_torchrun,
     resolve,
     usable_cpus,
@@ -382,9 +383,12 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
 
 
 def _record_on_signal(trace: Any) -> None:
-    """A rank stopped by SIGTERM (its launcher stopping the run) writes its flight record first."""
+    """A rank stopped by SIGTERM or SIGINT (its launcher stopping the run) writes its flight record first."""
+    if LAUNCHER_PID in os.environ:  # started by RANK_ENTRY: its stopping thread runs the hooks
+        on_stop(trace.write)
+        return
 
-    def record(signum: int, frame: Any) -> None:
+    def record(signum: int, frame: Any) -> None:  # started by srun or mpirun: a Python handler
         trace.write(signal.Signals(signum).name)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -159,17 +160,56 @@ def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
             raise AssertionError("no error")
 
 
-def test_ctrl_c_says_interrupted_once():
+def test_ctrl_c_says_interrupted_once_and_every_rank_writes_its_flight_record(tmp_path):
+    records = tmp_path / "flight"
     command = [sys.executable, "-m", "zeropp.cli", *LONG_RUN, "--master-port", str(free_port())]
+    metrics = tmp_path / "metrics.jsonl"
+    command += ["--flight-record-dir", str(records), "--metrics-jsonl", str(metrics)]
     launcher = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     ranks = wait_for_ranks(launcher, 2)
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.read_text().strip()):  # training: each rank holds its recorder
+        assert launcher.poll() is None and time.monotonic() < deadline, "no step was logged"
+        time.sleep(0.2)
     os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     # well before torchrun's agent would SIGKILL ranks that ignored the SIGINT it forwards (after 30 s)
     _, stderr = launcher.communicate(timeout=20)
     assert [line for line in stderr.splitlines() if line.strip()] == ["zeropp: interrupted"], stderr[-3000:]
     assert launcher.returncode == 130 and not any(alive(r) for r in ranks)
+    reasons = {json.loads(path.read_text())["reason"] for path in records.glob("flight-rank*.json")}
+    assert len(list(records.glob("flight-rank*.json"))) == 2 and reasons <= {"SIGINT", "SIGTERM"}, reasons
+
+
+def test_a_rank_blocked_in_the_rendezvous_stops_at_its_launchers_signal():
+    """The main thread of a rank waiting in C++ for a peer (here: rank 1 never comes) runs no Python
+    signal handler: the rank must end at the SIGINT anyway, not at the agent's SIGKILL 30 s later."""
+    from zeropp.app.launch import RANK_ENTRY
+
+    port = free_port()
+    place = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+    env = {**os.environ, **place, "TORCHELASTIC_RUN_ID": "blocked", "MASTER_ADDR": "127.0.0.1"}
+    env["ZEROPP_LAUNCHER_PID"] = str(os.getpid())
+    command = [sys.executable, "-c", RANK_ENTRY, "train", "--preset", "tiny", "--steps", "10"]
+    rank = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not listening(port):  # rank 0 hosts the store and waits there for rank 1
+        assert rank.poll() is None and time.monotonic() < deadline, rank.stderr.read()[-2000:]
+        time.sleep(0.1)
+    time.sleep(1)
+    rank.send_signal(signal.SIGINT)
+    try:
+        _, stderr = rank.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        rank.kill()
+        raise AssertionError("the rank ignored SIGINT while blocked in the rendezvous") from None
+    assert rank.returncode == -signal.SIGTERM and not stderr.strip(), (rank.returncode, stderr[-2000:])
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_a_thread_count_the_ranks_libraries_would_refuse_stops_the_launcher():

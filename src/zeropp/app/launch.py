@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zeropp.config.launcher import read_launch_environment
@@ -30,14 +31,31 @@ TASK = "ZEROPP_TASK"  # set in a rank that srun or mpirun started (its launcher'
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
-# How the launcher starts a rank: SIGINT taken as SIGTERM from its first line. Ctrl-C reaches every
-# process of the terminal's group, also ranks still importing torch, and torchrun's agent forwards the
-# SIGINT it got to the ranks (then waits 30 s before SIGKILL): a rank stops at once, quietly, writing
-# its flight record where it has one (cli._record_on_signal); the launcher says "interrupted" once.
-RANK_ENTRY = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM)); "
-    "from zeropp.cli import main; sys.exit(main())"
-)
+# How the launcher starts a rank. Ctrl-C reaches every process of the terminal's group, also ranks
+# still importing torch, and torchrun's agent forwards the SIGINT it got to the ranks (then waits 30 s
+# before SIGKILL). A Python handler runs only when the main thread runs Python: a rank blocked in C++
+# (a gloo wait, the store's rendezvous) would hold it until the SIGKILL. So the rank's first line
+# blocks SIGINT and SIGTERM in every thread (threads started later inherit it; a forked child gets
+# them back) and one thread takes them with sigwait: it runs the stop hooks (the flight record,
+# see on_stop) and ends the process by SIGTERM's default action, whatever the main thread is doing.
+# The launcher alone says "interrupted".
+RANK_ENTRY = """\
+import os, signal, sys, threading
+STOPS = {signal.SIGINT, signal.SIGTERM}
+signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
+def stop():
+    name = signal.Signals(signal.sigwait(STOPS)).name
+    launch = sys.modules.get("zeropp.app.launch")
+    if launch is not None:
+        launch.run_stop_hooks(name)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+threading.Thread(target=stop, name="zeropp-stop", daemon=True).start()
+from zeropp.cli import main
+sys.exit(main())
+"""
+_stop_hooks: list[Callable[[str], object]] = []
 PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
 
 # torchrun flag -> (default, type, help); None: decided at launch (see resolve)
@@ -247,3 +265,17 @@ def waiting_note(args: argparse.Namespace, nodes: int) -> str | None:
         f"zeropp: waiting up to {args.join_timeout_s} s for {nodes} nodes at {args.master_addr}:{args.master_port} "
         f"(this is node {args.node_rank})"
     )
+
+
+def on_stop(hook: Callable[[str], object]) -> None:
+    """Run ``hook(signal name)`` when the launcher stops this rank (SIGINT or SIGTERM), before it ends."""
+    _stop_hooks.append(hook)
+
+
+def run_stop_hooks(name: str) -> None:
+    """Called by the stopping thread of :data:`RANK_ENTRY`; a hook's failure never keeps the rank alive."""
+    for hook in _stop_hooks:
+        try:
+            hook(name)
+        except Exception:  # noqa: BLE001 - the rank is ending: a courtesy must not stop that
+            pass
