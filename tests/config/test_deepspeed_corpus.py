@@ -18,9 +18,6 @@ HIDDEN = 64  # resolves the "auto" bucket sizes
 
 # file -> what its one-line refusal says (every other file trains)
 REFUSED = {
-    "axolotl__zero3_bf16_cpuoffload_params.json":
-        "DeepSpeed zero_optimization.offload_param.device = \"cpu\" (zeropp's zero.offload_params) is not allowed; "
-        "expected 'none' unless zero.offload_optimizer is offloaded too",
     "deepspeed__ds_config_zero3_sdma.json":  # not a DeepSpeed 0.19 key (nor a key 0.19's own reader accepts)
         "DeepSpeed key 'zero_optimization.sdma_allgather' is not known to zeropp",
     "deepspeedexamples__bing_bert_lamb_config_seq128.json": "DeepSpeed's sparse attention kernels are not part of zeropp",

@@ -182,9 +182,6 @@ def test_keys_deepspeed_accepts_without_effect_here_are_noted(ds, noted):
         ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, Layout(1, 1),
          "DeepSpeed communication_data_type = \"fp16\" (zeropp's zero.grad_dtype) is not allowed; expected unset, "
          "'fp32' or 'bf16' (the precision)"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, Layout(1, 1),
-         "DeepSpeed zero_optimization.offload_param.device = \"cpu\" (zeropp's zero.offload_params) is not allowed; "
-         "expected 'none' unless zero.offload_optimizer is offloaded too"),
     ],
 )  # fmt: skip
 def test_errors_name_the_files_key_and_the_zeropp_key(ds, layout, message):

@@ -154,8 +154,8 @@ def test_every_flat_key_and_alias_is_still_a_flag():
         ({"quantized_gradients_until": 0}, "zero.quantized_gradients_until"),
         ({"stage": 2, "quantized_weights": True}, "zero.quantized_weights"),
         ({"stage": 2, "qgz": {"enabled": True}}, "zero.qgz.enabled"),
-        ({"offload_params": "cpu"}, "zero.offload_params"),
-        ({"offload": {"params": "cpu"}}, "zero.offload.params"),
+        ({"stage": 2, "offload_params": "cpu"}, "zero.offload_params"),
+        ({"stage": 2, "offload": {"params": "cpu"}}, "zero.offload.params"),
         ({"weight_block_size": "big"}, "zero.weight_block_size"),
         ({"quantized_weights": True, "weight_quantization": "delta"}, "zero.weight_quantization"),  # hpZ off
         ({"qwz": {"enabled": True, "quantization": "delta"}}, "zero.qwz.quantization"),

@@ -108,6 +108,27 @@ def test_offloaded_optimizer_keeps_pinned_masters_and_trains_the_same():
     assert result["master_devices"] == ["cpu"] and result["pinned"] and result["diff"] <= 1e-6, result
 
 
+def offloaded_parameters_worker() -> dict:
+    """DeepSpeed's offload_param alone: the compute shards on the host, the masters on the device."""
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    engine, offloaded, _ = train_engine(topology, offload_params="cpu")
+    _, on_device, _ = train_engine(topology)
+    sharded = [unit for unit in engine.units if unit.compute_shard is not None]
+    return {
+        "master_devices": sorted({unit.master.device.type for unit in engine.units}),
+        "shard_devices": sorted({unit.compute_shard.device.type for unit in sharded}),
+        "diff": max_diff(offloaded, on_device),
+    }
+
+
+def test_offloaded_parameters_alone_keep_their_shards_on_the_host_and_train_the_same():
+    result = run_ranks(offloaded_parameters_worker, 1, start="spawn")[0]
+    assert result["master_devices"] == ["cuda"] and result["shard_devices"] == ["cpu"], result
+    assert result["diff"] <= 1e-6, result
+
+
 def pa_cpu_worker() -> dict:
     """Pa+cpu: every block input goes to pinned host memory in forward and comes back in backward."""
     from zeropp.topology import init_topology

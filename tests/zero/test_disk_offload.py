@@ -196,8 +196,9 @@ def params_nvme(path, optimizer: str = "cpu", **more) -> dict:
     return dict(offload_optimizer=optimizer, offload_params="nvme", offload_path=str(path), **more)
 
 
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(
+    "world, optimizer", [(w, o) for o in ("cpu", "nvme") for w in (1, 2, 4)] + [(2, "none")]
+)  # "none": DeepSpeed's offload_param alone, the optimizer on the device
 def test_parameters_on_disk_train_bit_for_bit_like_no_offload(world, optimizer, tmp_path):
     off = run_ranks(train, world, stage=3, offload={})
     disk = run_ranks(train, world, stage=3, offload=params_nvme(tmp_path, optimizer))

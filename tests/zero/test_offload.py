@@ -14,6 +14,7 @@ from zeropp.errors import ConfigError
 OFFLOADS = {
     "off": {},
     "optimizer": dict(offload_optimizer="cpu"),
+    "params": dict(offload_params="cpu"),  # DeepSpeed's offload_param alone: the optimizer stays on the device
     "optimizer+params": dict(offload_optimizer="cpu", offload_params="cpu"),
 }
 
@@ -59,13 +60,15 @@ def test_offload_trains_exactly_like_no_offload(stage, extra):
             psi = per_rank["optimizer"]["psi"]
             formula = analytic_model_state_bytes(psi, 4, stage, "fp32", offload_optimizer=True)
             assert per_rank["optimizer"]["bytes"] == pytest.approx(formula, rel=0.05)
+            if stage == 3:  # the fp32 compute shard on the host is a copy of the device's master
+                formula = analytic_model_state_bytes(psi, 4, stage, "fp32", offload_params=True)
+                assert per_rank["params"]["bytes"] == pytest.approx(formula, rel=0.05)
 
 
-def test_offloaded_parameters_need_stage_3_and_an_offloaded_optimizer():
+def test_offloaded_parameters_need_stage_3():
     with pytest.raises(ConfigError, match="zero.offload_params"):
         ZeroConfig(stage=2, offload_optimizer="cpu", offload_params="cpu").validate()
-    with pytest.raises(ConfigError, match="offload_optimizer"):
-        ZeroConfig(stage=3, offload_params="cpu").validate()
+    ZeroConfig(stage=3, offload_params="cpu").validate()  # DeepSpeed's offload_param alone
 
 
 def test_memory_formula_splits_device_and_host():
@@ -76,4 +79,8 @@ def test_memory_formula_splits_device_and_host():
     assert analytic_model_state_bytes(psi, 4, 3, "bf16", **kwargs, where="host") == (12 + 2) * psi / 4
     assert analytic_model_state_bytes(psi, 4, 3, "bf16", **kwargs, where="device") == 2 * psi / 4
     assert analytic_model_state_bytes(psi, 4, 3, "bf16", offload_optimizer=True, where="device") == 4 * psi / 4
+    params_only = dict(offload_params=True)  # the optimizer on the device, the bf16 shard on the host
+    assert analytic_model_state_bytes(psi, 4, 3, "bf16", **params_only, where="device") == (12 + 2) * psi / 4
+    assert analytic_model_state_bytes(psi, 4, 3, "bf16", **params_only, where="host") == 2 * psi / 4
+    assert analytic_model_state_bytes(psi, 4, 3, "fp32", **params_only, where="device") == (12 + 4) * psi / 4
     assert analytic_model_state_bytes(psi, 4, 3, "bf16") == 16 * psi / 4

@@ -173,7 +173,8 @@ class OffloadPolicy:
     )
     params: Literal["none", "cpu", "nvme"] = setting(
         "none",
-        "ZeRO-Offload (stage 3, with offload_optimizer): cpu keeps the compute-dtype shards in host memory; "
+        "ZeRO-Offload (stage 3): cpu keeps the compute-dtype shards in host memory (the optimizer stays where "
+        "offload_optimizer puts it); "
         "nvme keeps them in files under offload_path, read ahead of their gathers in the recorded order",
     )
     path: str | None = setting(None, "an nvme offload: the folder (on a fast disk) for each rank's files")
@@ -198,12 +199,6 @@ class OffloadPolicy:
             require(os.access(folder, os.W_OK), name("path"), self.path, "a folder this user can write to")
         if self.params != "none":
             require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
-            require(
-                self.optimizer != "none",
-                name("params"),
-                self.params,
-                f"'none' unless {name('optimizer')} is offloaded too",
-            )
 
 
 @dataclass

@@ -18,7 +18,9 @@ hpZ adds the secondary copy of the compute-dtype weights, pΨ/H for secondary gr
 more (the whole reference is hpZ's copy). ZeRO-Offload moves KΨ/N (the master and optimizer state;
 the master never aliases the parameters then) to host memory, and offload_params the compute-dtype
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
-units being gathered. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead: in
+units being gathered. offload_params alone (DeepSpeed's ``offload_param`` without ``offload_optimizer``)
+keeps the master and optimizer state on the device and moves pΨ/N to the host: the master is then a
+copy of its own in fp32 too. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead: in
 host memory only their rings stay (a few units' worth, :func:`disk_tier_ring_bytes`,
 :func:`disk_params_ring_bytes`, whatever the model's size), and each step moves
 :func:`disk_tier_step_bytes` and :func:`disk_params_step_bytes` through them.
@@ -105,7 +107,7 @@ def analytic_model_state_bytes(
     offload_params = offload_params or params_on_disk
     p = BYTES[precision]
     g = BYTES[grad_dtype or precision]
-    master_aliases_params = precision == master_dtype and stage in (0, 3) and not offload_optimizer
+    master_aliases_params = precision == master_dtype and stage in (0, 3) and not (offload_optimizer or offload_params)
     compensation = 0 if master_dtype == "fp32" else BYTES[master_dtype]  # Kahan's, in the master's dtype
     k = optimizer_bytes + compensation + (0 if master_aliases_params else BYTES[master_dtype])
     n = world

@@ -162,7 +162,8 @@ class FlatUnit:
     def _hold_weights(self, full32: torch.Tensor) -> None:
         """Keep this rank's fp32 master and compute-dtype weights of `full32`; point the parameters at
         views of ``compute_flat``. Where the compute dtype is fp32 and the master stays on the device,
-        the master is the compute shard (stage 3) or the whole buffer (stage 0) itself."""
+        the master is the compute shard (stage 3, unless the parameters are offloaded) or the whole buffer
+        (stage 0) itself."""
         options, dtype = self.options, self.compute_dtype
         offloaded = options.master_device is not None
         if self.shard_world == 1 and not offloaded:
@@ -175,7 +176,7 @@ class FlatUnit:
         if self.resident:
             alias = self.shard_world == 1 and dtype == torch.float32 and not offloaded
             self.compute_flat = self.master.data if alias else full32.to(dtype)
-        elif dtype == torch.float32 and not offloaded:
+        elif dtype == torch.float32 and not offloaded and options.compute_shard_device is None:
             self.compute_shard = self.master.data
         else:
             numel, where = self.master.numel(), options.compute_shard_device
