@@ -13,7 +13,7 @@ import pytest
 from launcher import free_port
 
 from examples import docs_include
-from zeropp.app.schedule import learning_rate
+from zeropp.app.schedule import adam_betas, learning_rate
 from zeropp.config.deepspeed import translate
 from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
 from zeropp.config.deepspeed_keys import MAPPED
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ZERO3 = {"zero_optimization": {"stage": 3}}
 OFFLOAD = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
 
+CYCLE = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}  # OneCycle's required bounds
 # DeepSpeed key -> (a config holding it, {zeropp key: the value it must give}), world size 4
 TABLE = {
     "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, {"zero.stage": 2}),
@@ -127,6 +128,17 @@ TABLE = {
         {"optim.warmup_start_ratio": 0.2}),
     "scheduler.params.cos_min_ratio": (
         {"scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.05}}}, {"optim.min_lr_ratio": 0.05}),
+    "optimizer.params.bias_correction": (
+        {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, {"optim.bias_correction": False}),
+    **{f"scheduler.params.{ds}": (
+        {"scheduler": {"type": "OneCycle", "params": {**CYCLE, ds: value}}}, {f"optim.{ours}": expected})
+       for ds, value, ours, expected in (
+           ("cycle_max_lr", 2e-3, "lr", 2e-3), ("cycle_min_lr", 5e-4, "warmup_start_ratio", 0.5),
+           ("cycle_first_step_size", 30, "warmup_steps", 30), ("cycle_second_step_size", 40, "cycle_down_steps", 40),
+           ("cycle_first_stair_count", 3, "cycle_stairs", 3), ("cycle_second_stair_count", 2, "cycle_down_stairs", 2),
+           ("decay_lr_rate", 0.5, "decay_rate", 0.5), ("decay_step_size", 7, "decay_interval", 7),
+           ("cycle_momentum", False, "cycle_momentum", False), ("cycle_min_mom", 0.85, "min_momentum", 0.85),
+           ("cycle_max_mom", 0.95, "max_momentum", 0.95), ("decay_mom_rate", 0.01, "momentum_decay_rate", 0.01))},
 }  # fmt: skip
 
 
@@ -287,8 +299,12 @@ def test_train_batch_size_checked_and_derived():
         ({"amp": {"enabled": True}}, 'DeepSpeed amp = {"enabled": true} is not allowed: NVIDIA Apex AMP is not supported; use bf16 or fp16'),
         ({"optimizer": {"type": "Lamb"}},
          'DeepSpeed optimizer.type = "Lamb" is not allowed; expected "Adam", "AdamW" or "SGD" (in any case)'),
-        ({"scheduler": {"type": "OneCycle"}},
-         'DeepSpeed scheduler.type = "OneCycle" is not allowed; expected "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"'),
+        ({"scheduler": {"type": "LRRangeTest"}},
+         'DeepSpeed scheduler.type = "LRRangeTest" is not allowed; expected "WarmupLR", "WarmupDecayLR", '
+         '"WarmupCosineLR", "OneCycle"'),
+        ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-4}}},
+         "DeepSpeed scheduler.params.cycle_max_lr = 0.0001 is not allowed; expected a number > 0 and >= cycle_min_lr "
+         "(0.001)"),
         ({"activation_checkpointing": {"partition_activations": "yes"}},
          'DeepSpeed activation_checkpointing.partition_activations = "yes" is not allowed; expected true or false'),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
@@ -364,6 +380,31 @@ def test_train_with_the_example_deepspeed_config(tmp_path):
     optim = OptimConfig(**run["optim"])
     assert meta["param_groups"][0]["lr"] == pytest.approx(learning_rate(optim, 4, 3))
     assert optim.schedule == "warmup_cosine" and optim.lr == 0.05
+
+
+def test_one_cycle_and_adam_without_bias_correction_reach_the_run(tmp_path):
+    """DeepSpeedExamples' kind of file: Adam with bias_correction false under OneCycle; the checkpoint's
+    optimizer is the uncorrected Adam, at OneCycle's lr and betas after 3 scheduler steps."""
+    config, ckpt = tmp_path / "ds.json", tmp_path / "ckpt"
+    cycle = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2, "cycle_second_step_size": 3}
+    config.write_text(json.dumps({
+        **ZERO3, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False, "weight_decay": 0.01}},
+        "scheduler": {"type": "OneCycle", "params": cycle},
+    }))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4",
+         "--eval-batches", "1", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "--checkpoint-dir", str(ckpt)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = json.loads((ckpt / "step-00000004" / "zeropp.json").read_text())
+    group = meta["param_groups"][0]
+    assert meta["optimizer"] == "zeropp.zero.optim.uncorrected_adam.UncorrectedAdam" and group["decoupled"]
+    optim = translate(json.loads(config.read_text())).config().optim
+    assert group["lr"] == pytest.approx(learning_rate(optim, 4, 3)) and group["weight_decay"] == 0.01
+    assert tuple(group["betas"]) == pytest.approx(adam_betas(optim, 3)) and adam_betas(optim, 3)[1] == 0.99
 
 
 def test_flags_override_the_deepspeed_file_and_the_batch_is_checked_after_them(tmp_path):

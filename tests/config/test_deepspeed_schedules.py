@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 
+from zeropp.app import schedule
 from zeropp.app.schedule import learning_rate
 from zeropp.config.deepspeed import translate
 from zeropp.config.sections import LossScaleConfig, OptimConfig
+from zeropp.errors import ConfigError
 from zeropp.zero.precision import LossScaler
 
 SCHEDULE_CASES = {  # DeepSpeed scheduler params; zeropp's optim keys follow from translate
@@ -35,6 +37,45 @@ def test_schedules_follow_deepspeeds_scheduler_step_by_step(kind):
         expected = optimizer.param_groups[0]["lr"]
         assert learning_rate(optim, 1000, step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
         scheduler.step()
+
+
+ONE_CYCLE_CASES = {  # DeepSpeed's OneCycle params: defaults, asymmetric halves, stairs, decay of lr and momentum
+    "plain": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 8},
+    "asymmetric-decay": {"cycle_min_lr": 2e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 5,
+                         "cycle_second_step_size": 11, "decay_step_size": 4, "decay_lr_rate": 0.5,
+                         "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95},
+    "stairs": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 9, "cycle_second_step_size": 6,
+               "cycle_first_stair_count": 3, "cycle_second_stair_count": 2},
+    "no-momentum": {"cycle_min_lr": 0.0, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3, "cycle_momentum": False,
+                    "decay_step_size": 2, "decay_lr_rate": 0.1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ONE_CYCLE_CASES))
+def test_one_cycle_follows_deepspeeds_lr_and_betas_step_by_step(case):
+    """OneCycle on an Adam optimizer: DeepSpeed cycles beta1 (with beta2 0.99) unless cycle_momentum is off."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    params = ONE_CYCLE_CASES[case]
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "OneCycle", "params": params}}
+    optim = translate(ds).config().optim
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(optim.beta1, optim.beta2))
+    scheduler = lr_schedules.OneCycle(optimizer, **params)
+    group = {"lr": 0.0, "betas": (optim.beta1, optim.beta2)}
+    for step in range(50):
+        schedule.apply([group], optim, 1000, step)
+        expected = optimizer.param_groups[0]
+        assert group["lr"] == pytest.approx(expected["lr"], rel=1e-12, abs=1e-15), step
+        assert group["betas"] == pytest.approx(expected["betas"], rel=1e-12), step
+        scheduler.step()
+
+
+def test_one_cycle_without_its_bounds_is_one_line():
+    ds = {"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1e-3}}}
+    with pytest.raises(
+        ConfigError, match='^DeepSpeed scheduler.type = "OneCycle" needs scheduler.params.cycle_min_lr$'
+    ):
+        translate(ds).config()
 
 
 def test_zeropps_own_cosine_schedule_is_unchanged():

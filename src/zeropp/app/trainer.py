@@ -44,6 +44,7 @@ from zeropp.topology import init_topology
 from zeropp.zero.grouping import repeated_blocks
 from zeropp.zero.offload.disk_params import io_bytes
 from zeropp.zero.optim.owners import OWNER_OPS
+from zeropp.zero.optim.uncorrected_adam import UncorrectedAdam
 from zeropp.zero.options import frozen_quant
 from zeropp.zero.weights.dtensor_params import local_tensor
 
@@ -65,13 +66,10 @@ def low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
     try:
         import torchao.optim
     except ImportError:
-        raise ConfigError(f"optim.optimizer = {name!r} needs torchao, which is not installed: pip install 'zeropp[lowbit]'") from None
+        raise ConfigError(
+            f"optim.optimizer = {name!r} needs torchao, which is not installed: pip install 'zeropp[lowbit]'"
+        ) from None
     return getattr(torchao.optim, LOW_BIT[name])
-
-
-def learning_rate(config: Config, step: int) -> float:
-    """optim.schedule's learning rate for optimizer step `step` (zeropp.app.schedule)."""
-    return schedule.learning_rate(config.optim, config.train.steps, step)
 
 
 def checkpoint_to_resume(config: Config) -> Path | None:
@@ -164,8 +162,8 @@ class Trainer:
         self.resumed_from = checkpoint_to_resume(config)
         if self.resumed_from is not None:
             saved_at = read_meta(self.resumed_from)["step"]
-            for group in self.param_groups():  # the schedule's rate there: named only if it changed
-                schedule.set_rate(group, learning_rate(config, max(saved_at - 1, 0)))
+            # the schedule's rate there: named only if it changed
+            schedule.apply(self.param_groups(), config.optim, config.train.steps, max(saved_at - 1, 0))
             self.start_step = load_checkpoint(self.engine, self.resumed_from)["step"]  # this run's settings win
         self.engine.comm.ledger.reset()  # what follows is training; the initial broadcast and loading are not
         self.init_peak_memory = self.memory.peak()
@@ -186,6 +184,9 @@ class Trainer:
         name = self.config.optim.optimizer
         if name in LOW_BIT:
             return low_bit_adamw(name), {k: v for k, v in self.hyperparameters("adamw").items() if k != "fused"}
+        if name in ("adamw", "adam") and not self.config.optim.bias_correction:  # DeepSpeed's bias_correction false
+            hyper = {k: v for k, v in self.hyperparameters().items() if k != "fused"}
+            return UncorrectedAdam, {**hyper, "decoupled": name == "adamw"}
         if name != "muon":
             return OPTIMIZERS[name], self.hyperparameters()
         blocks = {id(p) for block in repeated_blocks(model) for p in block.parameters() if p.dim() == 2}
@@ -296,8 +297,7 @@ class Trainer:
         return loss
 
     def _train_step(self, step: int) -> float:
-        for group in self.param_groups():
-            schedule.set_rate(group, learning_rate(self.config, step))
+        schedule.apply(self.param_groups(), self.config.optim, self.config.train.steps, step)
         self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
         losses = []
         for micro in range(self.config.zero.gradient_accumulation_steps):
@@ -370,7 +370,7 @@ class Trainer:
             loss=loss,
             val_loss=val_loss,
             grad_norm=None if self.engine.last_step_skipped else self.engine.last_grad_norm,
-            lr=learning_rate(self.config, step),
+            lr=schedule.learning_rate(self.config.optim, self.config.train.steps, step),
             step_time_s=seconds,
             tokens_per_s=tokens_per_s,
             tokens_per_s_per_rank=per_rank,

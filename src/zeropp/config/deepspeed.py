@@ -29,6 +29,7 @@ from typing import Any
 
 from zeropp.config import deepspeed_keys as tables
 from zeropp.config.deepspeed_keys import AUTO
+from zeropp.config.deepspeed_optim import OptimizerBlocks
 from zeropp.config.deepspeed_translation import Translation, check_total, shown
 from zeropp.config.sections import Config, ZeroConfig
 from zeropp.errors import ConfigError
@@ -83,7 +84,7 @@ def zero_config(
     return translate(source, world_size=world_size, hidden_size=hidden_size).config().zero
 
 
-class _Reader:
+class _Reader(OptimizerBlocks):
     def __init__(self, data: dict[str, Any], world_size: int, hidden_size: int | None, base: Config) -> None:
         self.world, self.hidden, self.base = world_size, hidden_size, base
         self.written: dict[str, str] = {}  # a key's path in the tables' names -> as the file wrote it
@@ -398,69 +399,6 @@ class _Reader:
                                  (keys[2], "zero.gradient_accumulation_steps", steps)):  # fmt: skip
             if value is not None and self.data.get(key) != AUTO:
                 self.set(ours, value, key)
-
-    def optimizer(self) -> None:
-        block = self.block("optimizer")
-        self.check_keys("optimizer", block)
-        kind = str(block.get("type", "")).lower()
-        if kind not in tables.OPTIMIZERS:
-            raise self.refuse("optimizer.type", block.get("type"), '"Adam", "AdamW" or "SGD" (in any case)')
-        params = self.block("optimizer", "params")
-        adam = kind != "sgd"
-        read = {"lr", "weight_decay", *(("adam_w_mode", "betas", "eps") if adam else ("momentum",))}
-        self.check_keys("optimizer.params", params, read)
-        where = "optimizer.params."
-        adam_w = self.boolean(where + "adam_w_mode", params.get("adam_w_mode", True)) or kind == "adamw"
-        self.set("optim.optimizer", "adam" if adam and not adam_w else tables.OPTIMIZERS[kind], "optimizer.type")
-        values = {**tables.DEEPSPEED_DEFAULTS["optimizer.params"], **params}
-        for key in ("lr", "weight_decay", *(("eps",) if adam else ("momentum",))):
-            if values.get(key, AUTO) != AUTO:
-                self.set(f"optim.{key}", self.number(where + key, values[key]), where + key)
-        betas = values["betas"]
-        if adam and betas != AUTO:
-            if not (isinstance(betas, list) and len(betas) == 2):
-                raise self.refuse(where + "betas", betas, "a list of two numbers")
-            for i, beta in enumerate(betas):
-                self.set(f"optim.beta{i + 1}", self.number(f"{where}betas[{i}]", beta), where + "betas")
-
-    def scheduler(self) -> None:
-        block = self.block("scheduler")
-        self.check_keys("scheduler", block)
-        kind = block.get("type")
-        if kind not in tables.SCHEDULES:
-            raise self.refuse("scheduler.type", kind, ", ".join(f'"{k}"' for k in tables.SCHEDULES))
-        given = self.block("scheduler", "params")
-        read = {*tables.DEEPSPEED_DEFAULTS[kind], *(("warmup_max_lr",) if kind == "WarmupLR" else ("total_num_steps",))}
-        self.check_keys("scheduler.params", given, read)
-        params = {**tables.DEEPSPEED_DEFAULTS[kind], **given}
-        key = "scheduler.params."
-        self.set("optim.schedule", tables.SCHEDULES[kind], "scheduler.type")
-        if params["warmup_num_steps"] != AUTO:
-            steps = self.integer(key + "warmup_num_steps", params["warmup_num_steps"], 1)
-            self.set("optim.warmup_steps", steps, key + "warmup_num_steps")
-        if params["warmup_type"] not in ("log", "linear"):
-            raise self.refuse(key + "warmup_type", params["warmup_type"], '"log" or "linear"')
-        self.set("optim.warmup_type", params["warmup_type"], key + "warmup_type")
-        if params.get("total_num_steps", AUTO) != AUTO:
-            total = self.integer(key + "total_num_steps", params["total_num_steps"], 1)
-            self.set("optim.decay_steps", total, key + "total_num_steps")
-        if kind == "WarmupCosineLR":  # ratios of the optimizer's lr
-            for ds, ours in (("warmup_min_ratio", "warmup_start_ratio"), ("cos_min_ratio", "min_lr_ratio")):
-                if params[ds] != AUTO:
-                    self.set(f"optim.{ours}", self.number(key + ds, params[ds]), key + ds)
-            return
-        peak = params.get("warmup_max_lr", AUTO)  # WarmupLR without it: the optimizer's lr, as in DeepSpeed
-        if peak == AUTO:
-            peak = self.out.overrides.get("optim.lr", self.base.optim.lr)
-        peak = self.number(key + "warmup_max_lr", peak)
-        self.set("optim.lr", peak, key + "warmup_max_lr")
-        low = params["warmup_min_lr"]
-        ratio = 0.0 if low == AUTO else self.number(key + "warmup_min_lr", low) / peak  # "auto": 0, as HF sets it
-        if ratio > 1:
-            raise self.refuse(key + "warmup_min_lr", low, f"at most warmup_max_lr ({peak:g})")
-        self.set("optim.warmup_start_ratio", ratio, key + "warmup_min_lr")
-        if kind == "WarmupDecayLR":  # decays back to warmup_min_lr
-            self.set("optim.min_lr_ratio", ratio, key + "warmup_min_lr")
 
     def activation_checkpointing(self) -> None:
         """DeepSpeed's block configures deepspeed.checkpointing, which a model calls per layer; zeropp

@@ -57,6 +57,7 @@ MAPPED = {
     "optimizer.params.weight_decay": "optim.weight_decay",
     "optimizer.params.momentum": "optim.momentum",
     "optimizer.params.adam_w_mode": "optim.optimizer (Adam: adamw when true, its default)",
+    "optimizer.params.bias_correction": "optim.bias_correction",
     "activation_checkpointing": "zero.activation_checkpointing (the block's presence)",
     "activation_checkpointing.partition_activations": "zero.partition_activations",
     "activation_checkpointing.cpu_checkpointing": "zero.cpu_checkpointing",
@@ -69,6 +70,18 @@ MAPPED = {
     "scheduler.params.total_num_steps": "optim.decay_steps",
     "scheduler.params.warmup_min_ratio": "optim.warmup_start_ratio",
     "scheduler.params.cos_min_ratio": "optim.min_lr_ratio",
+    "scheduler.params.cycle_max_lr": "optim.lr (OneCycle)",
+    "scheduler.params.cycle_min_lr": "optim.warmup_start_ratio (/ cycle_max_lr)",
+    "scheduler.params.cycle_first_step_size": "optim.warmup_steps",
+    "scheduler.params.cycle_second_step_size": "optim.cycle_down_steps",
+    "scheduler.params.cycle_first_stair_count": "optim.cycle_stairs",
+    "scheduler.params.cycle_second_stair_count": "optim.cycle_down_stairs",
+    "scheduler.params.decay_lr_rate": "optim.decay_rate",
+    "scheduler.params.decay_step_size": "optim.decay_interval",
+    "scheduler.params.cycle_momentum": "optim.cycle_momentum",
+    "scheduler.params.cycle_min_mom": "optim.min_momentum",
+    "scheduler.params.cycle_max_mom": "optim.max_momentum",
+    "scheduler.params.decay_mom_rate": "optim.momentum_decay_rate",
 }
 
 # the blocks read key by key (every other block is one row: noted or refused whole)
@@ -158,7 +171,6 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "zero_optimization.offload_optimizer.super_offload": ("SuperOffload is not implemented", False),
     "fp16.fp16_master_weights_and_grads": ("zeropp keeps fp32 master weights", False),
     "optimizer.params.amsgrad": ("AMSGrad is not supported", False),
-    "optimizer.params.bias_correction": ("Adam here corrects its bias", True),
     "optimizer.params.nesterov": ("Nesterov momentum is not supported", False),
     "optimizer.params.dampening": ("SGD's dampening is not supported", 0),
     "scheduler.params.last_batch_iteration": ("zeropp resumes a schedule from its checkpoint's step", -1),
@@ -188,9 +200,21 @@ DEEPSPEED_DEFAULTS = {  # inside a block the file has, a key it leaves out means
     "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
     "WarmupCosineLR": {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000, "cos_min_ratio": 0.0001,
                        "warmup_type": "log"},
+    "OneCycle": {"decay_lr_rate": 0.0, "cycle_first_step_size": 2000, "cycle_second_step_size": None,
+                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None, "decay_step_size": 0,
+                 "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.0},
+}  # fmt: skip
+ONE_CYCLE = {  # OneCycle's parameter -> (zeropp's optim key, an integer)
+    "cycle_first_step_size": ("warmup_steps", True), "cycle_second_step_size": ("cycle_down_steps", True),
+    "cycle_first_stair_count": ("cycle_stairs", True), "cycle_second_stair_count": ("cycle_down_stairs", True),
+    "decay_step_size": ("decay_interval", True), "decay_lr_rate": ("decay_rate", False),
+    "cycle_min_mom": ("min_momentum", False), "cycle_max_mom": ("max_momentum", False),
+    "decay_mom_rate": ("momentum_decay_rate", False),
 }  # fmt: skip
 
-SCHEDULES = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "warmup_cosine"}
+SCHEDULES = {
+    "WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "warmup_cosine", "OneCycle": "one_cycle",
+}  # fmt: skip
 OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}  # DeepSpeed's Adam is AdamW unless adam_w_mode false
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
 
