@@ -84,6 +84,28 @@ def _lightning_classes():
             self.losses.append(loss.item())
             return loss
 
+    class HFMetaRegression(MetaRegression):
+        """A Hugging Face model built in ``configure_model`` inside the LightningModule (Lightning's
+        recommended way for large models): on the meta device, initialized by its own _init_weights."""
+
+        def configure_model(self) -> None:
+            from transformers import LlamaConfig, LlamaModel
+
+            if self.net is None:
+                config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=8)  # fmt: skip
+                self.net = nn.ModuleDict(
+                    {"into": nn.Linear(8, 16), "llama": LlamaModel(config), "out": nn.Linear(16, 1)}
+                )
+                self.built_on = self.net["llama"].layers[0].self_attn.q_proj.weight.device.type
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            hidden = self.net["llama"](inputs_embeds=self.net["into"](x).unsqueeze(1)).last_hidden_state[:, 0]
+            loss = F.mse_loss(self.net["out"](hidden), y)
+            self.losses.append(loss.item())
+            return loss
+
     class GroupedRegression(Regression):
         """Groups that differ in more than weight decay (a larger rate and other betas for the last
         layer, LoRA+-style) with Adafactor for the rest: stepped whole on owner ranks."""
@@ -96,7 +118,7 @@ def _lightning_classes():
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    return Regression, MetaRegression, GroupedRegression
+    return Regression, MetaRegression, GroupedRegression, HFMetaRegression
 
 
 def _data(devices: int):
@@ -122,12 +144,16 @@ def _trainer(out: str, devices: int, strategy, **overrides):
     return lightning.Trainer(**settings)
 
 
-def _fit(out: str, devices: int, strategy, meta: bool = False, grouped: bool = False, **overrides) -> dict:
+def _fit(
+    out: str, devices: int, strategy, meta: bool = False, grouped: bool = False, hf: bool = False, **overrides
+) -> dict:
     import lightning
 
     lightning.seed_everything(0, verbose=False)
-    regression, meta_regression, grouped_regression = _lightning_classes()
-    module = meta_regression() if meta else grouped_regression() if grouped else regression()
+    regression, meta_regression, grouped_regression, hf_meta_regression = _lightning_classes()
+    module = (
+        hf_meta_regression if hf else meta_regression if meta else grouped_regression if grouped else regression
+    )()
     trainer = _trainer(out, devices, strategy, **overrides)
     trainer.fit(module, _data(devices))
     if hasattr(trainer.strategy, "engine"):
@@ -169,20 +195,25 @@ def test_two_ranks_equal_plain_lightning_in_one_process(tmp_path):
     assert _close(reference["state"], regression().state_dict()) > 1e-3  # it trained
 
 
-def _meta(out: str, devices: int) -> dict:
+def _meta(out: str, devices: int) -> list[dict]:
     from zeropp.integrations.lightning import ZeroStrategy
 
-    return _fit(f"{out}/{devices}", devices, ZeroStrategy({"stage": 3}), meta=True)
+    return [
+        _fit(f"{out}/{devices}-{hf}", devices, ZeroStrategy({"stage": 3}), meta=True, hf=hf) for hf in (False, True)
+    ]
 
 
 def test_configure_model_on_meta_is_materialized_by_the_engine(tmp_path):
     """A network built in configure_model lands on the meta device; the engine materializes it under
-    seed_everything's seed, the same at world 1 and 2, and the runs agree."""
-    (one,) = run_ranks(_meta, 1, start=SPAWN, out=str(tmp_path), devices=1)
-    for run in run_ranks(_meta, 2, start=SPAWN, out=str(tmp_path), devices=2):
-        assert run["built_on"] == one["built_on"] == "meta"
-        assert _close(run["state"], one["state"]) < TOLERANCE
-        assert torch.allclose(run["losses"], one["losses"], atol=TOLERANCE, rtol=0)
+    seed_everything's seed, the same at world 1 and 2, and the runs agree: a plain network, and a
+    Hugging Face model nested in the LightningModule (initialized by its own _init_weights)."""
+    (ones,) = run_ranks(_meta, 1, start=SPAWN, out=str(tmp_path), devices=1)
+    for runs in run_ranks(_meta, 2, start=SPAWN, out=str(tmp_path), devices=2):
+        for run, one in zip(runs, ones, strict=True):
+            assert run["built_on"] == one["built_on"] == "meta"
+            assert _close(run["state"], one["state"]) < TOLERANCE
+            assert torch.allclose(run["losses"], one["losses"], atol=TOLERANCE, rtol=0)
+    assert any(key.endswith("llama.layers.1.mlp.down_proj.weight") for key in ones[1]["state"])
 
 
 def _resume(out: str) -> tuple[dict, dict, list[str], str]:
