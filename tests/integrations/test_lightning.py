@@ -227,13 +227,14 @@ def _resume(out: str) -> tuple[dict, dict, list[str], str]:
     first = _trainer(f"{out}/first", 2, "zeropp", max_steps=-1, max_epochs=1)
     first.fit(regression(), _data(2))
     first.save_checkpoint(f"{out}/epoch1.ckpt")
+    torch.save(first.strategy.full_state_dict(), f"{out}/epoch1-weights.pt")
     resumed = _trainer(f"{out}/resumed", 2, "zeropp", max_steps=-1, max_epochs=2)
     resumed.fit(regression(), _data(2), ckpt_path=f"{out}/epoch1.ckpt")
     files = sorted(p.name for p in Path(f"{out}/epoch1.ckpt").iterdir())
     return straight["state"], resumed.strategy.full_state_dict(), files, type(resumed.strategy).__name__
 
 
-def test_save_and_resume_is_bit_identical(tmp_path):
+def test_save_and_resume_is_bit_identical_and_load_from_checkpoint_reads_it_made_one_file(tmp_path):
     """An epoch, ``trainer.save_checkpoint``, a fresh Trainer (``strategy="zeropp"`` by name) resumed
     with ``ckpt_path=``: the second epoch ends bit-identical to a straight two-epoch run."""
     straight, resumed, files, strategy = run_ranks(_resume, 2, start=SPAWN, out=str(tmp_path))[0]
@@ -241,6 +242,18 @@ def test_save_and_resume_is_bit_identical(tmp_path):
     assert files == ["lightning.ckpt", "zeropp"]
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
+    # Lightning's own load_from_checkpoint of what to_lightning_checkpoint writes (in this one process)
+    # gives the weights the two ranks held when they saved; a folder that is not one, one line
+    from zeropp.integrations.lightning import to_lightning_checkpoint
+    from zeropp.integrations.settings import IntegrationError
+
+    whole = to_lightning_checkpoint(tmp_path / "epoch1.ckpt", tmp_path / "epoch1-whole.ckpt")
+    loaded = _lightning_classes()[0].load_from_checkpoint(whole).state_dict()
+    saved = torch.load(tmp_path / "epoch1-weights.pt")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    with pytest.raises(IntegrationError, match="is not a folder ZeroStrategy saved") as error:
+        to_lightning_checkpoint(tmp_path, tmp_path / "x.ckpt")
+    assert "\n" not in str(error.value)
 
 
 def test_precision_flags_outside_the_engines_are_refused():

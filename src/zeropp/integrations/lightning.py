@@ -8,14 +8,15 @@ forward, backward, clipping, precision and the optimizer step on its fp32 shards
 - models built in ``configure_model`` (under ``model_sharded_context``: the meta device), or under
   ``trainer.init_module(empty_init=True)``, are materialized by the engine unit by unit under the
   seed of ``seed_everything``; models built for real start from rank 0's weights;
-- ``configure_optimizers``: one torch optimizer (its groups may differ in AdamW's weight decay
-  only) and its schedulers, which then drive the engine's optimizer;
+- ``configure_optimizers``: one torch optimizer, with any param groups, and its schedulers, which
+  then drive the engine's optimizer;
 - the flags ``accumulate_grad_batches``, ``gradient_clip_val`` (by norm) and ``precision``
   (``"32-true"``; ``"bf16-mixed"`` and ``"bf16-true"`` both compute in bf16 over fp32 master shards)
   become the engine's; the ``zero_config`` may set them too, but not to other values;
 - ``trainer.save_checkpoint(path)`` writes a folder: zeropp's sharded state in ``path/zeropp/`` and
   Lightning's own state (loops, callbacks, schedulers) in ``path/lightning.ckpt``; ``ckpt_path=``
-  loads both. ``zeropp export path/zeropp/step-N`` consolidates the weights (keys under ``module.``).
+  loads both. Lightning's ``LightningModule.load_from_checkpoint`` reads one file: write it with
+  :func:`to_lightning_checkpoint` (the consolidated weights, in one process).
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from zeropp.checkpoint.dcp import consolidated_state, find_latest
 from zeropp.engine import ZeroEngine
 from zeropp.index.ranks import Layout
 from zeropp.integrations.loop import (
+    ZEROPP_DIR,
     EngineModule,
     EngineOptimizer,
     build_engine,
@@ -246,6 +249,26 @@ class ZeroStrategy(DDPStrategy):
             strategy_registry.register(
                 f"zeropp_stage_{stage}", cls, description=f"zeropp ZeRO stage {stage}", zero_config={"stage": stage}
             )
+
+
+def to_lightning_checkpoint(folder: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write `out`, one file ``LightningModule.load_from_checkpoint`` reads, from a checkpoint folder
+    that ZeroStrategy saved: its Lightning state with the consolidated fp32 weights as ``state_dict``
+    under the module's own keys (no optimizer states). Runs in one process, whatever world size saved
+    it. The folder itself is no file Lightning can open: this is the one step between them."""
+    folder, out = Path(folder), Path(out)
+    found = find_latest(folder / ZEROPP_DIR)
+    if found is None or not (folder / LIGHTNING_FILE).is_file():
+        raise IntegrationError(
+            f"{str(folder)!r} is not a folder ZeroStrategy saved (it holds {LIGHTNING_FILE} and {ZEROPP_DIR}/step-N)"
+        )
+    if out.is_dir() or not out.parent.is_dir():
+        raise IntegrationError(f"cannot write {str(out)!r}: expected a file name in an existing folder")
+    checkpoint = torch.load(folder / LIGHTNING_FILE, map_location="cpu", weights_only=False)  # Lightning's own
+    _, tensors = consolidated_state(found)
+    checkpoint["state_dict"] = {key.removeprefix("module."): value for key, value in tensors.items()}
+    torch.save(checkpoint, out)
+    return out
 
 
 if "zeropp" not in StrategyRegistry:  # importing twice (a reload) must not register twice
