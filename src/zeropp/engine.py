@@ -97,6 +97,9 @@ class ZeroEngine:
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
             spec.factory = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0])
         self.topology = topology or init_topology()
+        if self.config.optimizer_path == "whole" and not spec.whole:  # torch's skip of a gradient-less parameter
+            spec.whole, spec.factory = True, None
+            spec.described += " (zero.optimizer_path = 'whole')"
         if spec.whole:
             refuse_whole_with(spec.described, self.config, self.topology.tensor_parallel.size)
         self.comm = Communicator(self.topology, ledger)
