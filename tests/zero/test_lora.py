@@ -10,6 +10,7 @@ import pytest
 import torch
 from launcher import run_ranks
 from models import ADAM_EPS, STEPS, TOLERANCE, global_batch, loss_of, make_model, reference_state, rows
+from safetensors.torch import load_file
 
 pytest.importorskip("peft")
 
@@ -136,6 +137,66 @@ def test_load_pretrained_reads_each_ranks_piece_of_the_frozen_base(tmp_path):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
     for rank in run_ranks(pretrained_worker, 2, path=str(tmp_path / "w.safetensors")):
         assert all(value == 0.0 for value in rank.values()), rank
+
+
+def meta_peft_worker(path: str) -> dict[str, float]:
+    """A PeftModel built on the meta device, its base loaded after construction: the adapters start as
+    peft starts them (B zero, A Kaiming-uniform) with no initializer given, and it trains to the weights
+    of one process started from the same values."""
+    from zeropp import ZeroConfig, ZeroEngine, load_pretrained
+    from zeropp.checkpoint.pretrained import base_name
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    with torch.device("meta"):
+        model = lora_model()
+    engine = ZeroEngine(model, torch.optim.AdamW, OPTIM, ZeroConfig(stage=3, persistence_threshold=0), topology)
+    load_pretrained(engine, path, base_only=True)
+    start = engine.full_state_dict()
+    file = load_file(path)
+    lora = [k for k in start if "lora_" in k]
+    bound = 1 / math.sqrt(32)  # kaiming_uniform_(a=sqrt(5)) over the 32 inputs of q_proj / v_proj
+    for step in range(STEPS):
+        x, _ = rows(global_batch("hf-llama", step, 0, topology.world_size), topology.rank)
+        engine.backward(loss_of("hf-llama", engine, x, None))
+        engine.step()
+    reference = lora_model()
+    reference.load_state_dict(start)
+    ref = reference_state("hf-llama", STEPS, topology.world_size, 1, None, OPTIM, model=reference)
+    ours = engine.full_state_dict()
+    return dict(
+        lora=float(len(lora)),
+        base=max((start[k] - file[base_name(k)]).abs().max().item() for k in start if "lora_" not in k),
+        b_nonzero=float(sum(int(start[k].any()) for k in lora if "lora_B" in k)),
+        a_outside=float(sum(int(not 0.5 * bound < start[k].abs().max() <= bound) for k in lora if "lora_A" in k)),
+        trained=max((ours[k] - ref[k]).abs().max().item() for k in ref),
+    )
+
+
+def test_a_peft_model_built_on_meta_starts_as_peft_does_and_loads_its_base(tmp_path):
+    from safetensors.torch import save_file
+
+    base = make_model("hf-llama")  # the base model's own weights, under its own names
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # nothing like a fresh initialization
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    for rank in run_ranks(meta_peft_worker, 2, path=str(tmp_path / "w.safetensors")):
+        assert rank["lora"] == 8 and rank["base"] == 0.0 and rank["b_nonzero"] == rank["a_outside"] == 0, rank
+        assert rank["trained"] <= TOLERANCE, rank
+
+
+def test_a_peft_init_that_reads_the_base_is_refused_on_meta_in_one_line():
+    import peft
+
+    from zeropp.zero.materialize import MaterializeError, default_init
+
+    with torch.device("meta"):
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa")
+        model = peft.get_peft_model(make_model("hf-llama"), config)
+    with pytest.raises(MaterializeError, match="init_lora_weights = 'pissa', which reads the base weights") as error:
+        default_init(model)
+    assert "\n" not in str(error.value)
 
 
 def dequantized_base(model: torch.nn.Module, world: int, bits: int) -> torch.nn.Module:

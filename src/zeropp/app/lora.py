@@ -18,7 +18,6 @@ from torch import nn
 
 from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
-from zeropp.zero.materialize import InitFn, default_init
 
 
 def _peft() -> Any:
@@ -54,26 +53,3 @@ def add_adapters(model: nn.Module, config: ModelConfig) -> nn.Module:
         return peft.get_peft_model(model, lora)
     except ValueError as error:  # e.g. a target peft cannot adapt, or no default targets for the model type
         raise ConfigError(f"model.lora_targets = {config.lora_targets!r}: {str(error).splitlines()[0]}") from None
-
-
-def initializer(model: nn.Module) -> InitFn:
-    """The engine's initializer of a peft model built on the meta device: the default one, then peft's
-    own initialization of the LoRA layer a module belongs to."""
-    from peft.tuners.lora import LoraLayer
-
-    init = default_init(model)
-    layers = {
-        id(module): (layer, name)
-        for layer in model.modules()
-        if isinstance(layer, LoraLayer)
-        for adapters in (layer.lora_A, layer.lora_B)
-        for name, module in adapters.items()
-    }
-
-    def initialize(module: nn.Module) -> None:
-        init(module)
-        if id(module) in layers:
-            layer, name = layers[id(module)]
-            layer.reset_lora_parameters(name, True)
-
-    return initialize

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp.app import lora, schedule
+from zeropp.app import schedule
 from zeropp.app.data.batches import Batches
 from zeropp.app.metrics import MetricsLog, StepMetrics, flops_per_token, peak_flops
 from zeropp.app.models.source import model_source, training_text
@@ -140,15 +140,7 @@ class Trainer:
             model = parallelize(self.source.build(), self.topology)
         adapters = config.model.lora_rank is not None
         optimizer, kwargs = self.optimizer(model)
-        self.engine = ZeroEngine(
-            model,
-            optimizer,
-            kwargs,
-            config.zero,
-            self.topology,
-            init_fn=lora.initializer(model) if adapters else None,
-            seed=config.train.seed,
-        )
+        self.engine = ZeroEngine(model, optimizer, kwargs, config.zero, self.topology, seed=config.train.seed)
         folder = config.zero.flight_record_dir or config.checkpoint.checkpoint_dir
         self.engine.comm.trace.folder = None if folder is None else Path(folder)  # See [Note: collective sequences]
         weights = config.train.init_from or self.source.weights

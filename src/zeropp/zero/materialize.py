@@ -164,6 +164,7 @@ def default_init(root: nn.Module) -> InitFn:
             visit(child, outer)
 
     visit(root, None)
+    adapters = _lora_adapters(root)
 
     def init(module: nn.Module) -> None:
         reset = getattr(module, "reset_parameters", None)
@@ -171,8 +172,40 @@ def default_init(root: nn.Module) -> InitFn:
             reset()
         if id(module) in model_init:
             model_init[id(module)](module)
+        if id(module) in adapters:  # after the model's own: B zero, so the adapter starts as the identity
+            layer, name, how = adapters[id(module)]
+            layer.reset_lora_parameters(name, how)
 
     return init
+
+
+PEFT_META_INITS = (True, False, "gaussian")  # peft's LoRA inits that read nothing but the adapter's shape
+
+
+def _lora_adapters(root: nn.Module) -> dict[int, tuple[nn.Module, str, bool | str]]:
+    """peft's LoRA adapter modules in `root` (found by peft's own attributes, peft not imported): id ->
+    (their LoRA layer, the adapter's name, its ``init_lora_weights``), initialized as peft initializes
+    them. An init that reads the base weights (PiSSA, OLoRA, LoftQ, ...) or DoRA's magnitude, which
+    the meta device does not have yet, is refused in one line."""
+    configs = next((m.peft_config for m in root.modules() if isinstance(getattr(m, "peft_config", None), dict)), {})
+    found = {}
+    for layer in root.modules():
+        if not callable(getattr(layer, "reset_lora_parameters", None)):
+            continue
+        for attribute in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            holder = getattr(layer, attribute, {})
+            for name, adapter in holder.items():
+                how = getattr(configs.get(name), "init_lora_weights", True)
+                if how not in PEFT_META_INITS or getattr(configs.get(name), "use_dora", False):
+                    what = "use_dora = True" if how in PEFT_META_INITS else f"init_lora_weights = {how!r}"
+                    raise MaterializeError(
+                        f"zeropp: LoRA adapter {name!r} was built on the meta device with {what}, which reads the "
+                        f"base weights it does not have yet; build the peft model on the loaded base, or use "
+                        f"init_lora_weights in {list(PEFT_META_INITS)}"
+                    )
+                # an embedding's adapters are parameters of a ParameterDict, a linear's modules of their own
+                found[id(adapter if isinstance(adapter, nn.Module) else holder)] = (layer, name, how)
+    return found
 
 
 def initialize_model(
