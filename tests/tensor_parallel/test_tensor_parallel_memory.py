@@ -50,10 +50,11 @@ def estimate_for(world: int, nodes: int, zero: dict, sequence_parallel: bool = F
     gpt = ModelConfig(
         n_layer=GPT_TEST.n_layer, n_head=GPT_TEST.n_head, d_model=GPT_TEST.d_model, block_size=GPT_TEST.block_size
     )
-    units = gpt_unit_numels(gpt, 2)
+    params = gpt_unit_numels(gpt, 2)
+    units = [sum(unit) for unit in params]
     switches = {key: zero[key] for key in ZERO_R_FLAGS if key in zero}
     activations = gpt_activations(gpt, 2, sequence_parallel=sequence_parallel, **switches)
-    return units, estimate(units, world, nodes, ZeroConfig(**zero), tensor_parallel=2, activations=activations)
+    return units, estimate(params, world, nodes, ZeroConfig(**zero), tensor_parallel=2, activations=activations)
 
 
 def test_model_states_per_rank_are_table_1_on_the_tensor_parallel_share():

@@ -213,7 +213,7 @@ def dequantized_base(model: torch.nn.Module, world: int, bits: int) -> torch.nn.
     spec = QuantSpec(bits, config.qwz.block)
     for _, params in group_parameters(model, repeated_blocks(model), frozen=True):
         frozen = [p for _, p in params if not p.requires_grad]
-        layout = FlatLayout(tuple(tuple(p.shape) for p in frozen), world, config.shard_alignment)
+        layout = FlatLayout(tuple(tuple(p.shape) for p in frozen), world, config.shard_alignment, spec.block_size)
         full = layout.join(frozen, torch.float32, torch.device("cpu")).view(world, -1)
         values = kernels.dequantize(kernels.quantize(full, spec), torch.float32).reshape(-1)
         with torch.no_grad():

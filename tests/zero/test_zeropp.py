@@ -327,6 +327,11 @@ def test_ledger_shows_zeropp_table_1_and_hpz_memory():
     predicted = per_rank[0]["zero3"]["zero3_predicted"]  # what zeropp train prints as "ZeRO-3 would send"
     assert 3 * predicted["forward"]["inter"] == z3["forward"], (predicted, z3)
     assert 3 * predicted["backward"]["inter"] == z3["backward_gather"] + z3["gradients"], (predicted, z3)
+    # qwZ starts each parameter on a block boundary: the ratios below are per element of its own buffer
+    # (this 64-wide model's norms and biases pad to 4% more; a 768-wide one's to 0.1%, test_quant_blocks)
+    padding = per_rank[0]["zeropp"]["padded_psi"] / per_rank[0]["zero3"]["padded_psi"]
+    assert 1 < padding < 1.05, padding
+    z3 = {k: v * padding for k, v in z3.items()}
     # forward all-gather: int8 instead of bf16 -> M/2, plus the scales
     assert 0.5 <= zpp["forward"] / z3["forward"] <= 0.5 + SCALE_OVERHEAD + 1e-3, mean
     # backward all-gather: inside the node only

@@ -1,11 +1,13 @@
 """Index math of a unit's flat buffer: where each parameter lives and which slice each rank owns.
 
-Padding: the parameters of a unit are laid end to end (``numel`` elements), then padded up to
-``padded = ceil(numel / (world * alignment)) * world * alignment``. Every rank's shard is then
-``padded / world`` elements, a multiple of ``alignment``: equal shards make all-gather and
-reduce-scatter single calls, and aligned shards start on a quantization-block boundary. The pad
-is at the end of the buffer, so it lands in the last ranks' shards; it holds zeros, receives zero
-gradients and therefore never changes (Adam's update of a zero with zero gradient is zero).
+Padding: the parameters of a unit are laid one after the other, each starting at a multiple of
+``param_alignment`` (1: end to end; a quantization block: a block never holds two parameters'
+elements), up to ``end``; the buffer is padded up to ``padded = ceil(end / (world * q)) * world *
+q`` with ``q = lcm(alignment, param_alignment)``. Every rank's shard is then ``padded / world``
+elements, a multiple of ``alignment``: equal shards make all-gather and reduce-scatter single calls,
+and aligned shards start on a quantization-block boundary. The gaps between parameters and the pad
+at the end (:meth:`FlatLayout.gaps`) hold zeros, receive zero gradients and therefore never change
+(Adam's update of a zero with zero gradient is zero). ``numel`` counts the parameters' elements only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class FlatLayout:
     shapes: tuple[tuple[int, ...], ...]
     world: int
     alignment: int
+    param_alignment: int = 1
 
     @cached_property
     def numels(self) -> tuple[int, ...]:
@@ -30,8 +33,9 @@ class FlatLayout:
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
-        offsets, running = [], 0
+        offsets, running, step = [], 0, self.param_alignment
         for n in self.numels:
+            running = math.ceil(running / step) * step
             offsets.append(running)
             running += n
         return tuple(offsets)
@@ -41,9 +45,21 @@ class FlatLayout:
         return sum(self.numels)
 
     @property
+    def end(self) -> int:
+        """Where the last parameter ends: the parameters and the gaps between them."""
+        return self.offsets[-1] + self.numels[-1] if self.numels else 0
+
+    @property
     def padded_numel(self) -> int:
-        quantum = self.world * self.alignment
-        return max(1, math.ceil(self.numel / quantum)) * quantum
+        quantum = self.world * math.lcm(self.alignment, self.param_alignment)
+        return max(1, math.ceil(self.end / quantum)) * quantum
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """[start, stop) of every stretch no parameter holds: between parameters, and the pad."""
+        if not self.numels:
+            return [(0, self.padded_numel)]
+        stops = [o + n for o, n in zip(self.offsets, self.numels, strict=True)]
+        return [(a, b) for a, b in zip(stops, [*self.offsets[1:], self.padded_numel], strict=True) if a < b]
 
     @property
     def shard_numel(self) -> int:

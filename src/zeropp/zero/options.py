@@ -39,6 +39,13 @@ class UnitOptions:
     compute_shard_device: torch.device | None = None  # offloaded parameters: the compute shard's home
     grad_arena: Arena | None = None  # where gradient buffers come from (MD: one preallocated buffer); None: fresh
 
+    @property
+    def param_alignment(self) -> int:
+        """Where a parameter may start in a unit's flat buffer: on a qwZ block boundary where qwZ
+        quantizes blocks, so that a block holds one parameter's weights alone (their own scale)."""
+        quant = self.weight_quant
+        return quant.block_size if quant is not None and quant.block_size else 1
+
     def host_empty(self, numel: int, dtype: torch.dtype, where: torch.device | None) -> torch.Tensor:
         """An empty tensor at `where` (default: the device); host memory is pinned when the device is CUDA."""
         where = where or self.device

@@ -156,7 +156,7 @@ class FlatUnit:
             point_at(p, _RELEASED.to(p.dtype))
         full32 = flat.to(device)
         if broadcast and self.params:  # the padding holds zeros everywhere already
-            self.comm.broadcast(full32[: self.layout.numel], self.groups.shard, src=self.groups.shard.ranks[0])
+            self.comm.broadcast(full32[: self.layout.end], self.groups.shard, src=self.groups.shard.ranks[0])
         return full32
 
     def _hold_weights(self, full32: torch.Tensor) -> None:
@@ -193,7 +193,8 @@ class FlatUnit:
     ) -> FlatLayout:
         """The flat layout a unit of `params` gets (padded for the ranks its optimizer state spans)."""
         shard_world = groups.shard.size if policy.shard_optimizer else 1
-        return FlatLayout(tuple(tuple(local_tensor(p).shape) for p in params), shard_world, options.alignment)
+        shapes = tuple(tuple(local_tensor(p).shape) for p in params)
+        return FlatLayout(shapes, shard_world, options.alignment, options.param_alignment)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -378,13 +379,11 @@ class FlatUnit:
 
     def _zero_unwritten(self) -> None:
         """Zero what no gradient was copied into since ``grad_flat`` was allocated: the slices of
-        parameters that got none, and the padding."""
+        parameters that got none, and the gaps and padding."""
         if self._unwritten is None:
             return
-        for index in self._unwritten:
-            start, stop = self.layout.param_range(index)
+        for start, stop in [*map(self.layout.param_range, self._unwritten), *self.layout.gaps()]:
             self.grad_flat[start:stop].zero_()
-        self.grad_flat[self.layout.numel :].zero_()
         self._unwritten = None
 
     def _accumulate_reduced(self, shard: torch.Tensor) -> None:

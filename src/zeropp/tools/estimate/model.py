@@ -325,7 +325,7 @@ class Estimate:
 
 
 def estimate(
-    model: int | Sequence[int],
+    model: int | Sequence[int | Sequence[int]],
     world: int,
     nodes: int = 1,
     zero: ZeroConfig | None = None,
@@ -340,8 +340,8 @@ def estimate(
     (ZeroConfig's defaults when None), with `tensor_parallel` ranks splitting each weight matrix.
 
     `model`: Ψ as one flat unit, every weight split over the tensor-parallel ranks (ceil(Ψ/tp) per
-    rank, the ZeRO paper's Ψ/N_m), or every unit's numel on one tensor-parallel rank
-    (:func:`gpt_unit_numels`). `activations`: the transformer's shape per micro-batch and the ZeRO-R
+    rank, the ZeRO paper's Ψ/N_m), or every unit on one tensor-parallel rank: its numel, or its
+    parameters' numels (:func:`gpt_unit_numels`), which qwZ's blocks start each parameter of. `activations`: the transformer's shape per micro-batch and the ZeRO-R
     switches, for the tensor-parallel traffic and the activation checkpoints (None: neither is
     priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master, in fp32 (Adam: 8;
     halved where ``zero.optimizer_state_dtype`` is bf16). `frozen_fraction`: the share of every unit's
@@ -357,22 +357,26 @@ def estimate(
     refuse_qwd_without_hpz(zero, hpz, nodes)  # as the engine does
     if whole_parameters:
         refuse_whole_with("--optimizer-path whole", zero, tensor_parallel)
-    numels = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
+    entries = [math.ceil(model / tensor_parallel)] if isinstance(model, int) else list(model)
     shard_world = dp if zero.stage >= 1 else 1
     policy = StagePolicy.for_stage(zero.stage)
+    # as UnitOptions.param_alignment and FrozenWeights: parameters start on a block of their quantization
+    trained_block = zero.qwz.block or 1 if zero.qwz.enabled else 1
+    frozen_block = zero.qwz.block or 1 if zero.quantized_nontrainable_weights else 1
 
-    def padded(n: int) -> int:
-        return FlatLayout(((n,),), shard_world, zero.shard_alignment).padded_numel if n else 0
+    def padded(numels: Sequence[int], block: int) -> int:
+        shapes = tuple((n,) for n in numels)
+        return FlatLayout(shapes, shard_world, zero.shard_alignment, block).padded_numel if sum(numels) else 0
 
     units = []
-    for n in numels:
+    for entry in entries:
+        params = [entry] if isinstance(entry, int) else list(entry)
+        n = sum(params)
         frozen = math.floor(frozen_fraction * n)
+        trained = params if not frozen else [n - frozen]
         resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
-        units.append(
-            Unit(
-                n - frozen, padded(n - frozen), resident, frozen, padded(frozen) if policy.shard_parameters else frozen
-            )
-        )
+        frozen_padded = padded([frozen], frozen_block) if policy.shard_parameters else frozen
+        units.append(Unit(n - frozen, padded(trained, trained_block), resident, frozen, frozen_padded))
     est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters)
     transfers = [
         *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations),
@@ -382,9 +386,9 @@ def estimate(
     return dataclasses.replace(est, transfers=tuple(transfers))
 
 
-def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
-    """The numel of every unit the engine makes of the embedded GPT (its blocks, then the root), on one
-    tensor-parallel rank: the shipped plan's split weights count their local shard."""
+def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[list[int]]:
+    """The parameters' numels of every unit the engine makes of the embedded GPT (its blocks, then the
+    root), on one tensor-parallel rank: the shipped plan's split weights count their local shard."""
     import torch
 
     from zeropp.app.models.gpt import GPT, gpt_config
@@ -395,7 +399,7 @@ def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[int]:
     with torch.device("meta"):
         gpt = GPT(gpt_config(model))
     local = local_numels(gpt, gpt_plan(gpt, tensor_parallel), tensor_parallel)
-    return [sum(local[name] for name, _ in params) for _, params in group_parameters(gpt, repeated_blocks(gpt))]
+    return [[local[name] for name, _ in params] for _, params in group_parameters(gpt, repeated_blocks(gpt))]
 
 
 def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:

@@ -49,12 +49,13 @@ class FrozenWeights:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.comm, self.groups, self.options, self.resident = comm, groups, options, resident
-        self.layout = FlatLayout(
-            tuple(tuple(local_tensor(p).shape) for p in self.params), groups.shard.size, options.alignment
-        )
+        shapes, block = tuple(tuple(local_tensor(p).shape) for p in self.params), options.frozen_quant
+        # quantized, each parameter's blocks hold its own values alone
+        aligned = block.block_size if block is not None and block.block_size else 1
+        self.layout = FlatLayout(shapes, groups.shard.size, options.alignment, aligned)
         full = self.layout.join([local_tensor(p).detach() for p in self.params], options.compute_dtype, options.device)
         if broadcast:
-            comm.broadcast(full[: self.layout.numel], groups.shard, src=groups.shard.ranks[0])
+            comm.broadcast(full[: self.layout.end], groups.shard, src=groups.shard.ranks[0])
         self.shard: torch.Tensor | None = None
         self.message: torch.Tensor | None = None
         self.secondary: torch.Tensor | None = None  # hpZ's copy (valid for good: frozen values never change)
