@@ -37,7 +37,9 @@ CASES = {
     for precision in ("fp32", "bf16")
 }
 CASES["gpt-stage2-fp16"] = ("gpt", 2, "fp16")
-CONTINUED = [name for name, (_, _, precision) in CASES.items() if precision == "fp32"]
+GROUPED = "gpt-stage2-fp32-groups"  # AdamW in two param groups of their own decay and betas; always continued
+CASES[GROUPED] = ("gpt", 2, "fp32")
+CONTINUED = [name for name, (_, _, precision) in CASES.items() if precision == "fp32" and name != GROUPED]
 REFUSED = {name: why for name, (_, _, precision) in CASES.items() if (why := deepspeed_cpu_refuses(precision))}
 # what each test reads of DeepSpeed's runs, beyond its own `case`: ("continued" also trains the fp32 cases on)
 READS = {
@@ -45,6 +47,7 @@ READS = {
     "test_cli_imports_then_train_resumes_and_export_reads_it": ["gpt-stage3-fp32"],
     "test_damaged_checkpoint_is_one_line_and_writes_nothing": ["gpt-stage1-fp32"],
     "test_cli_refusal_is_one_line_with_status_2": ["gpt-stage3-fp32"],
+    "test_param_groups_import_and_resume_where_deepspeed_continues": [GROUPED],
 }
 
 
@@ -69,11 +72,24 @@ def ds_config(stage: int, precision: str) -> dict:
     return config
 
 
-def _ds_engine(kind: str, stage: int, precision: str):
+def grouped_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Decay and betas of their own for the matrices and the rest (DeepSpeed's WarmupLR sets every
+    group's lr, so the lr is one)."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    groups = [{"params": matrices, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0, "betas": (0.8, 0.95)}]
+    return torch.optim.AdamW(groups, lr=LR, eps=ADAM_EPS)
+
+
+def _ds_engine(kind: str, stage: int, precision: str, grouped: bool = False):
     import deepspeed
 
     model = make_model(kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.01)
+    optimizer = (
+        grouped_adamw(model)
+        if grouped
+        else torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.01)
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, precision))
     return engine
 
@@ -92,12 +108,12 @@ def deepspeed_worker(root: str, names: list[str], continued: list[str]) -> None:
     os.environ["DS_ACCELERATOR"] = "cpu"
     for name in names:
         kind, stage, precision = CASES[name]
-        folder = Path(root) / name
-        engine = _ds_engine(kind, stage, precision)
+        folder, grouped = Path(root) / name, name == GROUPED
+        engine = _ds_engine(kind, stage, precision, grouped)
         _ds_steps(engine, kind, range(STEPS))
         engine.save_checkpoint(str(folder / "first"))
-        if name in continued:
-            engine = _ds_engine(kind, stage, precision)
+        if name in continued or grouped:
+            engine = _ds_engine(kind, stage, precision, grouped)
             engine.load_checkpoint(str(folder / "first"))
             _ds_steps(engine, kind, range(STEPS, 2 * STEPS))
             engine.save_checkpoint(str(folder / "continued"))
@@ -191,6 +207,40 @@ def test_five_more_steps_match_deepspeed(deepspeed_runs, imported, world):
         diffs[name] = max((ours[name][k] - theirs[k]).abs().max().item() for k in theirs)
     print(f"world {world}: max |zeropp - DeepSpeed| after 5 more steps: {diffs}")
     assert all(d <= TOLERANCE for d in diffs.values()), diffs
+
+
+def grouped_worker(path: str) -> dict:
+    """5 more steps from the two-group import with the same two groups (whole parameters on owner
+    ranks), and the line a one-group run gets when it loads it."""
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.checkpoint.dcp import load_checkpoint
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    model = make_model("gpt")
+    engine = ZeroEngine(model, grouped_adamw(model), None, ZeroConfig(stage=3), topology)
+    load_checkpoint(engine, path)
+    for step in range(STEPS, 2 * STEPS):
+        x, y = rows(global_batch("gpt", step, 0, DATA_PARALLEL, PER_RANK), topology.rank)
+        engine.backward(loss_of("gpt", engine, x, y))
+        engine.step()
+    one_group = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=LR), ZeroConfig(stage=3), topology)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        load_checkpoint(one_group, path)
+    return {"state": engine.full_state_dict(), "said": said.getvalue()}
+
+
+def test_param_groups_import_and_resume_where_deepspeed_continues(deepspeed_runs, imported):
+    from zeropp.checkpoint.dcp import read_meta
+
+    groups = read_meta(imported[GROUPED])["param_groups"]
+    assert [(g["weight_decay"], g["betas"]) for g in groups] == [(0.01, [0.9, 0.999]), (0.0, [0.8, 0.95])]
+    theirs = zero_to_fp32(deepspeed_runs / GROUPED / "continued")
+    for rank, ours in enumerate(run_ranks(grouped_worker, 2, path=str(imported[GROUPED]))):
+        assert max((ours["state"][k] - theirs[k]).abs().max().item() for k in theirs) <= TOLERANCE
+        expected = "keeping the configured optimizer settings (1 param group) over checkpoint"
+        assert (expected in ours["said"]) == (rank == 0), ours["said"]
 
 
 def test_cli_imports_then_train_resumes_and_export_reads_it(deepspeed_runs, tmp_path):

@@ -315,7 +315,7 @@ def load_checkpoint(
             "and cannot be resumed; export it (zeropp export CKPT model.safetensors) and start from that with --init-from"
         )
     verify_files(path, meta)
-    _check_compatible(engine, meta, path)
+    _check_compatible(engine, meta, path, optimizer_settings)
     referenced = meta.get("frozen_base", {}).get("params", {})
     if referenced:
         adapters.check_base(engine.units, engine.module, meta, path)
@@ -346,7 +346,14 @@ def _say_changes(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, opt
     """Rank 0's lines on what differs from the checkpoint; the checkpoint's optimizer settings taken if asked."""
     groups = _groups(engine)
     lines = [changes.resharding_line(meta, _describe(engine), path)]
-    differ = changes.optimizer_differences(groups, meta["param_groups"])
+    differ = []
+    if len(groups) != len(meta["param_groups"]):  # refused above where its settings were to be taken
+        ours, saved = (f"{n} param group{'s' * (n != 1)}" for n in (len(groups), len(meta["param_groups"])))
+        lines.append(
+            f"zeropp: keeping the configured optimizer settings ({ours}) over checkpoint {str(path)!r}'s ({saved})"
+        )
+    else:
+        differ = changes.optimizer_differences(groups, meta["param_groups"])
     if differ and optimizer_settings == "checkpoint":
         for group, saved in zip(groups, meta["param_groups"], strict=True):
             changes.taking(group, saved)
@@ -366,7 +373,7 @@ def _groups(engine: ZeroEngine) -> list[dict[str, Any]]:
     return [group for optimizer in engine.optimizers for group in optimizer.param_groups]
 
 
-def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path) -> None:
+def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path, optimizer_settings: str) -> None:
     here = _describe(engine, meta.get("frozen_base", {}).get("params", {}))
     for kind in ("params", "fixed"):
         saved, ours = meta[kind], here[kind]
@@ -376,11 +383,15 @@ def _check_compatible(engine: ZeroEngine, meta: dict[str, Any], path: str | Path
                     f"checkpoint {str(path)!r} holds a different model: {name!r} has shape "
                     f"{_shape(saved.get(name))} there and {_shape(ours.get(name))} here"
                 )
-    if meta["optimizer"] != here["optimizer"] or len(meta["param_groups"]) != len(here["param_groups"]):
+    if meta["optimizer"] != here["optimizer"]:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} was saved with optimizer {meta['optimizer']} "
-            f"({len(meta['param_groups'])} param groups), this run uses {here['optimizer']} "
-            f"({len(here['param_groups'])})"
+            f"checkpoint {str(path)!r} was saved with optimizer {meta['optimizer']}, this run uses {here['optimizer']}"
+        )
+    saved, ours = len(meta["param_groups"]), len(here["param_groups"])
+    if saved != ours and optimizer_settings == "checkpoint":  # the states are per parameter: only settings differ
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has {saved} param groups and this run {ours}: its optimizer settings "
+            "cannot be taken group by group; keep the configured ones"
         )
 
 

@@ -6,8 +6,8 @@ written with DCP's single-process save in the per-parameter form every zeropp ch
 optimizer's states), ``fixed.<name>`` (buffers, frozen parameters), then zeropp.json. So
 ``zeropp train --resume`` loads it on any world size and stage, and ``zeropp export`` consolidates it.
 
-zeropp.json records the step, the optimizer (torch's class, one param group: DeepSpeed's first,
-with the keys torch's class knows), the fp16 loss scaler in zeropp's terms, and under
+zeropp.json records the step, the optimizer (torch's class, and DeepSpeed's param groups in their
+order, each with the keys torch's class knows), the fp16 loss scaler in zeropp's terms, and under
 ``extra.deepspeed`` where it came from and DeepSpeed's lr-scheduler state (zeropp's schedule is
 a function of the step, which carries on from the imported one).
 
@@ -55,7 +55,7 @@ def import_deepspeed(source: str | Path, out_dir: str | Path) -> Imported:
     bad = sorted(name for name, t in state.masters.items() if not bool(torch.isfinite(t).all()))
     if bad:
         raise DeepSpeedCheckpointError(f"DeepSpeed's fp32 master of {bad[0]!r} holds nan or inf; not importing it")
-    group, notes = _param_group(state)
+    groups, notes = _param_groups(state), []
     meta = {
         "format": FORMAT,
         "step": state.step,
@@ -68,7 +68,7 @@ def import_deepspeed(source: str | Path, out_dir: str | Path) -> Imported:
         "aliases": state.aliases,
         "precision": state.precision,
         "optimizer": f"{getattr(torch.optim, state.optimizer).__module__}.{state.optimizer}",
-        "param_groups": [jsonable(group)],
+        "param_groups": [jsonable(group) for group in groups],
         "scaler": _scaler(state.loss_scaler),
         "global_step": state.step,
         "extra": {"deepspeed": _provenance(state)},
@@ -102,22 +102,12 @@ def _tensors(state: DeepSpeedState) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _param_group(state: DeepSpeedState) -> tuple[dict[str, Any], list[str]]:
-    """One param group: torch's defaults for the class, with DeepSpeed's first group's values;
-    a note where DeepSpeed's groups differ (zeropp trains one group)."""
+def _param_groups(state: DeepSpeedState) -> list[dict[str, Any]]:
+    """DeepSpeed's param groups in order, each torch's defaults for the class with the group's values
+    (a resumed run with as many groups may take them: load_checkpoint's optimizer_settings)."""
     cls = getattr(torch.optim, state.optimizer)
     defaults = cls([torch.zeros(1, requires_grad=True)]).defaults
-    first = state.param_groups[0]
-    group = {key: first.get(key, value) for key, value in defaults.items()}
-    notes = []
-    differ = sorted({k for g in state.param_groups[1:] for k in defaults if g.get(k) != first.get(k)})
-    if differ:
-        values = "; ".join(f"{k}: {', '.join(repr(g.get(k)) for g in state.param_groups)}" for k in differ)
-        notes.append(
-            f"DeepSpeed's {len(state.param_groups)} param groups differ ({values}); zeropp trains one group "
-            "with the first group's values (a resumed run uses its own optim settings)"
-        )
-    return group, notes
+    return [{key: saved.get(key, value) for key, value in defaults.items()} for saved in state.param_groups]
 
 
 def _scaler(saved: dict[str, Any]) -> dict[str, Any]:
