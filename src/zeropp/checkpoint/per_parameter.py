@@ -229,10 +229,17 @@ def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer,
 # DCP takes them from the owner, and a load at any world size reads them whole on the new owners.
 
 
+# A Python number in a state (bitsandbytes' ``step``) is written as a 0-d int64 or float64 tensor and
+# read back as the number: torch's own optimizers keep their 0-d states in float32.
+PYTHON_NUMBERS = {torch.int64: int, torch.float64: float}
+
+
 def owned_state_entries(whole: WholeParameterStep) -> dict[str, torch.Tensor]:
     entries = {}
     for name in whole.owned:
         for key, value in whole.owned_state(name).items():
+            if type(value) in (int, float):
+                value = torch.tensor(value, dtype=torch.int64 if type(value) is int else torch.float64)
             if type(value) is not torch.Tensor:  # a tensor subclass (torchao's quantized states) would load dense
                 raise UnsavableStateError(
                     f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a plain tensor; "
@@ -264,9 +271,11 @@ def owned_state_template(
 
 
 def load_owned_states(whole: WholeParameterStep, state: Mapping[str, Any]) -> None:
-    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in whole.owned}
+    states: dict[str, dict[str, Any]] = {name: {} for name in whole.owned}
     for entry, name, key in _owned_entries(whole, iter(state)):
-        states[name][key] = state[entry]
+        value = state[entry]
+        number = PYTHON_NUMBERS.get(value.dtype) if value.dim() == 0 else None
+        states[name][key] = value if number is None else number(value.item())
     whole.load_owned_states(states)
 
 
