@@ -67,9 +67,10 @@ def test_lora_run_exports_an_adapter_peft_loads(inputs, run):
     summary = json.loads((tmp_path / "summary.json").read_text())
     adapters = 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)  # 2 layers: q_proj 32 -> 32, v_proj 32 -> 16 (2 kv heads)
     assert summary["model"].endswith(", LoRA rank 4)") and summary["param_count"] == adapters
-    # model states: the adapters' 16 bytes a parameter and the int8 base's 1 + 4/256, over 2 ranks (padding aside)
+    # model states: the adapters' 16 bytes a parameter and the int8 base's 1 + 4/256, over 2 ranks, counted
+    # over the flat buffers as laid out (each parameter on a block of 256: this 32-wide model's norms pad 8x)
     analytic = summary["analytic_model_state_bytes_per_rank"]
-    assert all(analytic <= b <= analytic * 1.02 for b in summary["model_state_bytes_per_rank"]), summary
+    assert all(abs(b - analytic) <= 0.02 * analytic for b in summary["model_state_bytes_per_rank"]), (analytic, summary)
     # plain ZeRO-3 gathers the fp32 base too: more than this run's int8 base, qwZ and qgZ send
     sent, plain = ({link: summary[f"{prefix}{link}_node_bytes_per_step"] for link in ("intra", "inter")}
                    for prefix in ("", "zero3_"))  # fmt: skip

@@ -37,7 +37,7 @@ CASES = {
     for precision in ("fp32", "bf16")
 }
 CASES["gpt-stage2-fp16"] = ("gpt", 2, "fp16")
-GROUPED = "gpt-stage2-fp32-groups"  # AdamW in two param groups of their own decay and betas; always continued
+GROUPED = "gpt-groups-stage2-fp32"  # AdamW in two param groups of their own decay and betas; always continued
 CASES[GROUPED] = ("gpt", 2, "fp32")
 CONTINUED = [name for name, (_, _, precision) in CASES.items() if precision == "fp32" and name != GROUPED]
 REFUSED = {name: why for name, (_, _, precision) in CASES.items() if (why := deepspeed_cpu_refuses(precision))}

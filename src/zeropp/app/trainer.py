@@ -35,7 +35,7 @@ from zeropp.checkpoint.dcp import (
 from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.comm.ledger import PA_GATHER
 from zeropp.config.sections import Config
-from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, peak_memory_bytes
+from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, flat_numels, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.engine import ZeroEngine
 from zeropp.errors import ConfigError, ZeroppError
@@ -46,7 +46,6 @@ from zeropp.zero.offload.disk_params import io_bytes
 from zeropp.zero.optim.owners import OWNER_OPS
 from zeropp.zero.optim.uncorrected_adam import UncorrectedAdam
 from zeropp.zero.options import frozen_quant
-from zeropp.zero.weights.dtensor_params import local_tensor
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
@@ -412,6 +411,7 @@ class Trainer:
         rows, mean_ledger = self.gathered_ledger()
         n = len(rows)
         zero = self.config.zero
+        trained, frozen_numel = flat_numels(engine.units, engine.module)
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints
         frozen = [u.frozen.layout.padded_numel for u in engine.units if u.frozen is not None and not u.resident]
@@ -432,7 +432,7 @@ class Trainer:
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r.model_state_bytes) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
-                engine.param_count,  # this rank's tensor-parallel share, sharded over its data-parallel group
+                trained,  # this rank's tensor-parallel share as laid out, sharded over its data-parallel group
                 topo.data_parallel.size,
                 zero.stage,
                 zero.precision,
@@ -447,7 +447,7 @@ class Trainer:
                 qgz_residuals=(topo.ranks_per_node, topo.nodes, zero.qgz.intra_node_quantized)
                 if self.error_feedback and self.residuals_freed_at_step is None
                 else None,
-                frozen=sum(local_tensor(p).numel() for p in engine.module.parameters() if not p.requires_grad),
+                frozen=frozen_numel,
                 frozen_quant=frozen_quant(zero),
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,

@@ -51,16 +51,21 @@ from __future__ import annotations
 
 import math
 import resource
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch import nn
 
 from zeropp.config.policies import check_switches, flat_name
 from zeropp.errors import ConfigError
 from zeropp.quant.spec import QuantSpec
 from zeropp.runtime.reductions import MAX_IN_FLIGHT
+from zeropp.zero.weights.dtensor_params import local_tensor
+
+if TYPE_CHECKING:
+    from zeropp.zero.unit import FlatUnit
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_RECOMPUTED_ALL_REDUCES = 1  # zeropp's activation checkpointing (see Activations)
@@ -122,6 +127,17 @@ def analytic_model_state_bytes(
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
     return {"all": total, "device": total - host - disk, "host": host, "disk": disk}[where]
+
+
+def flat_numels(units: Sequence[FlatUnit], module: nn.Module) -> tuple[int, int]:
+    """(Ψ, Ψf) of :func:`analytic_model_state_bytes` as this rank's flat buffers hold them: each unit's
+    trainable and frozen parameters padded as laid out (the gaps that start each parameter on a
+    quantization block, the last shard's pad), frozen parameters outside the units as they are."""
+    inside = [u.frozen for u in units if u.frozen is not None]
+    held = {id(p) for frozen in inside for p in frozen.params}
+    outside = (p for p in module.parameters() if not p.requires_grad and id(p) not in held)
+    trained = sum(u.layout.padded_numel for u in units)  # a unit of frozen parameters only: its pad
+    return trained, sum(f.layout.padded_numel for f in inside) + sum(local_tensor(p).numel() for p in outside)
 
 
 def frozen_weight_bytes(spec: QuantSpec) -> float:

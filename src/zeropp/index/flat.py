@@ -51,7 +51,7 @@ class FlatLayout:
 
     @property
     def padded_numel(self) -> int:
-        quantum = self.world * math.lcm(self.alignment, self.param_alignment)
+        quantum = self.world * (math.lcm(self.alignment, self.param_alignment) if self.numels else self.alignment)
         return max(1, math.ceil(self.end / quantum)) * quantum
 
     def gaps(self) -> list[tuple[int, int]]:
