@@ -7,12 +7,19 @@ single-tensor ``foreach=False``, a ``torch.compile``d step, and DeepSpeed's ``De
 where DeepSpeed is installed and its op builds. Median of ``--repeats`` steps after a warm-up, with
 ``--threads`` intra-op threads.
 
-    zeropp bench optimizer [--params 50e6] [--units 16] [--repeats 5] [--threads N] [--out results/bench_optimizer.json]
+Against the machine's memory bandwidth: AdamW reads a parameter, its gradient and two moments and
+writes the parameter and the moments back, 28 bytes a parameter in fp32; each step's bytes over its
+time are set beside a plain copy's (``dst.copy_(src)`` over the same number of fp32 elements, read
+and write counted), the bound a step that only streams its operands would meet.
+
+    zeropp bench optimizer [--params 50e6] [--units 16] [--repeats 5] [--threads N] [--only NAME ...]
+                           [--out results/bench_optimizer.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -25,6 +32,7 @@ import torch
 from zeropp.tools.bench.runs import output_file
 
 LR = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+ADAMW_BYTES = 28  # read p, g, exp_avg, exp_avg_sq; write p, exp_avg, exp_avg_sq: 7 fp32 values a parameter
 
 
 def _shards(params: int, units: int) -> list[torch.nn.Parameter]:
@@ -54,15 +62,17 @@ def candidates() -> dict[str, Callable[[list[torch.nn.Parameter]], Callable[[], 
         "torch AdamW single-tensor": torch_adamw(foreach=False),
         "torch AdamW compiled": compiled,
     }
+    if importlib.util.find_spec("deepspeed") is not None:  # imported (and its op built) only when timed
+        found["DeepSpeedCPUAdam"] = _deepspeed_cpu_adam
+    return found
+
+
+def _deepspeed_cpu_adam(params: list[torch.nn.Parameter]) -> Callable[[], None]:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # its C++ op builds here at first use, or fails
 
-        found["DeepSpeedCPUAdam"] = lambda params: DeepSpeedCPUAdam(params, **LR, adamw_mode=True).step
-    except Exception:  # not installed, or its C++ op does not build here
-        pass
-    return found
+    return DeepSpeedCPUAdam(params, **LR, adamw_mode=True).step
 
 
 def time_step(step: Callable[[], None], repeats: int) -> float:
@@ -75,29 +85,59 @@ def time_step(step: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(numel: int, repeats: int) -> float:
+    """Bytes per second of ``dst.copy_(src)`` over `numel` fp32 elements (a read and a write each)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return 2 * 4 * numel / time_step(lambda: dst.copy_(src), repeats)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeropp bench optimizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=50e6)
     parser.add_argument("--units", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these optimizers alone (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_optimizer.json"))
     args = parser.parse_args(argv)
     args.out = output_file(parser, args.out, "bench_optimizer.json")
     torch.set_num_threads(args.threads)
+    found = candidates()
+    unknown = sorted(set(args.only or ()) - set(found))
+    if unknown:
+        parser.error(f"--only {unknown[0]!r} is not an optimizer that runs here; expected one of {sorted(found)}")
     rows = []
-    print(f"{int(args.params):,} fp32 parameters in {args.units} shards, {args.threads} threads")
-    print("| optimizer | median step (s) | ns per parameter |\n| --- | --- | --- |")
-    for name, build in candidates().items():
+    copy = copy_bandwidth(int(args.params), args.repeats)
+    print(
+        f"{int(args.params):,} fp32 parameters in {args.units} shards, {args.threads} threads; copy {copy / 1e9:.2f} GB/s"
+    )
+    print("| optimizer | median step (s) | ns per parameter | GB/s moved (28 B a parameter) | of copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, build in found.items():
+        if args.only and name not in args.only:
+            continue
         try:
             seconds = time_step(build(_shards(int(args.params), args.units)), args.repeats)
         except Exception as error:  # e.g. no C++ compiler for torch.compile
-            print(f"| {name} | failed: {str(error).splitlines()[0][:80]} | |")
+            print(f"| {name} | failed: {str(error).splitlines()[0][:80]} | | | |")
             continue
-        rows.append({"optimizer": name, "seconds": seconds, "ns_per_param": seconds / args.params * 1e9})
-        print(f"| {name} | {seconds:.4f} | {rows[-1]['ns_per_param']:.2f} |", flush=True)
+        moved = ADAMW_BYTES * args.params / seconds
+        row = {"optimizer": name, "seconds": seconds, "ns_per_param": seconds / args.params * 1e9,
+               "bytes_per_s": moved, "of_copy": moved / copy}  # fmt: skip
+        rows.append(row)
+        print(
+            f"| {name} | {seconds:.4f} | {row['ns_per_param']:.2f} | {moved / 1e9:.2f} | {row['of_copy']:.2f} |",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"params": args.params, "units": args.units, "threads": args.threads, "rows": rows}))
+    record = {
+        "params": args.params,
+        "units": args.units,
+        "threads": args.threads,
+        "copy_bytes_per_s": copy,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(record))
     return 0
 
 
