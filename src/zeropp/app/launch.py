@@ -37,10 +37,11 @@ PR_SET_PDEATHSIG = 1
 # (a gloo wait, the store's rendezvous) would hold it until the SIGKILL. So the rank's first line
 # blocks SIGINT and SIGTERM in every thread (threads started later inherit it; a forked child gets
 # them back) and one thread takes them with sigwait: it runs the stop hooks (the flight record,
-# see on_stop) and ends the process by SIGTERM's default action, whatever the main thread is doing.
+# see on_stop) and ends the process by SIGTERM's default action (or, where a library set a Python
+# handler for SIGTERM, by os._exit a second later), whatever the main thread is doing.
 # The launcher alone says "interrupted".
 RANK_ENTRY = """\
-import os, signal, sys, threading
+import os, signal, sys, threading, time
 STOPS = {signal.SIGINT, signal.SIGTERM}
 signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
 os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
@@ -51,6 +52,8 @@ def stop():
         launch.run_stop_hooks(name)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    time.sleep(1)  # still here: a library set a Python handler for SIGTERM, which the main thread may never run
+    os._exit(128 + signal.SIGTERM)
 threading.Thread(target=stop, name="zeropp-stop", daemon=True).start()
 from zeropp.cli import main
 sys.exit(main())
