@@ -16,51 +16,37 @@ from zeropp.config.sections import LossScaleConfig, OptimConfig
 from zeropp.errors import ConfigError
 from zeropp.zero.precision import LossScaler
 
-SCHEDULE_CASES = {  # DeepSpeed scheduler params; zeropp's optim keys follow from translate
-    "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 10},
-    "WarmupDecayLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 5, "total_num_steps": 30,
-                      "warmup_type": "linear"},
-    "WarmupCosineLR": {"warmup_min_ratio": 0.1, "warmup_num_steps": 6, "total_num_steps": 25, "cos_min_ratio": 0.05},
+SCHEDULE_CASES = {  # DeepSpeed's scheduler type and params; zeropp's optim keys follow from translate
+    "WarmupLR": ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 10}),
+    "WarmupDecayLR": ("WarmupDecayLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 5,
+                                        "total_num_steps": 30, "warmup_type": "linear"}),
+    "WarmupCosineLR": ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "warmup_num_steps": 6, "total_num_steps": 25,
+                                          "cos_min_ratio": 0.05}),
+    # OneCycle: defaults, asymmetric halves, stairs, decay of lr and momentum, no momentum cycle
+    "OneCycle-plain": ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 8}),
+    "OneCycle-asymmetric-decay": ("OneCycle", {"cycle_min_lr": 2e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 5,
+                                               "cycle_second_step_size": 11, "decay_step_size": 4, "decay_lr_rate": 0.5,
+                                               "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}),
+    "OneCycle-stairs": ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 9,
+                                     "cycle_second_step_size": 6, "cycle_first_stair_count": 3,
+                                     "cycle_second_stair_count": 2}),
+    "OneCycle-no-momentum": ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3,
+                                          "cycle_momentum": False, "decay_step_size": 2, "decay_lr_rate": 0.1}),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", sorted(SCHEDULE_CASES))
-def test_schedules_follow_deepspeeds_scheduler_step_by_step(kind):
+@pytest.mark.parametrize("case", sorted(SCHEDULE_CASES))
+def test_schedules_follow_deepspeeds_scheduler_step_by_step(case):
+    """lr and Adam's betas at every step as DeepSpeed's own scheduler class sets them on an AdamW (built before
+    the first step and stepped after each, as its engine does); only OneCycle with its momentum cycle
+    changes the betas (beta1 cycled, beta2 0.99)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
-    params = SCHEDULE_CASES[kind]
+    kind, params = SCHEDULE_CASES[case]
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": kind, "params": params}}
     optim = translate(ds).config().optim
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-    scheduler = getattr(lr_schedules, kind)(optimizer, **params)  # built before the first step, as the engine does
-    for step in range(40):
-        expected = optimizer.param_groups[0]["lr"]
-        assert learning_rate(optim, 1000, step) == pytest.approx(expected, rel=1e-12, abs=1e-15), step
-        scheduler.step()
-
-
-ONE_CYCLE_CASES = {  # DeepSpeed's OneCycle params: defaults, asymmetric halves, stairs, decay of lr and momentum
-    "plain": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 8},
-    "asymmetric-decay": {"cycle_min_lr": 2e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 5,
-                         "cycle_second_step_size": 11, "decay_step_size": 4, "decay_lr_rate": 0.5,
-                         "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95},
-    "stairs": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 9, "cycle_second_step_size": 6,
-               "cycle_first_stair_count": 3, "cycle_second_stair_count": 2},
-    "no-momentum": {"cycle_min_lr": 0.0, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3, "cycle_momentum": False,
-                    "decay_step_size": 2, "decay_lr_rate": 0.1},
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("case", sorted(ONE_CYCLE_CASES))
-def test_one_cycle_follows_deepspeeds_lr_and_betas_step_by_step(case):
-    """OneCycle on an Adam optimizer: DeepSpeed cycles beta1 (with beta2 0.99) unless cycle_momentum is off."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
-    params = ONE_CYCLE_CASES[case]
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "OneCycle", "params": params}}
-    optim = translate(ds).config().optim
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(optim.beta1, optim.beta2))
-    scheduler = lr_schedules.OneCycle(optimizer, **params)
+    scheduler = getattr(lr_schedules, kind)(optimizer, **params)
     group = {"lr": 0.0, "betas": (optim.beta1, optim.beta2)}
     for step in range(50):
         schedule.apply([group], optim, 1000, step)

@@ -293,9 +293,7 @@ class OptimConfig:
     beta1: float = setting(0.9, "Adam's first-moment decay")
     beta2: float = setting(0.95, "Adam's second-moment decay")
     eps: float = setting(1e-8, "Adam's epsilon")
-    bias_correction: bool = setting(
-        True, "Adam's bias correction (adamw, adam); false: DeepSpeed's bias_correction false, m / (sqrt(v) + eps)"
-    )
+    bias_correction: bool = setting(True, "Adam's bias correction; false: m / (sqrt(v) + eps), as DeepSpeed's false")
     momentum: float = setting(0.0, "SGD's momentum")
     schedule: Literal["cosine", "constant", "warmup", "warmup_decay", "warmup_cosine", "one_cycle"] = setting(
         "cosine",
@@ -304,17 +302,13 @@ class OptimConfig:
     )
     warmup_steps: int = setting(50, "steps of learning-rate warm-up (one_cycle: of the cycle's rising half)")
     warmup_type: Literal["log", "linear"] = setting("log", "DeepSpeed's schedules: the warm-up curve")
-    warmup_start_ratio: float = setting(
-        0.0, "DeepSpeed's schedules: the warm-up's first learning rate / lr (one_cycle: the cycle's lowest)"
-    )
+    warmup_start_ratio: float = setting(0.0, "DeepSpeed's schedules: the first lr / lr (one_cycle: the lowest)")
     min_lr_ratio: float = setting(0.1, "the decay's last learning rate / lr (cosine, warmup_decay, warmup_cosine)")
     decay_steps: int | None = setting(None, "steps at which the decay ends; unset: train.steps")
     cycle_down_steps: int | None = setting(None, "one_cycle: steps of the cycle's falling half; unset: warmup_steps")
     cycle_stairs: int = setting(0, "one_cycle: stairs of the rising half (0: a straight line)")
     cycle_down_stairs: int | None = setting(None, "one_cycle: stairs of the falling half; unset: cycle_stairs")
-    decay_rate: float = setting(
-        0.0, "one_cycle: after the cycle, the lowest lr / (1 + decay_rate x steps since / decay_interval)"
-    )
+    decay_rate: float = setting(0.0, "one_cycle: after it, lowest lr / (1 + decay_rate x steps / decay_interval)")
     decay_interval: int = setting(0, "one_cycle: steps per unit of decay after the cycle (0: no decay)")
     cycle_momentum: bool = setting(
         False,
@@ -324,8 +318,7 @@ class OptimConfig:
     min_momentum: float = setting(0.8, "one_cycle with cycle_momentum: the lowest beta1")
     max_momentum: float = setting(0.9, "one_cycle with cycle_momentum: the highest beta1")
     momentum_decay_rate: float = setting(
-        0.0,
-        "one_cycle with cycle_momentum: after the cycle, beta1 = max_momentum x (1 + this x steps / decay_interval)",
+        0.0, "cycle_momentum: after the cycle, beta1 = max_momentum x (1 + this x steps / decay_interval)"
     )
 
     def validate(self) -> None:
