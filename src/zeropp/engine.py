@@ -57,8 +57,18 @@ from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.optim.low_precision_adam import low_precision_adam
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
-from zeropp.zero.optim.spec import OptimizerFactory, read_optimizer
-from zeropp.zero.optim.stepping import clip_coefficient, gradient_statistics, step_units
+from zeropp.zero.optim.segments import SegmentStep
+from zeropp.zero.optim.spec import OptimizerFactory, optimizer_path, read_optimizer
+from zeropp.zero.optim.stepping import (
+    MasterStep,
+    Slot,
+    Stepper,
+    clip_coefficient,
+    gradient_statistics,
+    parameters_given_a_gradient,
+    state_slots,
+    step_units,
+)
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
@@ -92,15 +102,13 @@ class ZeroEngine:
         self.config = config or ZeroConfig()
         self.config.validate()
         spec = self.optimizer_spec = read_optimizer(optimizer, optimizer_kwargs, model)  # before any collective
-        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]
+        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]  # fmt: skip
         if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
             state_dtype = DTYPES[self.config.optimizer_state_dtype]
             spec.factory = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0])
+        path = optimizer_path(spec, self.config)  # See [Note: segments]
         self.topology = topology or init_topology()
-        if self.config.optimizer_path == "whole" and not spec.whole:  # torch's skip of a gradient-less parameter
-            spec.whole, spec.factory = True, None
-            spec.described += " (zero.optimizer_path = 'whole')"
-        if spec.whole:
+        if path == "whole":
             refuse_whole_with(spec.described, self.config, self.topology.tensor_parallel.size)
         self.comm = Communicator(self.topology, ledger)
         if self.config.flight_record_dir is not None:  # See [Note: collective sequences]
@@ -128,15 +136,22 @@ class ZeroEngine:
         for tier in (t for t in (self.disk, self.param_disk) if t is not None):
             weakref.finalize(self, tier.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
-        # See [Note: the whole-parameter step]
-        self.whole = WholeParameterStep(self.units, self.comm, spec, self.topology.rank) if spec.whole else None
-        self.optimizer = self.whole.optimizers[0] if self.whole else spec.factory([u.master for u in self.units])
+        # See [Note: the whole-parameter step] and [Note: segments]
+        self.whole = WholeParameterStep(self.units, self.comm, spec, self.topology.rank) if path == "whole" else None
+        self.stepper: Stepper | None = None
+        if path == "segments":
+            self.stepper = SegmentStep(self.units, spec)
+        elif path == "flat":
+            self.stepper = MasterStep(self.units, spec.factory([u.master for u in self.units]))
+        self.optimizers = self.whole.optimizers if self.whole else self.stepper.optimizers  # what the step drives
+        self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
-        self.optimizers = self.whole.optimizers if self.whole else [self.optimizer]  # what the user's step drives
-        self.states = StateOffloader(self.units, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])
+        # a function, not a method: the offloader holds no reference back to the engine
+        device_states = functools.partial(_device_states, self.whole, self.stepper, self.units)
+        self.states = StateOffloader(self.units, device_states, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -337,8 +352,12 @@ class ZeroEngine:
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
                 else:
-                    self.optimizer_spec.parts[0].follow_source(self.optimizer)  # the user's scheduler's rate
-                    step_units(self.units, self.optimizer, self.scaler, coefficient, host_copies, self.disk, self.param_disk)
+                    for part, optimizer in zip(self.optimizer_spec.parts, self.optimizers, strict=True):
+                        part.follow_source(optimizer)  # the user's scheduler's rate
+                    given = None
+                    if isinstance(self.stepper, SegmentStep):  # torch skips a parameter without a gradient
+                        given = parameters_given_a_gradient(self.units, self.comm, self.groups.shard)
+                    step_units(self.stepper, self.scaler, coefficient, host_copies, self.disk, self.param_disk, given)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -456,23 +475,21 @@ class ZeroEngine:
         Without `frozen`, the units' frozen parameters (stage 3) are left out rather than gathered."""
         copies = self.disk is not None and not self.disk.is_resident
         with self.states_resident():
-            flat = None if self.whole else self.optimizer  # the whole-parameter path's owners write their own
-            state = per_parameter.sharded_state_dict(self.units, flat, self.module, self.checkpoint_mesh, frozen)
+            state = per_parameter.sharded_state_dict(self.units, self.stepper, self.module, self.checkpoint_mesh, frozen)  # fmt: skip
             state.update(per_parameter.owned_state_entries(self.whole) if self.whole else {})
             return tree_map_only(torch.Tensor, torch.clone, state) if copies else state
 
     def sharded_state_template(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
         """Empty tensors in the form of :meth:`sharded_state_dict`, to load into; `saved`: the shape and
         dtype of each ``optim.<name>.<key>`` entry of the checkpoint."""
-        keys = {per_parameter.optimizer_state_name(k): (len(s) > 0, d) for k, (s, d) in saved.items()}
-        template = per_parameter.sharded_state_template(self.units, self.module, self.checkpoint_mesh, {} if self.whole else keys)
+        template = per_parameter.sharded_state_template(self.units, self.module, self.checkpoint_mesh, {} if self.whole else saved)  # fmt: skip
         return template | (per_parameter.owned_state_template(self.whole, saved) if self.whole else {})
 
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
         with self.states_resident(changes=True):
-            per_parameter.load_sharded_state_dict(self.units, None if self.whole else self.optimizer, self.module, sharded)
+            per_parameter.load_sharded_state_dict(self.units, self.stepper, self.module, sharded)
             if self.whole is not None:
                 per_parameter.load_owned_states(self.whole, sharded)
 
@@ -494,3 +511,9 @@ class ZeroEngine:
     def param_count(self) -> int:
         return sum(unit.layout.numel for unit in self.units)
 
+
+def _device_states(whole: WholeParameterStep | None, stepper: Stepper | None, units: list[FlatUnit]) -> Iterator[Slot]:
+    """The optimizer states offload_states moves: all but ZeRO-Offload's, which live on the host."""
+    if whole is not None:
+        return state_slots(s for o in whole.optimizers for s in o.state.values())
+    return stepper.state_slots([k for k, u in enumerate(units) if u.options.master_device is None])

@@ -52,7 +52,7 @@ def _zero(out: str) -> dict:
     trainer = ZeroTrainer(model, training_args(out, 2), train_dataset=rows(), zero_config=zeropp.ZeroConfig(stage=3))
     trainer.train()
     engine = trainer.engine
-    state_numel = sum(v.numel() for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0)
+    state_numel = sum(b.numel() for buffers in engine.stepper.buffers for b in buffers.values())
     frozen_shards = sum(u.frozen.shard.numel() for u in engine.units if u.frozen is not None)
     trainer.save_model(f"{out}/adapter")
     engine.eval()

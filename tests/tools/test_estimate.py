@@ -154,10 +154,11 @@ def test_zero3_estimate_equals_zero3_step_bytes(precision, accumulation, thresho
     baseline = zero3_step_bytes([(u.padded, u.resident) for u in est.units], Layout(4, 2), zero)
     assert est.zero3_bytes() == baseline
     for phase, links in baseline.items():
-        for link, expected in links.items():  # the estimate also has the step's grad-norm all-reduce
+        for link, expected in links.items():  # the estimate also has the step's all-reduces
             got = mean.total(phase=phase, link=link) - mean.total(op="all_reduce", phase=phase, link=link)
             assert got == expected, (phase, link, got, expected)
-    assert mean.total(op="all_reduce") == ring_bytes(4, 4, 2)  # one fp32 number, all-reduced
+    # one fp32 number (the norm) and a byte per parameter (which got a gradient), all-reduced
+    assert mean.total(op="all_reduce") == ring_bytes(4, 4, 2) + ring_bytes(sum(map(len, numels)), 4, 2)
 
 
 def test_zero_section_7_volumes_and_the_ledger_bounds_of_test_zeropp():
@@ -264,7 +265,8 @@ def test_time_model_is_the_busiest_link_of_each_kind_without_overlap():
     ring = ring_bytes(4 * 2**20, 8)
     edge, inner = est.ledger(rank=3), est.ledger(rank=0)  # local rank 3 of 4 sends every ring off the node
     assert edge.total(link="intra") == 0 and inner.total(link="inter") == 0
-    assert est.node_inter_bytes() == edge.total(link="inter") == 3 * ring + ring_bytes(4, 8, 2)
+    scalars = ring_bytes(4, 8, 2) + ring_bytes(1, 8, 2)  # the norm, and the one parameter's gradient flag
+    assert est.node_inter_bytes() == edge.total(link="inter") == 3 * ring + scalars
     assert est.busiest_intra_bytes() == inner.total(link="intra")
     seconds = est.seconds(intra_bits_per_s=8e9, inter_bits_per_s=8e6)
     assert seconds["intra"] == pytest.approx(est.busiest_intra_bytes() / 1e9)

@@ -5,6 +5,10 @@
 What remains, and why (on CUDA):
 - fp16's overflow check, once a step for all units (``ZeroEngine._any_overflow``): skipping the step
   is a decision the host takes;
+- which parameters some rank gave a gradient (``parameters_given_a_gradient``: a byte per parameter,
+  all-reduced and read with ``.tolist()``, which on CUDA copies to the host without passing through
+  ``_local_scalar_dense``, so this count does not see it): the segments skip a parameter without one
+  as torch does, a decision the host takes (See [Note: segments]);
 - the optimizer's own step counters (torch's Adam reads ``step`` tensors that live on the host: no
   device synchronization);
 - the torch reference's check for blocks it can quantize in one pass (``quant/reference.py``, on CPU

@@ -37,15 +37,18 @@ def _step(engine, step: int) -> None:
 def _expected(engine) -> dict[str, tuple[int, int]]:
     """What offload_states must report, from the rule in zeropp.zero.offload.states."""
     out = {}
-    for unit in engine.units:
+    for k, unit in enumerate(engine.units):
         host = unit.options.master_device is not None
+        # the segments' per-element states live in one buffer per key and unit (See [Note: segments]);
+        # a step count is a tensor of each segment's
+        steps = [v for t in engine.stepper.tensors(k) for key, v in engine.optimizer.state[t].items() if key == "step"]
         aliased = unit.master.data_ptr() in {
             t.data_ptr() for t in (unit.compute_flat, unit.compute_shard) if t is not None
         }
         kept = [unit.grad_flat, unit.grad_shard]
         pieces = {
             "master": [] if host or aliased else [unit.master],
-            "optimizer": [] if host else list(engine.optimizer.state[unit.master].values()),
+            "optimizer": [] if host else [*engine.stepper.buffers[k].values(), *steps],
             "gradients": [t for t in kept if t is not None],
         }
         for kind, tensors in pieces.items():

@@ -46,7 +46,7 @@ def ledger_worker() -> dict:
         engine = ZeroEngine(model, torch.optim.AdamW, dict(lr=1e-3), config, topo)
         units = [(u.layout.padded_numel, u.resident) for u in engine.units]
         priced = {
-            first: _priced(step_transfers(units, topo.layout, config, engine.hpz_group_size, first=first), topo.rank, topo.layout)
+            first: _priced(step_transfers(units, topo.layout, config, engine.hpz_group_size, first=first, parameters=sum(len(u.params) for u in engine.units)), topo.rank, topo.layout)
             for first in (True, False)
         }  # fmt: skip
         steps = []
@@ -247,7 +247,7 @@ def resume_worker(root: str) -> dict:
     ledgers = train(resumed, range(2, 4))
     units = [(u.layout.padded_numel, u.resident) for u in resumed.units]
     priced = [
-        _priced(step_transfers(units, topo.layout, config, resumed.hpz_group_size, first=first), rank, topo.layout)
+        _priced(step_transfers(units, topo.layout, config, resumed.hpz_group_size, first=first, parameters=sum(len(u.params) for u in resumed.units)), rank, topo.layout)
         for first in (True, False)
     ]
     ours, ref = resumed.full_state_dict(), straight.full_state_dict()

@@ -45,6 +45,7 @@ from zeropp.zero.weights.dtensor_params import Slices, blocks
 if TYPE_CHECKING:
     from zeropp.topology import Topology
     from zeropp.zero.optim.owners import WholeParameterStep
+    from zeropp.zero.optim.stepping import Stepper
 
 
 def model_key(name: str) -> str:
@@ -57,11 +58,6 @@ def optim_key(name: str, key: str) -> str:
 
 def fixed_key(name: str) -> str:
     return f"fixed.{name}"
-
-
-def optimizer_state_name(key: str) -> str | None:
-    """<key> of an ``optim.<name>.<key>`` entry (None for other entries)."""
-    return key.rsplit(".", 1)[1] if key.startswith("optim.") else None
 
 
 class CheckpointError(ZeroppError, RuntimeError):
@@ -131,28 +127,28 @@ def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> N
 
 
 def sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer | None, module: nn.Module, mesh: CheckpointMesh,
-    frozen: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    units: list[FlatUnit], states: Stepper | None, module: nn.Module, mesh: CheckpointMesh, frozen: bool = True
+) -> dict[str, Any]:
     """The state in the layout above (collective: gathers one unit's flat buffers at a time); without
-    `frozen`, the units' frozen parameters are left out; without `optimizer` (the whole-parameter path:
+    `frozen`, the units' frozen parameters are left out; without `states` (the whole-parameter path:
     :func:`owned_state_entries`), the masters' optimizer state too."""
     state: dict[str, Any] = {}
-    for unit in units:
+    for k, unit in enumerate(units):
         params = list(zip(unit.names, unit.params, unit.layout.shapes, strict=True))
         for (name, param, shape), piece in zip(params, param_chunks(unit, unit.master.data), strict=True):
             state[model_key(name)] = mesh.piece(piece, param, shape)
-        for key, value in optimizer.state.get(unit.master, {}).items() if optimizer is not None else ():
-            if isinstance(value, torch.Tensor) and value.shape == unit.master.shape:
-                for (name, param, shape), piece in zip(params, param_chunks(unit, value), strict=True):
-                    state[optim_key(name, key)] = mesh.piece(piece, param, shape)
-            elif isinstance(value, torch.Tensor) and value.dim() == 0:
-                state.update({optim_key(name, key): value.clone() for name in unit.names})
-            else:
-                raise UnsavableStateError(
-                    f"optimizer state {key!r} of {type(optimizer).__name__} is neither per-element "
-                    "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
-                )
+        flat, scalars = states.unit_state(k) if states is not None else ({}, {})
+        for key, value in flat.items():
+            for (name, param, shape), piece in zip(params, param_chunks(unit, value), strict=True):
+                state[optim_key(name, key)] = mesh.piece(piece, param, shape)
+        for key, by_index in scalars.items():
+            for index, value in by_index.items():
+                if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+                    raise UnsavableStateError(
+                        f"optimizer state {key!r} of {type(states.optimizers[0]).__name__} is neither per-element "
+                        "nor a scalar tensor; zeropp checkpoints support elementwise optimizers only"
+                    )
+                state[optim_key(unit.names[index], key)] = value.clone()
     state.update({fixed_key(name): t for name, t in fixed_tensors(units, module, frozen).items()})
     return state
 
@@ -161,21 +157,27 @@ def sharded_state_template(
     units: list[FlatUnit],
     module: nn.Module,
     mesh: CheckpointMesh,
-    optimizer_keys: Mapping[str, tuple[bool, torch.dtype]],
+    saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> dict[str, Any]:
     """Empty tensors in the layout above, to load into (``fixed`` entries are the module's own, or
     empty whole tensors for the units' frozen parameters).
 
-    `optimizer_keys` maps each optimizer state key to (per-element, dtype); the optimizer may hold
-    no state yet."""
+    `saved`: the shape and dtype of each optimizer state entry of the checkpoint (a parameter never
+    stepped has no scalar entries); the optimizer may hold no state yet."""
     state: dict[str, Any] = {}
+    prefixes = {optim_key(name, ""): name for unit in units for name in unit.names}
+    keys: dict[str, dict[str, tuple[bool, torch.dtype]]] = {}
+    for entry, (shape, dtype) in saved.items():
+        name, _, key = entry.removeprefix("optim.").rpartition(".")
+        if optim_key(name, "") in prefixes:
+            keys.setdefault(name, {})[key] = (len(shape) > 0, dtype)
     for unit in units:
         device, group, layout = unit.options.device, unit.groups.shard, unit.layout
         for index, (name, param) in enumerate(zip(unit.names, unit.params, strict=True)):
             start, stop = layout.row_chunk(index, group.size, group.rank)
             shape = layout.shapes[index]
             state[model_key(name)] = mesh.piece(torch.empty(stop - start, device=device), param, shape)
-            for key, (per_element, dtype) in optimizer_keys.items():
+            for key, (per_element, dtype) in keys.get(name, {}).items():
                 empty = torch.empty(stop - start if per_element else (), dtype=dtype, device=device)
                 state[optim_key(name, key)] = mesh.piece(empty, param, shape) if per_element else empty
     state.update({fixed_key(name): t for name, t in fixed_tensors(units, module, whole=False).items()})
@@ -187,12 +189,12 @@ def sharded_state_template(
 
 
 def load_sharded_state_dict(
-    units: list[FlatUnit], optimizer: torch.optim.Optimizer | None, module: nn.Module, state: Mapping[str, Any]
+    units: list[FlatUnit], states: Stepper | None, module: nn.Module, state: Mapping[str, Any]
 ) -> None:
     """Set masters, weights and optimizer state from `state` (layout above; collective)."""
-    for unit in units:
+    for k, unit in enumerate(units):
         if unit.names:  # a unit of frozen parameters only has no master to load
-            _load_master_and_optimizer(unit, optimizer, state)
+            _load_master_and_optimizer(k, unit, states, state)
         unit.clear_gradients()
     for name, target in fixed_tensors(units, module, whole=False).items():
         source = state.get(fixed_key(name))
@@ -204,22 +206,26 @@ def load_sharded_state_dict(
             unit.frozen.load([state[fixed_key(name)] for name in unit.frozen.names])
 
 
-def _load_master_and_optimizer(unit: FlatUnit, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+def _load_master_and_optimizer(k: int, unit: FlatUnit, states: Stepper | None, state: Mapping[str, Any]) -> None:
     master = [state[model_key(name)].to_local() for name in unit.names]
     unit.load_master(flat_from_param_chunks(unit, master))
-    if optimizer is None:  # the whole-parameter path: load_owned_states
+    if states is None:  # the whole-parameter path: load_owned_states
         return
-    prefix = optim_key(unit.names[0], "")
-    loaded = {}
-    for key in sorted(k[len(prefix) :] for k in state if k.startswith(prefix)):
-        values = [state[optim_key(name, key)] for name in unit.names]
-        if isinstance(values[0], DTensor):
-            flat = flat_from_param_chunks(unit, [v.to_local() for v in values])
-            loaded[key] = unit.shard_of(flat).to(unit.master.device, copy=True)
+    keys = {
+        entry[len(optim_key(name, "")) :]
+        for name in unit.names
+        for entry in state
+        if entry.startswith(optim_key(name, ""))
+    }
+    flat, scalars = {}, {}
+    for key in sorted(keys):
+        values = {i: state.get(optim_key(name, key)) for i, name in enumerate(unit.names)}
+        if any(isinstance(v, DTensor) for v in values.values()):
+            whole = flat_from_param_chunks(unit, [v.to_local() for v in values.values()])
+            flat[key] = unit.shard_of(whole).to(unit.master.device, copy=True)
         else:
-            loaded[key] = values[0]
-    if loaded:
-        optimizer.state[unit.master] = loaded
+            scalars[key] = {i: v for i, v in values.items() if v is not None}
+    states.load_unit_state(k, flat, scalars)
 
 
 # -- the whole-parameter path (See [Note: the whole-parameter step]) ----------------------------------

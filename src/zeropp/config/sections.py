@@ -130,12 +130,12 @@ class ZeroConfig:
     contiguous_memory_optimization: bool = setting(
         False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
     )
-    optimizer_path: Literal["auto", "whole"] = setting(
+    optimizer_path: Literal["auto", "flat", "whole"] = setting(
         "auto",
-        "auto: one element-wise optimizer with one param group steps on the flat shards, any other optimizer "
-        "whole parameters on owner ranks; whole: every optimizer on owner ranks, so a parameter no rank gave a "
-        "gradient in a step (an expert no token chose) is left untouched as torch leaves it, where the flat "
-        "shards step it with a zero gradient",
+        "auto: an element-wise optimizer steps each parameter's piece of the shards in its own group, skipping a "
+        "parameter no rank gave a gradient as torch does (the disk tier and bf16 states: flat), any other "
+        "whole parameters on owner ranks; flat: one group on each unit's flat shard, a parameter without a "
+        "gradient stepped with a zero one (DeepSpeed's way); whole: every optimizer on owner ranks",
     )
     sequence_check_interval: int = setting(
         100, "compare the ranks' collective sequences after the first optimizer step and every this many (0: never)"

@@ -41,6 +41,7 @@ from zeropp.index.flat import FlatLayout, qgz_column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
 from zeropp.zero.optim.owners import OWNER_OPS
+from zeropp.zero.optim.spec import flat_only
 from zeropp.zero.options import frozen_quant
 from zeropp.zero.stages import StagePolicy
 
@@ -102,12 +103,15 @@ def step_transfers(
     activations: Activations | None = None,
     *,
     first: bool = False,
+    parameters: int = 0,
 ) -> Iterator[Transfer]:
     """The engine's collectives in one step on the (data-parallel x tensor-parallel) `layout`:
     :func:`unit_transfers` over a data-parallel group, the tensor-parallel traffic of `activations`
     (:func:`activation_transfers`; None: no tensor-parallel traffic is priced), then the step's
     scalars (the gradient norm, and fp16's overflow check: one fp32 all-reduce each, over the ranks
-    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group).
+    whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group)
+    and, unless the optimizer steps flat shards, which of the `parameters` trainable parameters got a
+    gradient (a byte each, all-reduced over the data-parallel group: See [Note: segments]).
     `first`: the step after construction or a load (qWD sends the full weights then)."""
     tp = layout.tensor_parallel_size
     yield from unit_transfers(units, layout.data_parallel_layout(), zero, hpz, first=first)
@@ -122,6 +126,11 @@ def step_transfers(
                 yield Transfer("all_reduce", "step", ring_bytes(4, layout.world_size, 2), _world_crossing(layout), True)
             else:
                 yield Transfer("tp.all_reduce", "step", ring_bytes(4, tp, 2), 0.0)
+    data_parallel = layout.data_parallel_layout()
+    if parameters and data_parallel.world_size > 1 and flat_only(zero) is None:
+        yield Transfer(
+            "all_reduce", "step", ring_bytes(parameters, data_parallel.world_size, 2), _world_crossing(data_parallel)
+        )
 
 
 def megatron_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:

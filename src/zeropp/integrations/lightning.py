@@ -43,8 +43,6 @@ from zeropp.integrations.loop import (
     ZEROPP_DIR,
     EngineModule,
     EngineOptimizer,
-    build_engine,
-    from_torch_optimizer,
     load_engine_state,
     save_engine_state,
 )
@@ -161,7 +159,6 @@ class ZeroStrategy(DDPStrategy):
             raise IntegrationError(
                 f"configure_optimizers gave {len(self.optimizers)} optimizers; ZeroStrategy takes one"
             )
-        factory, decay, decayed = from_torch_optimizer(self.optimizers[0])
         module = self.lightning_module
         wanted = {
             "gradient_accumulation_steps": trainer.accumulate_grad_batches,
@@ -176,9 +173,8 @@ class ZeroStrategy(DDPStrategy):
             Layout(self.world_size, self.num_nodes), self.global_rank, self.root_device, self._timeout
         )
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self.engine = build_engine(
-            LightningRoot(module), factory, config, topology, seed=seed, decay=decay, decayed=decayed
-        )
+        # the user's optimizer, its groups as they are (See [Note: segments])
+        self.engine = ZeroEngine(LightningRoot(module), self.optimizers[0], None, config, topology, seed=seed)
         self._engine_optimizer = EngineOptimizer(self.engine)
         for scheduler_config in self.lr_scheduler_configs:
             scheduler_config.scheduler.optimizer = self._engine_optimizer

@@ -1,12 +1,12 @@
 """The engine as a host training loop sees it: a module to call, an optimizer to step, a checkpoint
-folder to save and load, and the user's torch optimizer mapped onto the engine's fp32 shards.
+folder to save and load.
 
 Shared by the Hugging Face Trainer (``integrations.transformers``) and Lightning
 (``integrations.lightning``); imports neither."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +14,10 @@ import torch
 from torch import nn
 
 from zeropp.checkpoint.dcp import find_latest, load_checkpoint, save_checkpoint
-from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
 from zeropp.integrations.settings import IntegrationError
-from zeropp.topology import Topology
-from zeropp.zero.optim.stepping import is_elementwise
 
 ZEROPP_DIR = "zeropp"  # <checkpoint>/zeropp/step-0000000N: the sharded training state
-GROUP_ONLY = ("params", "weight_decay", "initial_lr")  # group keys that are not constructor hyperparameters
 
 
 class EngineModule(nn.Module):
@@ -102,79 +98,6 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.optimizer.load_state_dict(state_dict)
-
-
-# -- the user's optimizer on the engine's shards -----------------------------------------------------
-
-
-def build_engine(
-    model: nn.Module,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer,
-    config: ZeroConfig,
-    topology: Topology,
-    *,
-    seed: int,
-    decay: float = 0.0,
-    decayed: Iterable[nn.Parameter] = (),
-) -> ZeroEngine:
-    """A ZeroEngine on `model` whose optimizer (built by `optimizer` on the masters, without weight
-    decay) decays `decayed` parameters' elements only, by `decay`, as torch's AdamW does; or, where
-    `optimizer` is the user's own, that optimizer as ZeroEngine takes it."""
-    engine = ZeroEngine(model, optimizer, None, config, topology, seed=seed)
-    if decay:
-        masks = decay_masks(engine, {id(p) for p in decayed})
-        engine.optimizer.register_step_pre_hook(lambda optimizer, *_: decoupled_decay(optimizer, masks, decay))
-    return engine
-
-
-def from_torch_optimizer(
-    optimizer: torch.optim.Optimizer,
-) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer, float, list[nn.Parameter]]:
-    """(a factory building `optimizer`'s class and groups on the masters, the weight decay, the decayed
-    parameters) for :func:`build_engine`, where the groups differ in weight decay only, one nonzero value
-    and 0 (AdamW's decay / no-decay groups on the flat shards). The engine's optimizer keeps the groups,
-    in order, so that schedulers built on `optimizer` can drive it: the first holds every master, the
-    others hold none and only carry their hyperparameters. Any other optimizer is returned itself: the
-    engine steps its groups on whole parameters (See [Note: the whole-parameter step])."""
-    cls, groups = type(optimizer), optimizer.param_groups
-    hyper = [{k: v for k, v in g.items() if k not in GROUP_ONLY} for g in groups]
-    decays = {g.get("weight_decay", 0.0) for g in groups}
-    one_decay = len(decays) == 1 or (issubclass(cls, torch.optim.AdamW) and len(decays - {0.0}) == 1)
-    if not (is_elementwise(cls) and all(h == hyper[0] for h in hyper) and one_decay):
-        return optimizer, 0.0, []
-    decay = max(decays) if len(decays) > 1 else 0.0  # the masters' group then decays by masks (build_engine)
-    decayed = [p for g in groups if g["weight_decay"] for p in g["params"]] if decay else []
-    first = {**groups[0], **({"weight_decay": 0.0} if decay else {})}
-    rest = [{**g, "params": []} for g in groups[1:]]
-    return lambda masters: cls([{**first, "params": masters}, *rest]), decay, decayed
-
-
-def decay_masks(engine: ZeroEngine, decayed: set[int]) -> dict[int, torch.Tensor]:
-    """Per master (by id): which of this rank's elements belong to a parameter that is decayed."""
-    masks = {}
-    for unit in engine.units:
-        start = 0 if unit.shard_world == 1 else unit.layout.shard_range(unit.groups.shard.rank)[0]
-        numel = unit.master.numel()
-        mask = torch.zeros(numel, dtype=torch.bool, device=unit.master.device)
-        for index, param in enumerate(unit.params):
-            if id(param) in decayed:
-                lo, hi = unit.layout.param_range(index)
-                lo, hi = max(lo - start, 0), min(hi - start, numel)
-                if lo < hi:
-                    mask[lo:hi] = True
-        masks[id(unit.master)] = mask
-    return masks
-
-
-@torch.no_grad()
-def decoupled_decay(optimizer: torch.optim.Optimizer, masks: dict[int, torch.Tensor], decay: float) -> None:
-    """AdamW's decoupled weight decay (``p *= 1 - lr * wd``, as torch's AdamW computes it) on the decayed
-    elements only, before the optimizer (built with weight_decay 0) steps."""
-    for group in optimizer.param_groups:
-        factor = 1 - group["lr"] * decay
-        for master in group["params"]:
-            if master.grad is not None:
-                master.copy_(torch.where(masks[id(master)], master * factor, master))
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

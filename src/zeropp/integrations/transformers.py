@@ -6,7 +6,8 @@ logging, callbacks and checkpoint folders; the engine runs forward, backward (av
 accumulation micro-batches), clipping, precision and the optimizer step on its fp32 shards. The
 overrides, each small:
 
-- ``create_optimizer`` builds the engine, its optimizer from the Trainer's ``optim`` settings, and
+- ``create_optimizer`` builds the engine, its optimizer from the Trainer's ``optim`` settings (the
+  Trainer's own optimizer, with its decay / no-decay groups, where it decays), and
   hands the Trainer an :class:`EngineOptimizer` whose ``step`` is ``engine.step`` and whose
   ``param_groups`` are the engine optimizer's (so the Trainer's scheduler sets the engine's rate);
 - ``_wrap_model`` returns :class:`EngineModule` (forward through the engine, nothing for accelerate to wrap);
@@ -36,7 +37,7 @@ from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.config.sections import ZeroConfig
 from zeropp.engine import ZeroEngine
 from zeropp.integrations import settings
-from zeropp.integrations.loop import EngineModule, EngineOptimizer, build_engine, load_engine_state, save_engine_state
+from zeropp.integrations.loop import EngineModule, EngineOptimizer, load_engine_state, save_engine_state
 from zeropp.integrations.settings import IntegrationError, ZeroSource
 from zeropp.topology import Topology, init_topology
 from zeropp.zero import materialize
@@ -153,22 +154,18 @@ class ZeroTrainer(transformers.Trainer):
             raise TrainerError(
                 f"optim {args.optim!r} is not a torch.optim optimizer that zeropp can build on the model's parameters"
             )
-        decay, adamw = args.weight_decay, issubclass(cls, torch.optim.AdamW)
-        decayed = set(self.get_decay_parameter_names(model)) if adamw else set()
-        kwargs = {**kwargs, "weight_decay": 0.0} if adamw else dict(kwargs)
-        # AdamW's decay / no-decay groups on the flat shards (by masks); any other optimizer with decay is the
-        # Trainer's own, its groups stepped whole on owner ranks (See [Note: the whole-parameter step])
-        optimizer = super().create_optimizer() if decay and not adamw else (lambda masters: cls(masters, **kwargs))
+        # the Trainer's own optimizer where it decays (its decay / no-decay groups, See [Note: segments]), less
+        # the group it leaves empty (no-decay under LoRA); never stepped
+        optimizer = super().create_optimizer() if args.weight_decay else (lambda params: cls(params, **kwargs))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
         config = resolve_zero_config(
             self.zero_source,
             args,
             self.topology.world_size,
             getattr(getattr(model, "config", None), "hidden_size", None),
         )
-        engine = build_engine(
-            model, optimizer, config, self.topology, seed=args.seed, decay=decay if adamw else 0.0,
-            decayed=[p for name, p in model.named_parameters() if name in decayed],
-        )  # fmt: skip
+        engine = ZeroEngine(model, optimizer, None, config, self.topology, seed=args.seed)
         if self.pretrained is not None:
             load_pretrained(engine, self.pretrained)
         return engine

@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zero.add_argument(
         "--optimizer-path", choices=("flat", "whole"), default="flat",
-        help="flat: one element-wise optimizer group on the flat shards; whole: whole parameters on owner ranks "
-        "(several param groups, Adafactor, Muon): two fp32 exchanges a step and the owned parameters' whole "
-        "masters and gradients priced",
+        help="flat: element-wise optimizers on the shards (each parameter's piece or one tensor a shard: the "
+        "same bytes); whole: whole parameters on owner ranks (Adafactor, Muon): two fp32 exchanges a step and "
+        "the owned parameters' whole masters and gradients priced",
     )  # fmt: skip
     acts = parser.add_argument_group(
         "activations (tensor-parallel traffic, ZeRO-R's checkpoints; with --params: give --n-layer, --d-model, --block-size)"

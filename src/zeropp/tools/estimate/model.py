@@ -368,18 +368,19 @@ def estimate(
         shapes = tuple((n,) for n in numels)
         return FlatLayout(shapes, shard_world, zero.shard_alignment, block).padded_numel if sum(numels) else 0
 
-    units = []
+    units, trainable = [], 0  # trainable: how many parameters (a unit given as its numel: one)
     for entry in entries:
         params = [entry] if isinstance(entry, int) else list(entry)
         n = sum(params)
         frozen = math.floor(frozen_fraction * n)
         trained = params if not frozen else [n - frozen]
+        trainable += sum(1 for numel in trained if numel)
         resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
         frozen_padded = padded([frozen], frozen_block) if policy.shard_parameters else frozen
         units.append(Unit(n - frozen, padded(trained, trained_block), resident, frozen, frozen_padded))
     est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters)
     transfers = [
-        *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations),
+        *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations, parameters=trainable),
         *frozen_transfers(est.gathered_frozen, layout.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
     ]

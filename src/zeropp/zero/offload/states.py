@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
+from zeropp.zero.optim.stepping import Slot
 from zeropp.zero.unit import FlatUnit
 
 KINDS = ("optimizer", "master", "gradients")
@@ -59,10 +60,13 @@ class StateOffloader:
     `device` and host memory."""
 
     def __init__(
-        self, units: Sequence[FlatUnit], optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+        self, units: Sequence[FlatUnit], optimizer_states: Callable[[], Iterable[Slot]], device: torch.device,
         masters: Sequence[nn.Parameter] = (),
     ) -> None:  # fmt: skip
-        self.units, self.optimizers, self.device, self.masters = list(units), list(optimizers), device, list(masters)
+        """`optimizer_states`: (read, write) of each optimizer state tensor on the device (ZeRO-Offload's
+        on the host stay), asked at each offload: an optimizer creates its states at its first step."""
+        self.units, self.device, self.masters = list(units), device, list(masters)
+        self.optimizer_states = optimizer_states
         self.offloaded: list[_Slot] | None = None  # None: no offload in effect
 
     def offload(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
@@ -118,12 +122,8 @@ class StateOffloader:
                     )
         for master in self.masters if "master" in include else ():
             yield _Slot("master", lambda m=master: m.data, lambda t, m=master: setattr(m, "data", t))
-        on_host = {id(u.master) for u in self.units if u.options.master_device is not None}  # ZeRO-Offload's stay
-        states = [s for o in self.optimizers for p, s in o.state.items() if id(p) not in on_host]
-        for state in states if "optimizer" in include else ():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    yield _Slot("optimizer", lambda s=state, k=key: s[k], lambda t, s=state, k=key: s.__setitem__(k, t))
+        for read, write in self.optimizer_states() if "optimizer" in include else ():
+            yield _Slot("optimizer", read, write)
 
 
 def _is_compute_weights(unit: FlatUnit) -> bool:

@@ -18,6 +18,7 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
 from zeropp.topology import Group
 from zeropp.zero.optim.spec import OptimizerSpec
+from zeropp.zero.optim.stepping import parameters_given_a_gradient
 from zeropp.zero.precision import LossScaler
 from zeropp.zero.unit import FlatUnit
 
@@ -158,12 +159,10 @@ class WholeParameterStep:
         self._versions = [u.version for u in self.units]
 
     def _without_gradient(self) -> list[Key]:
-        """The owned parameters no rank gave a gradient this step (an expert no token chose, a layer
-        skipped): one max all-reduce of a flag per parameter, read on the host."""
-        given = torch.tensor([float(i in self.units[k].with_grad) for k, i in self.keys], device=self.device)
-        self.comm.all_reduce(given, self.group, reduce="max")
-        flags = dict(zip(self.keys, given.tolist(), strict=True))
-        return [key for key in self.mine if not flags[key]]
+        """The owned parameters no data-parallel rank gave a gradient this step (an expert no token
+        chose, a layer skipped)."""
+        given = parameters_given_a_gradient(self.units, self.comm, self.units[0].groups.shard) if self.units else []
+        return [(k, i) for k, i in self.mine if i not in given[k]]
 
     def masters(self) -> list[nn.Parameter]:
         return list(self.whole.values())

@@ -7,24 +7,27 @@ AdamW for the rest). :func:`read_optimizer` reads any of them into an :class:`Op
 optimizer's class and its groups (hyperparameters and which of the model's parameters they hold),
 and which path steps it. See [Note: the whole-parameter step] (:mod:`zeropp.zero.optim.owners`).
 
-The flat-shard path steps one element-wise optimizer with one group over every master, as fast as
-today; every other case (a shape-aware optimizer, several groups, several optimizers) steps whole
-parameters on owner ranks. The user's own optimizer objects are never stepped: their groups'
-hyperparameters are copied into the engine's optimizers before every step, so a learning-rate
-scheduler built on them drives the engine's.
+Element-wise optimizers (:data:`~zeropp.zero.optim.stepping.ELEMENTWISE_OPTIMIZERS`, or a class marked
+``elementwise = True``) step the pieces of the parameters the shards hold, with any groups and any
+number of optimizers (See [Note: segments]); any other steps whole parameters on owner ranks. The
+user's own optimizer objects are never stepped: their groups' hyperparameters are copied into the
+engine's optimizers before every step, so a learning-rate scheduler built on them drives the engine's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
 from zeropp.zero.optim.stepping import is_elementwise
+
+if TYPE_CHECKING:
+    from zeropp.config.sections import ZeroConfig
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 NO_CLOSURE = (torch.optim.LBFGS,)  # a step that re-evaluates the model through a closure
@@ -69,8 +72,8 @@ class OptimizerPart:
 @dataclass
 class OptimizerSpec:
     parts: list[OptimizerPart]
-    factory: OptimizerFactory | None = None  # the flat-shard path's optimizer over the masters
-    whole: bool = False  # stepped whole on owner ranks (See [Note: the whole-parameter step])
+    factory: OptimizerFactory | None = None  # one group's optimizer over given tensors (the class and factory forms)
+    whole: bool = False  # not element-wise: stepped whole on owner ranks (See [Note: the whole-parameter step])
     described: str = field(default="")  # for messages: "AdamW", "Muon + AdamW"
 
 
@@ -156,8 +159,40 @@ def _read_objects(optimizers: list[torch.optim.Optimizer], model: nn.Module) -> 
                           "add it to a group, or set requires_grad=False on it")  # fmt: skip
     described = " + ".join(_name(p.cls) for p in parts)
     only = parts[0]
-    if len(parts) == 1 and len(only.hyperparameters) == 1 and is_elementwise(only.cls):
+    whole = not all(is_elementwise(p.cls) for p in parts)
+    if len(parts) == 1 and len(only.hyperparameters) == 1 and not whole:
         hyper = only.hyperparameters[0]
         return OptimizerSpec(parts, lambda masters: only.cls([{**hyper, "params": masters}]), described=described)
-    return OptimizerSpec(parts, whole=True, described=described)
+    return OptimizerSpec(parts, whole=whole, described=described)
 
+
+def flat_only(config: ZeroConfig) -> str | None:
+    """The setting of `config` that has element-wise optimizers step one tensor per flat shard (the disk
+    tier's files, bf16 states), as the user wrote it; None where they step segments."""
+    if config.optimizer_path == "flat":
+        return "zero.optimizer_path = 'flat'"
+    flat_only = {
+        "offload_optimizer": "nvme" if config.offload.optimizer == "nvme" else None,
+        "optimizer_state_dtype": config.optimizer_state_dtype if config.optimizer_state_dtype != "fp32" else None,
+        "master_dtype": config.master_dtype if config.master_dtype != "fp32" else None,
+    }
+    return next((f"zero.{k} = {v!r}" for k, v in flat_only.items() if v is not None), None)
+
+
+def optimizer_path(spec: OptimizerSpec, config: ZeroConfig) -> Literal["segments", "flat", "whole"]:
+    """The path that steps `spec` under `config` (``zero.optimizer_path``; See [Note: segments]); what
+    the flat path cannot run is refused in one line."""
+    asked = config.optimizer_path
+    if asked == "whole" and not spec.whole:
+        spec.described += " (zero.optimizer_path = 'whole')"
+    needs_flat = flat_only(config)
+    if needs_flat and (spec.whole or asked == "whole" or spec.factory is None):
+        groups = sum(len(part.hyperparameters) for part in spec.parts)
+        raise ConfigError(
+            f"{needs_flat} steps one element-wise optimizer with one param group on each unit's flat shard; "
+            f"optimizer {spec.described} has {groups} group(s) in {len(spec.parts)} optimizer(s)"
+            + (", and does not step element by element" if spec.whole else "")
+        )
+    if spec.whole or asked == "whole":
+        return "whole"
+    return "flat" if needs_flat else "segments"

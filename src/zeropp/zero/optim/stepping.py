@@ -20,14 +20,16 @@ class: we cannot vouch for its ``step``) is stepped once over all masters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from zeropp.zero.precision import LossScaler
 
 if TYPE_CHECKING:
+    from zeropp.comm.communicator import Communicator
+    from zeropp.topology import Group
     from zeropp.zero.offload.disk import DiskTier
     from zeropp.zero.offload.disk_params import ParamFiles
     from zeropp.zero.unit import FlatUnit
@@ -58,13 +60,13 @@ def is_elementwise(cls: type) -> bool:
 
 def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` is one of torch's element-wise optimizers itself, whose ``step`` we know
-    steps the masters it is given and no others."""
+    steps the tensors given a gradient and no others."""
     return type(optimizer) in ELEMENTWISE_OPTIMIZERS
 
 
-def step_batches(optimizer: torch.optim.Optimizer, units: Sequence[Unit]) -> list[Sequence[Unit]]:
-    """The units whose masters each ``optimizer.step()`` call updates, in order."""
-    return [[unit] for unit in units] if steps_unit_by_unit(optimizer) else [units]
+def step_batches(optimizers: Sequence[torch.optim.Optimizer], units: Sequence[Unit]) -> list[Sequence[Unit]]:
+    """The units whose tensors each round of ``optimizer.step()`` calls updates, in order."""
+    return [[unit] for unit in units] if all(map(steps_unit_by_unit, optimizers)) else [units]
 
 
 def gradient_statistics(
@@ -90,49 +92,130 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor
     return None if max_norm is None else torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+class MasterStep:
+    """The flat path: each unit's master is the one tensor its optimizer steps, in one group (the
+    counterpart of :class:`~zeropp.zero.optim.segments.SegmentStep`, which says what the methods do)."""
+
+    def __init__(self, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer) -> None:
+        self.units, self.optimizers = list(units), [optimizer]
+
+    def tensors(self, k: int) -> list[torch.Tensor]:
+        return [self.units[k].master]
+
+    def give(self, k: int, grad: torch.Tensor, given: set[int] | None) -> None:
+        self.units[k].master.grad = grad
+
+    def take(self, k: int) -> None:
+        self.units[k].master.grad = None
+
+    def state_slots(self, units: Sequence[int]) -> Iterator[Slot]:
+        return state_slots(self.optimizers[0].state.get(self.units[k].master, {}) for k in units)
+
+    def unit_state(self, k: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, torch.Tensor]]]:
+        master = self.units[k].master
+        state = self.optimizers[0].state.get(master, {})
+        flat = {key: v for key, v in state.items() if isinstance(v, torch.Tensor) and v.shape == master.shape}
+        every = range(len(self.units[k].params))
+        return flat, {key: {i: v for i in every} for key, v in state.items() if key not in flat}
+
+    def load_unit_state(
+        self, k: int, flat: Mapping[str, torch.Tensor], scalars: Mapping[str, Mapping[int, torch.Tensor]]
+    ) -> None:
+        """One step count for the whole master: the first parameter's that has one."""
+        state = dict(flat) | {key: next(iter(by_index.values())) for key, by_index in scalars.items() if by_index}
+        if state:
+            self.optimizers[0].state[self.units[k].master] = state
+
+
+Slot = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]  # read a state tensor, point it elsewhere
+
+
+def state_slots(states: Iterable[dict[str, Any]]) -> Iterator[Slot]:
+    """(read, write) of every tensor of the optimizer states `states` (``offload_states`` moves them)."""
+    for state in states:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                yield (lambda s=state, k=key: s[k]), (lambda t, s=state, k=key: s.__setitem__(k, t))
+
+
+class Stepper(Protocol):
+    """What :func:`step_units` drives: :class:`MasterStep` or :class:`~zeropp.zero.optim.segments.SegmentStep`."""
+
+    units: list[FlatUnit]
+    optimizers: list[torch.optim.Optimizer]
+
+    def tensors(self, k: int) -> list[torch.Tensor]: ...
+    def give(self, k: int, grad: torch.Tensor, given: set[int] | None) -> None: ...
+    def take(self, k: int) -> None: ...
+    def state_slots(self, units: Sequence[int]) -> Iterator[Slot]: ...
+    def unit_state(self, k: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, torch.Tensor]]]: ...
+    def load_unit_state(
+        self, k: int, flat: Mapping[str, torch.Tensor], scalars: Mapping[str, Mapping[int, torch.Tensor]]
+    ) -> None: ...
+
+
+def parameters_given_a_gradient(units: Sequence[FlatUnit], comm: Communicator, group: Group) -> list[set[int]]:
+    """Per unit, the indices of the parameters some rank of `group` (the data-parallel ranks, whose
+    gradients are reduced together) gave a gradient since the last step: one all-reduce (max) of a byte
+    per parameter, read on the host (on CUDA, the step's host synchronization); none on one rank."""
+    if group.size == 1:
+        return [set(unit.with_grad) for unit in units]
+    device = units[0].options.device
+    flags = torch.tensor([i in u.with_grad for u in units for i in range(len(u.params))], dtype=torch.uint8)
+    flags = flags.to(device)
+    comm.all_reduce(flags, group, reduce="max")
+    given, values = [], iter(flags.tolist())
+    for unit in units:
+        given.append({i for i in range(len(unit.params)) if next(values)})
+    return given
+
+
 def step_units(
-    units: Sequence[FlatUnit],
-    optimizer: torch.optim.Optimizer,
+    stepper: Stepper,
     scaler: LossScaler,
     coefficient: torch.Tensor | None,
     host_copies: bool,
     disk: DiskTier | None,
     params: ParamFiles | None = None,
+    given: list[set[int]] | None = None,
 ) -> None:
-    """Hand each master its gradient in the master's dtype (unscaled, clipped) and step the optimizer over the batches
-    of :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
+    """Hand each unit's tensors their gradient in the master's dtype (unscaled, clipped; per segment,
+    only the parameters in `given`: See [Note: segments]) and step the optimizers over the batches of
+    :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
     live in host memory, and every unit's gradient copy there is issued before any is waited for.
     `disk`: the states stream through the disk tier, `params`: the compute shards are written back to
     theirs (See [Note: the disk tier's ring])."""
+    units = stepper.units
     copies: dict[int, torch.Tensor] = {}
     device = units[0].options.device if units else None
     if host_copies:
-        copies = {id(u): u.reduced_gradient().to(u.master.device, u.master.dtype, non_blocking=True) for u in units}
+        copies = {
+            k: u.reduced_gradient().to(u.master.device, u.master.dtype, non_blocking=True) for k, u in enumerate(units)
+        }
         if device is not None and device.type == "cuda":
             # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
             torch.cuda.current_stream(device).synchronize()
-    batches = step_batches(optimizer, units)
+    batches = step_batches(stepper.optimizers, list(range(len(units))))
     if disk is not None:
-        index = {id(unit): i for i, unit in enumerate(units)}
-        batches = (
-            [units[i] for i in indices] for indices in disk.streamed([[index[id(u)] for u in b] for b in batches])
-        )
+        batches = disk.streamed(batches)
     for batch in batches:
-        for unit in batch:
-            grad = copies.pop(id(unit), None)
+        for k in batch:
+            unit = units[k]
+            grad = copies.pop(k, None)
             if grad is None:  # the reduced buffer itself where it has the master's dtype: its last use
                 grad = unit.reduced_gradient().to(unit.master.device, unit.master.dtype)
             if scaler.enabled:
                 grad.div_(scaler.scale)
             if coefficient is not None:
                 grad.mul_(coefficient.to(grad.device))
-            unit.master.grad = grad
-        optimizer.step()
-        for unit in batch:
-            unit.master.grad = None
+            stepper.give(k, grad, given[k] if given is not None else None)
+        for optimizer in stepper.optimizers:
+            optimizer.step()
+        for k in batch:
+            stepper.take(k)
             if params is not None:
-                params.publish(unit)
+                params.publish(units[k])
             else:
-                unit.publish_master()
+                units[k].publish_master()
     if params is not None:
         params.flush()

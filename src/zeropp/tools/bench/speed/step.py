@@ -13,10 +13,12 @@ in its own ``torchrun`` job on this machine (gloo; world 4 = 2 simulated nodes x
   ``torch.compile`` (inductor), the step otherwise the same;
 - ``zeropp-3-md`` (named in ``--variants``): stage 3 with MD (``contiguous_memory_optimization``), so
   the gradient buffers are ranges of one buffer kept across steps instead of fresh allocations;
-- ``zeropp-3-groups`` and ``zeropp-3-muon`` (named in ``--variants``): stage 3 stepping whole
-  parameters on owner ranks (See [Note: the whole-parameter step]): AdamW in two groups (matrices
-  decayed, the rest not), and Muon for the blocks' matrices with AdamW for the rest; against
-  ``zeropp-3``, AdamW in one group on the flat shards, they price the owners' exchange and step.
+- the optimizer's paths (named in ``--variants``), against ``zeropp-3`` (AdamW in one group on the
+  shards' segments, See [Note: segments]): ``zeropp-3-flat``, the same on one flat tensor per shard
+  (``zero.optimizer_path = "flat"``); ``zeropp-3-groups``, AdamW in two groups (matrices decayed, the
+  rest not) on the segments, and ``zeropp-3-groups-whole`` the same on whole parameters on owner
+  ranks (See [Note: the whole-parameter step]); ``zeropp-3-muon``, Muon for the blocks' matrices with
+  AdamW for the rest (whole parameters).
 
 The variants alternate: each repetition runs every variant once (``--steps`` steps), in an order
 rotated by one per repetition, so a change in the machine's load reaches every variant alike. Per
@@ -59,7 +61,8 @@ from zeropp.tools.bench.runs import output_file
 BASE_VARIANTS = ("pytorch", "zeropp-0", "zeropp-1", "zeropp-2", "zeropp-3", "zeropp++", "fsdp2", "deepspeed-zero3")
 COMPILED_VARIANTS = ("pytorch-compiled", "zeropp-3-compiled")
 MD_VARIANTS = ("zeropp-3-md",)
-OWNER_VARIANTS = ("zeropp-3-groups", "zeropp-3-muon")
+OPTIMIZER_VARIANTS = ("zeropp-3-flat", "zeropp-3-groups", "zeropp-3-groups-whole", "zeropp-3-muon")
+PATHS = {"zeropp-3-flat": "flat", "zeropp-3-groups-whole": "whole"}  # variant -> zero.optimizer_path
 RANK_ERROR = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception)\b")  # a rank's exception, as torchrun prints it
 NODES_AT = {4: 2}  # world size -> simulated nodes (hpZ and qgZ's two hops need more than one)
 
@@ -72,9 +75,10 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
 
     compiled, md = variant.endswith("-compiled"), variant.endswith("-md")
     name = variant.removesuffix("-compiled").removesuffix("-md")
-    if name in OWNER_VARIANTS:
-        config = ZeroConfig(stage=3)
-        return engine_step(ZeroEngine(gpt, owner_optimizers(name, gpt, args.lr), None, config, topology, seed=0))
+    if name in OPTIMIZER_VARIANTS:
+        config = ZeroConfig(stage=3, optimizer_path=PATHS.get(name, "auto"))
+        optimizer = user_optimizers(name.removesuffix("-whole"), gpt, args.lr)
+        return engine_step(ZeroEngine(gpt, optimizer, None, config, topology, seed=0))
     if name.startswith("zeropp"):
         stage = 3 if name == "zeropp++" else int(name.removeprefix("zeropp-"))
         switches = ZEROPP_SWITCHES if name == "zeropp++" else {}
@@ -91,11 +95,13 @@ def build_step(variant: str, gpt: torch.nn.Module, topology: Any, args: argparse
     return training_step(gpt, rival, topology.world_size, topology.ranks_per_node, args.micro_batch_size, args.lr)
 
 
-def owner_optimizers(variant: str, gpt: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer]:
-    """The optimizers of an OWNER_VARIANTS variant, built on the (meta-device) model's parameters."""
+def user_optimizers(variant: str, gpt: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+    """The optimizers of an OPTIMIZER_VARIANTS variant, built on the (meta-device) model's parameters."""
     from zeropp.tools.bench.rivals import adamw
 
     named = list(gpt.named_parameters())
+    if variant == "zeropp-3-flat":
+        return [torch.optim.AdamW(gpt.parameters(), **adamw(lr))]
     if variant == "zeropp-3-groups":
         matrices, rest = [p for _, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]
         decay = adamw(lr)["weight_decay"]
@@ -236,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="threads per rank (default: the cores divided by the world size)")
     parser.add_argument("--compile", action="store_true", help="add pytorch-compiled and zeropp-3-compiled (inductor)")
     parser.add_argument(
-        "--variants", nargs="+", choices=[*BASE_VARIANTS, *COMPILED_VARIANTS, *MD_VARIANTS, *OWNER_VARIANTS]
+        "--variants", nargs="+", choices=[*BASE_VARIANTS, *COMPILED_VARIANTS, *MD_VARIANTS, *OPTIMIZER_VARIANTS]
     )
     parser.add_argument("--out", type=Path, default=Path("results/bench_step.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one rank of one variant
