@@ -61,12 +61,10 @@ from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, optimizer_path, read_optimizer
 from zeropp.zero.optim.stepping import (
     MasterStep,
-    Slot,
     Stepper,
     clip_coefficient,
     gradient_statistics,
     parameters_given_a_gradient,
-    state_slots,
     step_units,
 )
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
@@ -138,20 +136,14 @@ class ZeroEngine:
         self.units = self._build_units(model, unit_modules, init_fn, seed)
         # See [Note: the whole-parameter step] and [Note: segments]
         self.whole = WholeParameterStep(self.units, self.comm, spec, self.topology.rank) if path == "whole" else None
-        self.stepper: Stepper | None = None
-        if path == "segments":
-            self.stepper = SegmentStep(self.units, spec)
-        elif path == "flat":
-            self.stepper = MasterStep(self.units, spec.factory([u.master for u in self.units]))
+        self.stepper: Stepper | None = None if self.whole else {"segments": SegmentStep, "flat": MasterStep}[path](self.units, spec)  # fmt: skip
         self.optimizers = self.whole.optimizers if self.whole else self.stepper.optimizers  # what the step drives
         self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
-        # a function, not a method: the offloader holds no reference back to the engine
-        device_states = functools.partial(_device_states, self.whole, self.stepper, self.units)
-        self.states = StateOffloader(self.units, device_states, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
+        self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
         if self.config.compile:
             compile_units(self.units)
         self.activation_checkpointing = self._build_activation_checkpointing()
@@ -511,9 +503,3 @@ class ZeroEngine:
     def param_count(self) -> int:
         return sum(unit.layout.numel for unit in self.units)
 
-
-def _device_states(whole: WholeParameterStep | None, stepper: Stepper | None, units: list[FlatUnit]) -> Iterator[Slot]:
-    """The optimizer states offload_states moves: all but ZeRO-Offload's, which live on the host."""
-    if whole is not None:
-        return state_slots(s for o in whole.optimizers for s in o.state.values())
-    return stepper.state_slots([k for k, u in enumerate(units) if u.options.master_device is None])

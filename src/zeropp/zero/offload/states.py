@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
-from zeropp.zero.optim.stepping import Slot
+from zeropp.zero.optim.stepping import Slot, Stepper, state_slots
 from zeropp.zero.unit import FlatUnit
 
 KINDS = ("optimizer", "master", "gradients")
@@ -60,13 +60,13 @@ class StateOffloader:
     `device` and host memory."""
 
     def __init__(
-        self, units: Sequence[FlatUnit], optimizer_states: Callable[[], Iterable[Slot]], device: torch.device,
-        masters: Sequence[nn.Parameter] = (),
+        self, units: Sequence[FlatUnit], stepper: Stepper | None, optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device, masters: Sequence[nn.Parameter] = (),
     ) -> None:  # fmt: skip
-        """`optimizer_states`: (read, write) of each optimizer state tensor on the device (ZeRO-Offload's
-        on the host stay), asked at each offload: an optimizer creates its states at its first step."""
-        self.units, self.device, self.masters = list(units), device, list(masters)
-        self.optimizer_states = optimizer_states
+        """`stepper`: what steps the units' masters (their states' slots), None where `optimizers` step the
+        whole-parameter path's `masters`."""
+        self.units, self.stepper, self.optimizers = list(units), stepper, list(optimizers)
+        self.device, self.masters = device, list(masters)
         self.offloaded: list[_Slot] | None = None  # None: no offload in effect
 
     def offload(self, include: str | Iterable[str] = KINDS) -> StatesMoved:
@@ -122,8 +122,15 @@ class StateOffloader:
                     )
         for master in self.masters if "master" in include else ():
             yield _Slot("master", lambda m=master: m.data, lambda t, m=master: setattr(m, "data", t))
-        for read, write in self.optimizer_states() if "optimizer" in include else ():
+        for read, write in self._optimizer_states() if "optimizer" in include else ():
             yield _Slot("optimizer", read, write)
+
+    def _optimizer_states(self) -> Iterator[Slot]:
+        """(read, write) of each optimizer state tensor, asked at each offload (an optimizer creates its
+        states at its first step): ZeRO-Offload's, which live on the host, stay."""
+        if self.stepper is None:
+            return state_slots(s for o in self.optimizers for s in o.state.values())
+        return self.stepper.state_slots([k for k, u in enumerate(self.units) if u.options.master_device is None])
 
 
 def _is_compute_weights(unit: FlatUnit) -> bool:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from zeropp.topology import Group
     from zeropp.zero.offload.disk import DiskTier
     from zeropp.zero.offload.disk_params import ParamFiles
+    from zeropp.zero.optim.spec import OptimizerSpec
     from zeropp.zero.unit import FlatUnit
 
 # torch's element-wise optimizers, the classes themselves (a subclass may read more in its own step)
@@ -96,8 +97,9 @@ class MasterStep:
     """The flat path: each unit's master is the one tensor its optimizer steps, in one group (the
     counterpart of :class:`~zeropp.zero.optim.segments.SegmentStep`, which says what the methods do)."""
 
-    def __init__(self, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer) -> None:
-        self.units, self.optimizers = list(units), [optimizer]
+    def __init__(self, units: Sequence[FlatUnit], spec: OptimizerSpec) -> None:
+        self.units = list(units)
+        self.optimizers = [spec.factory([unit.master for unit in self.units])]
 
     def tensors(self, k: int) -> list[torch.Tensor]:
         return [self.units[k].master]
