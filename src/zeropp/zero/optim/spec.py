@@ -171,12 +171,12 @@ def flat_only(config: ZeroConfig) -> str | None:
     tier's files, bf16 states), as the user wrote it; None where they step segments."""
     if config.optimizer_path == "flat":
         return "zero.optimizer_path = 'flat'"
-    flat_only = {
+    asking = {
         "offload_optimizer": "nvme" if config.offload.optimizer == "nvme" else None,
         "optimizer_state_dtype": config.optimizer_state_dtype if config.optimizer_state_dtype != "fp32" else None,
         "master_dtype": config.master_dtype if config.master_dtype != "fp32" else None,
     }
-    return next((f"zero.{k} = {v!r}" for k, v in flat_only.items() if v is not None), None)
+    return next((f"zero.{k} = {v!r}" for k, v in asking.items() if v is not None), None)
 
 
 def optimizer_path(spec: OptimizerSpec, config: ZeroConfig) -> Literal["segments", "flat", "whole"]:
