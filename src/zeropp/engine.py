@@ -55,18 +55,10 @@ from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.optim.low_precision_adam import low_precision_adam
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
-from zeropp.zero.optim.spec import OptimizerFactory, optimizer_path, read_optimizer
-from zeropp.zero.optim.stepping import (
-    MasterStep,
-    Stepper,
-    clip_coefficient,
-    gradient_statistics,
-    parameters_given_a_gradient,
-    step_units,
-)
+from zeropp.zero.optim.spec import OptimizerFactory, read_for
+from zeropp.zero.optim.stepping import MasterStep, Stepper, clip_coefficient, gradient_statistics, step_units
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
@@ -99,12 +91,8 @@ class ZeroEngine:
 
         self.config = config or ZeroConfig()
         self.config.validate()
-        spec = self.optimizer_spec = read_optimizer(optimizer, optimizer_kwargs, model)  # before any collective
-        low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(self.config, k) != "fp32"]  # fmt: skip
-        if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
-            state_dtype = DTYPES[self.config.optimizer_state_dtype]
-            spec.factory = low_precision_adam(optimizer, optimizer_kwargs or {}, state_dtype, low[0])
-        path = optimizer_path(spec, self.config)  # See [Note: segments]
+        spec, path = read_for(optimizer, optimizer_kwargs, model, self.config)  # before any collective
+        self.optimizer_spec = spec
         self.topology = topology or init_topology()
         if path == "whole":
             refuse_whole_with(spec.described, self.config, self.topology.tensor_parallel.size)
@@ -344,11 +332,8 @@ class ZeroEngine:
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
                 else:
-                    for part, optimizer in zip(self.optimizer_spec.parts, self.optimizers, strict=True):
-                        part.follow_source(optimizer)  # the user's scheduler's rate
-                    given = None
-                    if isinstance(self.stepper, SegmentStep):  # torch skips a parameter without a gradient
-                        given = parameters_given_a_gradient(self.units, self.comm, self.groups.shard)
+                    self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
+                    given = self.stepper.given_gradients(self.comm, self.groups.shard)
                     step_units(self.stepper, self.scaler, coefficient, host_copies, self.disk, self.param_disk, given)
             scale = self.scaler.scale
             self.scaler.update(overflow)

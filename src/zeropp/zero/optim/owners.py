@@ -147,8 +147,8 @@ class WholeParameterStep:
         self._exchange(True, grads, {key: w.grad for key, w in self.whole.items()}, label=OWNER_OPS[0])
         for key in self._without_gradient():  # as torch's optimizers skip a parameter whose grad is None
             self.whole[key].grad = None
-        for part, optimizer in zip(self.spec.parts, self.optimizers, strict=True):
-            part.follow_source(optimizer)
+        self.spec.follow_sources(self.optimizers)
+        for optimizer in self.optimizers:
             optimizer.step()
         for whole in self.whole.values():
             whole.grad = None

@@ -29,14 +29,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from zeropp.zero.optim.spec import OptimizerSpec
-from zeropp.zero.optim.stepping import Slot
+from zeropp.zero.optim.stepping import Slot, parameters_given_a_gradient
 from zeropp.zero.unit import FlatUnit
+
+if TYPE_CHECKING:
+    from zeropp.comm.communicator import Communicator
+    from zeropp.topology import Group
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,10 @@ class SegmentStep:
     def tensors(self, k: int) -> list[nn.Parameter]:
         """What the optimizers step for unit `k`."""
         return [s.tensor for s in self.segments[k]]
+
+    def given_gradients(self, comm: Communicator, group: Group) -> list[set[int]]:
+        """Per unit, the parameters some rank of `group` gave a gradient: the others are skipped."""
+        return parameters_given_a_gradient(self.units, comm, group)
 
     def give(self, k: int, grad: torch.Tensor, given: set[int]) -> None:
         """Unit `k`'s segments take their pieces of `grad` (aligned with the master), those of the

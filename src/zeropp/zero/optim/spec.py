@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
+from zeropp.zero.optim.low_precision_adam import low_precision_adam
 from zeropp.zero.optim.stepping import is_elementwise
+from zeropp.zero.precision import DTYPES
 
 if TYPE_CHECKING:
     from zeropp.config.sections import ZeroConfig
@@ -75,6 +77,11 @@ class OptimizerSpec:
     factory: OptimizerFactory | None = None  # one group's optimizer over given tensors (the class and factory forms)
     whole: bool = False  # not element-wise: stepped whole on owner ranks (See [Note: the whole-parameter step])
     described: str = field(default="")  # for messages: "AdamW", "Muon + AdamW"
+
+    def follow_sources(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Each of the engine's `optimizers` (one a part) takes what its user's optimizer's scheduler changed."""
+        for part, optimizer in zip(self.parts, optimizers, strict=True):
+            part.follow_source(optimizer)
 
 
 def _name(cls: type) -> str:
@@ -177,6 +184,19 @@ def flat_only(config: ZeroConfig) -> str | None:
         "master_dtype": config.master_dtype if config.master_dtype != "fp32" else None,
     }
     return next((f"zero.{k} = {v!r}" for k, v in asking.items() if v is not None), None)
+
+
+def read_for(
+    optimizer: Any, kwargs: dict[str, Any] | None, model: nn.Module, config: ZeroConfig
+) -> tuple[OptimizerSpec, Literal["segments", "flat", "whole"]]:
+    """:func:`read_optimizer`, then what `config` asks of it: Adam with bf16 states (``optimizer_state_dtype``
+    or ``master_dtype = 'bf16'``: :func:`~zeropp.zero.optim.low_precision_adam.low_precision_adam`) and the
+    path that steps it (:func:`optimizer_path`)."""
+    spec = read_optimizer(optimizer, kwargs, model)
+    low = [f"zero.{k} = 'bf16'" for k in ("optimizer_state_dtype", "master_dtype") if getattr(config, k) != "fp32"]
+    if low:  # Adam's moments stored in bf16, bf16 masters Kahan-compensated
+        spec.factory = low_precision_adam(optimizer, kwargs or {}, DTYPES[config.optimizer_state_dtype], low[0])
+    return spec, optimizer_path(spec, config)
 
 
 def optimizer_path(spec: OptimizerSpec, config: ZeroConfig) -> Literal["segments", "flat", "whole"]:

@@ -104,6 +104,9 @@ class MasterStep:
     def tensors(self, k: int) -> list[torch.Tensor]:
         return [self.units[k].master]
 
+    def given_gradients(self, comm: Communicator, group: Group) -> None:
+        """None: a flat master is stepped whole, whichever of its parameters got a gradient."""
+
     def give(self, k: int, grad: torch.Tensor, given: set[int] | None) -> None:
         self.units[k].master.grad = grad
 
@@ -147,6 +150,7 @@ class Stepper(Protocol):
     optimizers: list[torch.optim.Optimizer]
 
     def tensors(self, k: int) -> list[torch.Tensor]: ...
+    def given_gradients(self, comm: Communicator, group: Group) -> list[set[int]] | None: ...
     def give(self, k: int, grad: torch.Tensor, given: set[int] | None) -> None: ...
     def take(self, k: int) -> None: ...
     def state_slots(self, units: Sequence[int]) -> Iterator[Slot]: ...
