@@ -132,10 +132,12 @@ class SegmentStep:
             s.tensor.grad = grad[s.start : s.stop] if s.index in given else None
 
     def take(self, k: int) -> None:
-        """Unit `k`'s step is over: its segments' gradients dropped, their new states homed."""
+        """Unit `k`'s step is over: its segments' gradients dropped, the stepped ones' states homed (a state
+        is created at a segment's first step, so only a stepped segment can hold one not yet homed)."""
+        stepped = [s for s in self.segments[k] if s.tensor.grad is not None]
         for s in self.segments[k]:
             s.tensor.grad = None
-        self.home(k)
+        self.home(k, stepped)
 
     def _state(self, segment: Segment) -> dict[str, Any]:
         return self.optimizer_of[id(segment.tensor)].state.get(segment.tensor, {})
@@ -146,12 +148,12 @@ class SegmentStep:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == segment.tensor.shape:
                 yield key, value
 
-    def home(self, k: int) -> None:
+    def home(self, k: int, segments: Sequence[Segment] | None = None) -> None:
         """Unit `k`'s per-element states into one master-shaped buffer per key, each segment's state a
         view of it (zeros in the gaps): the memory of the flat path's states, one tensor per key. Run
-        after each step of the unit (the optimizer creates a segment's state at its first step)."""
+        after each step of the unit over the segments it stepped (`segments`; default: all of the unit's)."""
         master, buffers = self.units[k].master, self.buffers[k]
-        for s in self.segments[k]:
+        for s in self.segments[k] if segments is None else segments:
             for key, value in list(self._per_element(s)):
                 buffer = buffers.get(key)
                 if buffer is None:
