@@ -27,7 +27,7 @@ and :func:`flat_from_param_chunks`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +58,15 @@ def optim_key(name: str, key: str) -> str:
 
 def fixed_key(name: str) -> str:
     return f"fixed.{name}"
+
+
+def optimizer_entries(entries: Iterable[str], names: Container[str]) -> Iterator[tuple[str, str, str]]:
+    """(entry, parameter name, state key) of each ``optim.<name>.<key>`` entry of `entries` whose
+    parameter is one of `names`."""
+    for entry in entries:
+        name, _, key = entry.removeprefix("optim.").rpartition(".")
+        if entry.startswith("optim.") and name in names:
+            yield entry, name, key
 
 
 class CheckpointError(ZeroppError, RuntimeError):
@@ -165,12 +174,10 @@ def sharded_state_template(
     `saved`: the shape and dtype of each optimizer state entry of the checkpoint (a parameter never
     stepped has no scalar entries); the optimizer may hold no state yet."""
     state: dict[str, Any] = {}
-    prefixes = {optim_key(name, ""): name for unit in units for name in unit.names}
     keys: dict[str, dict[str, tuple[bool, torch.dtype]]] = {}
-    for entry, (shape, dtype) in saved.items():
-        name, _, key = entry.removeprefix("optim.").rpartition(".")
-        if optim_key(name, "") in prefixes:
-            keys.setdefault(name, {})[key] = (len(shape) > 0, dtype)
+    for entry, name, key in optimizer_entries(saved, {name for unit in units for name in unit.names}):
+        shape, dtype = saved[entry]
+        keys.setdefault(name, {})[key] = (len(shape) > 0, dtype)
     for unit in units:
         device, group, layout = unit.options.device, unit.groups.shard, unit.layout
         for index, (name, param) in enumerate(zip(unit.names, unit.params, strict=True)):
@@ -192,9 +199,13 @@ def load_sharded_state_dict(
     units: list[FlatUnit], states: Stepper | None, module: nn.Module, state: Mapping[str, Any]
 ) -> None:
     """Set masters, weights and optimizer state from `state` (layout above; collective)."""
+    keys: dict[str, set[str]] = {}  # parameter name -> its saved optimizer state keys
+    for _, name, key in optimizer_entries(state, {name for unit in units for name in unit.names}):
+        keys.setdefault(name, set()).add(key)
     for k, unit in enumerate(units):
         if unit.names:  # a unit of frozen parameters only has no master to load
-            _load_master_and_optimizer(k, unit, states, state)
+            unit_keys = sorted(set().union(*(keys.get(name, ()) for name in unit.names)))
+            _load_master_and_optimizer(k, unit, states, state, unit_keys)
         unit.clear_gradients()
     for name, target in fixed_tensors(units, module, whole=False).items():
         source = state.get(fixed_key(name))
@@ -206,19 +217,16 @@ def load_sharded_state_dict(
             unit.frozen.load([state[fixed_key(name)] for name in unit.frozen.names])
 
 
-def _load_master_and_optimizer(k: int, unit: FlatUnit, states: Stepper | None, state: Mapping[str, Any]) -> None:
+def _load_master_and_optimizer(
+    k: int, unit: FlatUnit, states: Stepper | None, state: Mapping[str, Any], keys: list[str]
+) -> None:
+    """`keys`: the optimizer state keys any of the unit's parameters has in `state`, in order."""
     master = [state[model_key(name)].to_local() for name in unit.names]
     unit.load_master(flat_from_param_chunks(unit, master))
     if states is None:  # the whole-parameter path: load_owned_states
         return
-    keys = {
-        entry[len(optim_key(name, "")) :]
-        for name in unit.names
-        for entry in state
-        if entry.startswith(optim_key(name, ""))
-    }
     flat, scalars = {}, {}
-    for key in sorted(keys):
+    for key in keys:
         values = {i: state.get(optim_key(name, key)) for i, name in enumerate(unit.names)}
         if any(isinstance(v, DTensor) for v in values.values()):
             whole = flat_from_param_chunks(unit, [v.to_local() for v in values.values()])
@@ -255,14 +263,6 @@ def owned_state_entries(whole: WholeParameterStep) -> dict[str, torch.Tensor]:
     return entries
 
 
-def _owned_entries(whole: WholeParameterStep, keys: Iterator[str]) -> Iterator[tuple[str, str, str]]:
-    """(entry, parameter name, state key) of each ``optim.`` entry of `keys` that belongs to an owned parameter."""
-    for entry in keys:
-        name, _, key = entry.removeprefix("optim.").rpartition(".")
-        if entry.startswith("optim.") and name in whole.owned:
-            yield entry, name, key
-
-
 def owned_state_template(
     whole: WholeParameterStep, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 ) -> dict[str, torch.Tensor]:
@@ -272,13 +272,13 @@ def owned_state_template(
         entry: torch.empty(
             saved[entry][0], dtype=saved[entry][1], device=whole.owned_device(name) if saved[entry][0] else "cpu"
         )
-        for entry, name, _ in _owned_entries(whole, iter(saved))
+        for entry, name, _ in optimizer_entries(saved, whole.owned)
     }
 
 
 def load_owned_states(whole: WholeParameterStep, state: Mapping[str, Any]) -> None:
     states: dict[str, dict[str, Any]] = {name: {} for name in whole.owned}
-    for entry, name, key in _owned_entries(whole, iter(state)):
+    for entry, name, key in optimizer_entries(state, whole.owned):
         value = state[entry]
         number = PYTHON_NUMBERS.get(value.dtype) if value.dim() == 0 else None
         states[name][key] = value if number is None else number(value.item())
