@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import multiprocessing as mp
 import os
@@ -13,6 +14,9 @@ from typing import Any
 import torch
 
 TIMEOUT_S = 240
+# What a "forkserver" rank's server imports once, before it forks any rank: the libraries a rank of the
+# integration tests imports anyway (each took about 6 s of CPU in every rank started fresh).
+PRELOAD = ("torch", "zeropp", "transformers", "accelerate", "peft", "trl", "lightning")
 
 
 def free_port() -> int:
@@ -79,9 +83,14 @@ def run_ranks(
     fn: Callable[..., Any], world: int, nodes: int = 1, start: str = "fork", launcher: str = "torchrun", **kwargs: Any
 ) -> list[Any]:
     """Start `world` processes that look like `launcher`'s ranks (torchrun, slurm, openmpi) on `nodes`
-    nodes; return results by rank. `start`: "spawn" where a rank uses CUDA (a forked child cannot
-    once the parent initialized it)."""
+    nodes; return results by rank. `start`: "fork" (the default: the cheapest), "spawn" where a rank
+    uses CUDA (a forked child cannot once the parent initialized it), "forkserver" where the pytest
+    process's threads must not reach the rank (an OpenMP pool started before a fork deadlocks the
+    child's first parallel region) but its imports should: ranks fork from a server that imported
+    PRELOAD once, and ran no torch operation."""
     ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload([name for name in PRELOAD if importlib.util.find_spec(name) is not None])
     queue = ctx.Queue()
     port = free_port()
     procs = [

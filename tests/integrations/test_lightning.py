@@ -15,7 +15,7 @@ from examples import docs_include, run_example
 pytest.importorskip("lightning")
 
 ROOT = Path(__file__).resolve().parents[2]
-SPAWN = "spawn"  # as the Trainer tests: no forked child of a pytest process that started OpenMP
+START = "forkserver"  # as the Trainer tests: no forked child of a pytest process that started OpenMP
 GLOBAL_BATCH = 4
 SAMPLES = 24  # 6 global batches: 3 optimizer steps per epoch with accumulation 2
 TOLERANCE = 1e-5
@@ -185,8 +185,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_ranks_equal_plain_lightning_in_one_process(tmp_path):
     """Stages 3, 1, 2 at world 2 (fp32, accumulation 2, clipping, AdamW groups, warm-up) end with the
     weights of plain Lightning in one process on the same global batches."""
-    (reference,) = run_ranks(_plain, 1, start=SPAWN, out=str(tmp_path / "plain"))
-    for rank_runs in run_ranks(_stages, 2, start=SPAWN, out=str(tmp_path)):
+    (reference,) = run_ranks(_plain, 1, start=START, out=str(tmp_path / "plain"))
+    for rank_runs in run_ranks(_stages, 2, start=START, out=str(tmp_path)):
         for run in rank_runs:
             assert _close(run["state"], reference["state"]) < TOLERANCE
             assert torch.allclose(run["losses"], reference["losses"], atol=TOLERANCE, rtol=0)
@@ -207,8 +207,8 @@ def test_configure_model_on_meta_is_materialized_by_the_engine(tmp_path):
     """A network built in configure_model lands on the meta device; the engine materializes it under
     seed_everything's seed, the same at world 1 and 2, and the runs agree: a plain network, and a
     Hugging Face model nested in the LightningModule (initialized by its own _init_weights)."""
-    (ones,) = run_ranks(_meta, 1, start=SPAWN, out=str(tmp_path), devices=1)
-    for runs in run_ranks(_meta, 2, start=SPAWN, out=str(tmp_path), devices=2):
+    (ones,) = run_ranks(_meta, 1, start=START, out=str(tmp_path), devices=1)
+    for runs in run_ranks(_meta, 2, start=START, out=str(tmp_path), devices=2):
         for run, one in zip(runs, ones, strict=True):
             assert run["built_on"] == one["built_on"] == "meta"
             assert _close(run["state"], one["state"]) < TOLERANCE
@@ -237,7 +237,7 @@ def _resume(out: str) -> tuple[dict, dict, list[str], str]:
 def test_save_and_resume_is_bit_identical_and_load_from_checkpoint_reads_it_made_one_file(tmp_path):
     """An epoch, ``trainer.save_checkpoint``, a fresh Trainer (``strategy="zeropp"`` by name) resumed
     with ``ckpt_path=``: the second epoch ends bit-identical to a straight two-epoch run."""
-    straight, resumed, files, strategy = run_ranks(_resume, 2, start=SPAWN, out=str(tmp_path))[0]
+    straight, resumed, files, strategy = run_ranks(_resume, 2, start=START, out=str(tmp_path))[0]
     assert strategy == "ZeroStrategy"
     assert files == ["lightning.ckpt", "zeropp"]
     for key in straight:
@@ -290,7 +290,7 @@ def _grouped(out: str) -> list[dict]:
 
 
 def test_adafactor_with_groups_of_their_own_rates_equals_plain_lightning(tmp_path):
-    plain = run_ranks(_fit, 1, start=SPAWN, out=str(tmp_path / "plain"), devices=1, strategy="auto", grouped=True)[0]
-    for zero in run_ranks(_grouped, 2, start=SPAWN, out=str(tmp_path))[0]:
+    plain = run_ranks(_fit, 1, start=START, out=str(tmp_path / "plain"), devices=1, strategy="auto", grouped=True)[0]
+    for zero in run_ranks(_grouped, 2, start=START, out=str(tmp_path))[0]:
         assert _close(zero["state"], plain["state"]) <= TOLERANCE
         assert torch.allclose(zero["losses"], plain["losses"], atol=TOLERANCE)

@@ -14,7 +14,7 @@ from trainer_runs import PROBE, STEPS, TOLERANCE, max_difference, rows, tiny_lla
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-SPAWN = "spawn"  # see test_transformers
+START = "forkserver"  # see test_transformers
 
 
 def lora_model():
@@ -68,8 +68,8 @@ def _zero(out: str) -> dict:
 def test_lora_at_stage_3_equals_plain_trainer_lora_and_saves_its_adapter(tmp_path):
     import peft
 
-    (plain,) = run_ranks(_plain, 1, start=SPAWN, out=str(tmp_path / "plain"))
-    zero = run_ranks(_zero, 2, start=SPAWN, out=str(tmp_path / "zero"))
+    (plain,) = run_ranks(_plain, 1, start=START, out=str(tmp_path / "plain"))
+    zero = run_ranks(_zero, 2, start=START, out=str(tmp_path / "zero"))
     for rank in zero:
         assert max_difference(rank["state"], plain["state"]) < TOLERANCE
         assert len(rank["losses"]) == STEPS and rank["losses"] == pytest.approx(plain["losses"], abs=TOLERANCE)

@@ -13,7 +13,7 @@ from trainer_runs import max_difference, rows, tiny_llama, training_args
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SPAWN = "spawn"  # see test_transformers.py
+START = "forkserver"  # see test_transformers.py
 FLAGS = ("bf16", "fp16")
 OVERFLOW = {"stage": 3, "loss_scale": {"initial_scale": 2.0**40, "backoff_factor": 2.0**-24}}  # step 1 overflows
 
@@ -52,9 +52,9 @@ def _zero(out: str) -> dict:
 
 
 def test_bf16_and_fp16_train_near_the_plain_trainer(tmp_path):
-    plain = run_ranks(_plain, 1, start=SPAWN, out=str(tmp_path / "plain"))[0]
+    plain = run_ranks(_plain, 1, start=START, out=str(tmp_path / "plain"))[0]
     start = tiny_llama().state_dict()
-    for rank in run_ranks(_zero, 2, start=SPAWN, out=str(tmp_path / "zero")):
+    for rank in run_ranks(_zero, 2, start=START, out=str(tmp_path / "zero")):
         for flag in FLAGS:
             moved = max_difference(plain[flag], start)
             difference = max_difference(rank[flag], plain[flag])

@@ -14,7 +14,7 @@ from trainer_runs import TOLERANCE, max_difference, rows, tiny_llama, training_a
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SPAWN = "spawn"  # see test_transformers.py
+START = "forkserver"  # see test_transformers.py
 
 
 def _on_meta(config):
@@ -50,7 +50,7 @@ def _meta_and_loaded(out: str, folder: str) -> tuple[float, float]:
 def test_a_meta_model_with_pretrained_trains_like_the_loaded_model(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "pretrained")
     for trained, start in run_ranks(
-        _meta_and_loaded, 2, start=SPAWN, out=str(tmp_path), folder=str(tmp_path / "pretrained")
+        _meta_and_loaded, 2, start=START, out=str(tmp_path), folder=str(tmp_path / "pretrained")
     ):
         assert start == 0.0
         assert trained < TOLERANCE
@@ -103,8 +103,8 @@ def test_no_rank_holds_the_whole_model_while_setting_up(tmp_path):
     big_llama(layers, width).save_pretrained(tmp_path / "big")
     model_bytes = layers * 16 * width * width * 4
     folder = str(tmp_path / "big")
-    peaks = run_ranks(_setup_peak, 4, nodes=2, start=SPAWN, out=str(tmp_path), folder=folder, meta=True)
+    peaks = run_ranks(_setup_peak, 4, nodes=2, start=START, out=str(tmp_path), folder=folder, meta=True)
     bound = 2 * model_bytes / 4 + 2 * model_bytes / layers
     assert max(peaks) <= bound < model_bytes, (peaks, bound)
-    eager = run_ranks(_setup_peak, 1, start=SPAWN, out=str(tmp_path), folder=folder, meta=False)[0]
+    eager = run_ranks(_setup_peak, 1, start=START, out=str(tmp_path), folder=folder, meta=False)[0]
     assert eager > model_bytes > bound, (eager, bound)

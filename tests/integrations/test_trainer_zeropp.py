@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIG = str(ROOT / "examples" / "ds_config.json")
-SPAWN = "spawn"  # see test_transformers.py
+START = "forkserver"  # see test_transformers.py
 STEPS = 2
 
 
@@ -49,7 +49,7 @@ def test_zeropp_cross_node_bytes_equal_zeropp_trains(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert (summary["world_size"], summary["nodes"], summary["precision"]) == (4, 2, "bf16")
-    ranks = run_ranks(_cross_node_bytes, 4, nodes=2, start=SPAWN, out=str(tmp_path / "trainer"))
+    ranks = run_ranks(_cross_node_bytes, 4, nodes=2, start=START, out=str(tmp_path / "trainer"))
     for rank, got in enumerate(ranks):
         assert got["steps"] == STEPS and got["zeropp"] == (True, 2, True) and got["precision"] == "bf16"
         assert got["per_step"]["inter"] == summary["inter_node_bytes_per_step_by_rank"][rank] > 0

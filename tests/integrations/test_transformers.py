@@ -21,9 +21,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 ROOT = Path(__file__).resolve().parents[2]
-# Ranks are spawned, not forked: accelerate raises the rank's thread count, and an OpenMP pool that the
-# pytest process started before a fork deadlocks the child's first parallel region (seen in the full suite).
-SPAWN = "spawn"
+# Ranks fork from a server, not from pytest: accelerate raises the rank's thread count, and an OpenMP pool
+# that the pytest process started before a fork deadlocks the child's first parallel region (seen in the
+# full suite). The server imported transformers once (see launcher.PRELOAD), which a spawned rank repeats.
+START = "forkserver"
 
 
 def _zero_run(out: str, world: int, stage: int, **overrides) -> dict[str, torch.Tensor]:
@@ -61,12 +62,12 @@ def _plain_and_zero(out: str) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def world_one(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("world1"))
-    return run_ranks(_world_one_run, 1, start=SPAWN, out=out)[0]
+    return run_ranks(_world_one_run, 1, start=START, out=out)[0]
 
 
 def test_world_one_equals_the_plain_trainer(tmp_path):
     """Stage 3, fp32, accumulation 2, warm-up + linear decay, decay / no-decay groups, clipping."""
-    reference, zero = run_ranks(_plain_and_zero, 1, start=SPAWN, out=str(tmp_path))[0]
+    reference, zero = run_ranks(_plain_and_zero, 1, start=START, out=str(tmp_path))[0]
     assert len(zero["losses"]) == STEPS and zero["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
     assert max_difference(zero["state"], reference["state"]) < TOLERANCE
     start = tiny_llama().state_dict()
@@ -80,7 +81,7 @@ def _stages(out: str, ranks: int) -> list[dict]:
 @pytest.mark.parametrize("world,nodes", [(2, 1), (4, 2)])
 def test_more_ranks_equal_world_one(world_one, world, nodes, tmp_path):
     """The same global batch (per_device_train_batch_size x world) at stages 1-3 gives world 1's run."""
-    results = run_ranks(_stages, world, start=SPAWN, nodes=nodes, out=str(tmp_path), ranks=world)
+    results = run_ranks(_stages, world, start=START, nodes=nodes, out=str(tmp_path), ranks=world)
     for rank_result in results:
         for run in rank_result:
             assert max_difference(run["state"], world_one["state"]) < TOLERANCE
@@ -101,7 +102,7 @@ def _resume(out: str) -> tuple[dict, dict, list[str]]:
 
 def test_resume_is_bit_identical(tmp_path):
     """Saved at step 3 (zeropp's sharded checkpoint in checkpoint-3/zeropp), resumed, equal at step 6."""
-    straight, resumed, files = run_ranks(_resume, 2, start=SPAWN, out=str(tmp_path))[0]
+    straight, resumed, files = run_ranks(_resume, 2, start=START, out=str(tmp_path))[0]
     assert {"zeropp", "scheduler.pt", "trainer_state.json", "config.json", "rng_state_0.pth"} <= set(files)
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
@@ -124,7 +125,7 @@ def _save(out: str) -> torch.Tensor:
 def test_save_model_loads_with_from_pretrained(tmp_path):
     import transformers
 
-    logits = run_ranks(_save, 2, start=SPAWN, out=str(tmp_path))[0]
+    logits = run_ranks(_save, 2, start=START, out=str(tmp_path))[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
     with torch.no_grad():
         assert (model(input_ids=PROBE).logits - logits).abs().max().item() < TOLERANCE
@@ -190,7 +191,7 @@ def test_args_deepspeed_is_read_by_zeropp(tmp_path):
     """TrainingArguments(deepspeed=...) constructs only where DeepSpeed is installed (transformers 5.24
     fails with a TypeError otherwise); there ZeroTrainer reads the file and DeepSpeed never starts."""
     pytest.importorskip("deepspeed")
-    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, start=SPAWN, out=str(tmp_path)):
+    for stage, deepspeed_on, difference in run_ranks(_from_args_deepspeed, 2, start=START, out=str(tmp_path)):
         assert (stage, deepspeed_on, difference) == (2, False, 0.0)
 
 
@@ -211,7 +212,7 @@ def _zero_adafactor(out: str) -> dict[str, torch.Tensor]:
 
 def test_adafactor_with_the_trainers_decay_groups_equals_the_plain_trainer(tmp_path):
     """A shape-aware optimizer with the Trainer's decay / no-decay groups: whole parameters on owner ranks."""
-    reference = run_ranks(_plain_adafactor, 1, start=SPAWN, out=str(tmp_path / "plain"))[0]
-    for state in run_ranks(_zero_adafactor, 2, start=SPAWN, out=str(tmp_path / "zero")):
+    reference = run_ranks(_plain_adafactor, 1, start=START, out=str(tmp_path / "plain"))[0]
+    for state in run_ranks(_zero_adafactor, 2, start=START, out=str(tmp_path / "zero")):
         assert max_difference(state, reference) < TOLERANCE
     assert max_difference(reference, tiny_llama().state_dict()) > 1e-3  # it trained

@@ -14,7 +14,7 @@ from examples import docs_include, run_example
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
-SPAWN = "spawn"  # see test_transformers
+START = "forkserver"  # see test_transformers
 PAD, EOS = 254, 255  # the tiny Llama's 256 ids: tokens 0-253, then the tokenizer's two special ones
 
 
@@ -66,8 +66,8 @@ def _run(out: str, ranks: int) -> dict:
 def test_sft_trainer_through_zeropp_trains_as_plain_sft(tmp_path):
     """Loss and weights near plain SFTTrainer's, not within 1e-5: SFTTrainer itself is not exact across
     world sizes (plain DDP at 2 ranks ends 1.7e-4 from 1 rank), and zeropp's 2 ranks end 1.4e-3 away."""
-    (plain,) = run_ranks(_run, 1, start=SPAWN, out=str(tmp_path / "plain"), ranks=1)
-    for rank in run_ranks(_run, 2, start=SPAWN, out=str(tmp_path / "zero"), ranks=2):
+    (plain,) = run_ranks(_run, 1, start=START, out=str(tmp_path / "plain"), ranks=1)
+    for rank in run_ranks(_run, 2, start=START, out=str(tmp_path / "zero"), ranks=2):
         assert len(rank["losses"]) == STEPS and rank["losses"] == pytest.approx(plain["losses"], abs=1e-3)
         assert rank["losses"][-1] < rank["losses"][0] - 0.1  # it learns the pattern
         assert max_difference(rank["state"], plain["state"]) < 1e-2
