@@ -55,6 +55,7 @@ from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
+from zeropp.zero.optim.outer import OuterStep, refuse_outer_checkpoints, refuse_outer_with
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, read_for
@@ -102,7 +103,12 @@ class ZeroEngine:
         self.policy = StagePolicy.for_stage(self.config.stage)
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
-        self.groups = self.topology.shard_groups(self.config.hpz_partition_size)  # refuses a bad size first
+        # DiLoCo: ZeRO inside each node, the nodes synchronized by the outer step (See [Note: the outer loop])
+        outer = self.config.outer.enabled and self.topology.nodes > 1
+        if outer:
+            refuse_outer_with(self.config, path)
+        self.groups = self.topology.shard_groups(self.config.hpz_partition_size, per_node=outer)  # refuses a bad size first
+        self.replica = self.topology.node() if outer else self.topology.world  # the ranks training one model
         self.hpz_group_size = self.groups.hpz_group_size
         refuse_qwd_without_hpz(self.config, self.hpz_group_size, self.topology.layout.nodes)
         self.module = model
@@ -129,6 +135,7 @@ class ZeroEngine:
         self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
+        self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config.outer) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
@@ -335,6 +342,8 @@ class ZeroEngine:
                     self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
                     given = self.stepper.given_gradients(self.comm, self.groups.shard)
                     step_units(self.stepper, self.scaler, coefficient, host_copies, self.disk, self.param_disk, given)
+                if self.outer is not None:
+                    self.outer.after_step(self.global_step + 1)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             self._follow_loss_scale(overflow, self.scaler.scale / scale)
@@ -402,9 +411,9 @@ class ZeroEngine:
 
     def _reduce_over_shards(self, local: torch.Tensor, reduce: str) -> torch.Tensor:
         """Combine a per-rank statistic of the gradients over the ranks whose masters differ: the
-        tensor-parallel ranks, and the data-parallel ones where the optimizer state is sharded."""
-        topology = self.topology
-        group = topology.world if self.policy.shard_optimizer else topology.tensor_parallel
+        tensor-parallel ranks, and the data-parallel ones where the optimizer state is sharded (one
+        node's, under DiLoCo)."""
+        group = self.replica if self.policy.shard_optimizer else self.topology.tensor_parallel
         self.comm.all_reduce(local, group, reduce=reduce)
         return local
 
@@ -444,6 +453,7 @@ class ZeroEngine:
     @functools.cached_property
     def checkpoint_mesh(self) -> per_parameter.CheckpointMesh:
         """The ranks as the (tensor-parallel x data-parallel) mesh the per-parameter state is cut over (built once, on first use)."""
+        refuse_outer_checkpoints(self.config, "a checkpoint" if self.outer is not None else None)
         return per_parameter.CheckpointMesh(self.topology)
 
     def sharded_state_dict(self, frozen: bool = True) -> dict[str, Any]:
@@ -480,7 +490,7 @@ class ZeroEngine:
     def model_state_bytes(self) -> int:
         """Bytes of model states this rank holds now: parameters, gradients, master, optimizer state."""
         states = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
-        held = [*states, *(self.whole.masters() if self.whole else ())]  # the owners' whole masters
+        held = [*states, *(self.whole.masters() if self.whole else ()), *(self.outer.tensors() if self.outer else ())]
         tensors = [t for unit in self.units for t in unit.state_tensors()]
         return distinct_storage_bytes([*tensors, *(t for t in held if isinstance(t, torch.Tensor) and t.dim() > 0)])
 

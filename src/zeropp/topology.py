@@ -153,15 +153,24 @@ class Topology:
                 return group
         raise KeyError(f"zeropp: no process group over ranks {ranks} (named {name!r}) on rank {self.rank}")
 
-    def shard_groups(self, hpz_partition_size: int = 1) -> ShardGroups:
+    def shard_groups(self, hpz_partition_size: int = 1, per_node: bool = False) -> ShardGroups:
         """The groups units shard over, with hpZ's secondary groups for ``zero.hpz_partition_size``
-        (built on first use; collective then)."""
+        (built on first use; collective then). `per_node`: each node's data-parallel ranks alone, no
+        collective of ZeRO's crossing a node (DiLoCo's replicas: See [Note: the outer loop]); hpZ's
+        secondary partition would be the primary one again, so it is off."""
+        if per_node:
+            alone = Group(None, (self.rank,), 0)
+            return ShardGroups(self.intra_node, self.intra_node, alone)
         size = self.layout.hpz_group_size(hpz_partition_size)
         secondary = None
         if size > 1:
             same_as_node = size == self.layout.data_parallel_per_node
             secondary = self.intra_node if same_as_node else self.subgroups(f"hpz{size}", self.layout.hpz_groups(size))
         return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
+
+    def node(self) -> Group:
+        """The ranks of this rank's node (built on first use; collective then)."""
+        return self.subgroups("node", self.layout.node_groups())
 
 
 def init_topology(config: TopologyConfig | None = None) -> Topology:

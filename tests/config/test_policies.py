@@ -15,6 +15,7 @@ from zeropp.config.policies import (
     POLICIES,
     ActivationCheckpointPolicy,
     OffloadPolicy,
+    OuterLoop,
     QuantizedGradients,
     QuantizedWeights,
 )
@@ -45,6 +46,10 @@ FLAT = {
     "activation_checkpointing": True,
     "partition_activations": True,
     "cpu_checkpointing": True,
+    "outer_sync_every": 10,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.8,
+    "outer_nesterov": False,
 }
 GROUPED = dict(
     qwz=QuantizedWeights(enabled=True, bits=4, block_size=128, quantization="tensor"),
@@ -63,6 +68,7 @@ GROUPED = dict(
     ),
     offload=OffloadPolicy(optimizer="nvme", params="cpu", path="/tmp", buffer_count=3),
     activations=ActivationCheckpointPolicy(enabled=True, partition_activations=True, cpu_checkpointing=True),
+    outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False),
 )
 
 

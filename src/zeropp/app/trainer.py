@@ -43,6 +43,7 @@ from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
 from zeropp.zero.grouping import repeated_blocks
 from zeropp.zero.offload.disk_params import io_bytes
+from zeropp.zero.optim.outer import refuse_outer_checkpoints
 from zeropp.zero.optim.owners import OWNER_OPS
 from zeropp.zero.optim.uncorrected_adam import UncorrectedAdam
 from zeropp.zero.options import frozen_quant
@@ -102,6 +103,7 @@ def checkpoint_to_resume(config: Config) -> Path | None:
 def preflight(config: Config) -> None:
     """Checks that need no process group: the checkpoint folder is writable, the resume point readable
     and undamaged."""
+    refuse_outer_checkpoints(config.zero, config.checkpoint.checkpoint_dir, config.checkpoint.resume)
     if config.checkpoint.checkpoint_dir is not None:
         check_writable(config.checkpoint.checkpoint_dir)
     path = checkpoint_to_resume(config)
@@ -433,7 +435,7 @@ class Trainer:
             model_state_bytes_per_rank=[int(r.model_state_bytes) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
                 trained,  # this rank's tensor-parallel share as laid out, sharded over its data-parallel group
-                topo.data_parallel.size,
+                engine.groups.shard.size,  # one node's data-parallel ranks under DiLoCo
                 zero.stage,
                 zero.precision,
                 zero.grad_dtype,
@@ -449,6 +451,7 @@ class Trainer:
                 else None,
                 frozen=frozen_numel,
                 frozen_quant=frozen_quant(zero),
+                outer=engine.outer is not None,
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,

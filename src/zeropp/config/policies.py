@@ -3,7 +3,8 @@
 - ``zero.qwz``: :class:`QuantizedWeights`, ZeRO++'s quantized weight all-gather;
 - ``zero.qgz``: :class:`QuantizedGradients`, ZeRO++'s quantized gradient reduction (and LoCo error feedback);
 - ``zero.offload``: :class:`OffloadPolicy`, ZeRO-Offload of the optimizer and the parameters;
-- ``zero.activations``: :class:`ActivationCheckpointPolicy`, activation checkpointing and ZeRO-R's Pa, Pa+cpu.
+- ``zero.activations``: :class:`ActivationCheckpointPolicy`, activation checkpointing and ZeRO-R's Pa, Pa+cpu;
+- ``zero.outer``: :class:`OuterLoop`, DiLoCo's outer loop over nodes.
 
 hpZ stays one key of ZeroConfig (``hpz_partition_size``): a policy of one field would add a level and no meaning.
 
@@ -237,12 +238,51 @@ def check_switches(checkpointing: bool, partition: bool, cpu: bool, name: Name) 
         require(partition, name("cpu_checkpointing"), True, f"false unless {name('partition_activations')} is true too")
 
 
+@dataclass
+class OuterLoop:
+    """DiLoCo: every node trains a replica of its own (ZeRO inside the node); every `sync_every` steps the
+    nodes average their change since the last synchronization, and an outer optimizer applies it."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "sync_every": "outer_sync_every",
+        "lr": "outer_lr",
+        "momentum": "outer_momentum",
+        "nesterov": "outer_nesterov",
+    }
+
+    sync_every: int = setting(
+        0,
+        "DiLoCo: synchronize the nodes every this many optimizer steps (0: off, every step's gradients are "
+        "reduced over all ranks); each node trains alone in between, ZeRO sharding inside the node",
+    )
+    lr: float = setting(0.7, "DiLoCo: the outer optimizer's learning rate (SGD on the nodes' mean change)")
+    momentum: float = setting(0.9, "DiLoCo: the outer optimizer's momentum")
+    nesterov: bool = setting(True, "DiLoCo: Nesterov momentum for the outer optimizer")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sync_every > 0
+
+    def validate(self, name: Name) -> None:
+        require(self.sync_every >= 0, name("sync_every"), self.sync_every, "an integer >= 0 (0: off)")
+        require(self.lr > 0, name("lr"), self.lr, "a number > 0")
+        require(0 <= self.momentum < 1, name("momentum"), self.momentum, "a number from 0 to below 1")
+        require(
+            not self.nesterov or self.momentum > 0,
+            name("nesterov"),
+            self.nesterov,
+            f"false when {name('momentum')} is 0",
+        )
+        check_finite(self, "", name)
+
+
 # ZeroConfig's policy fields and their classes
 POLICIES: dict[str, type] = {
     "qwz": QuantizedWeights,
     "qgz": QuantizedGradients,
     "offload": OffloadPolicy,
     "activations": ActivationCheckpointPolicy,
+    "outer": OuterLoop,
 }
 
 # flat key -> (policy field of ZeroConfig, field of the policy)

@@ -18,6 +18,7 @@ from zeropp.config.policies import (
     POLICIES,
     ActivationCheckpointPolicy,
     OffloadPolicy,
+    OuterLoop,
     QuantizedGradients,
     QuantizedWeights,
     accepts_flat_keys,
@@ -127,6 +128,7 @@ class ZeroConfig:
         False, "torch.compile every unit's forward that calls no other unit (the blocks); hooks stay eager"
     )
     activations: ActivationCheckpointPolicy = field(default_factory=ActivationCheckpointPolicy)
+    outer: OuterLoop = field(default_factory=OuterLoop)
     contiguous_memory_optimization: bool = setting(
         False, "MD: gradient buffers (and Pa's checkpoint partitions) in buffers preallocated after the first step"
     )
@@ -219,6 +221,7 @@ class ZeroConfig:
             )  # fmt: skip
         self.offload.validate(self.key("offload"), self.stage)
         self.activations.validate(self.key("activations"))
+        self.outer.validate(self.key("outer"))
         check_finite(self, "zero")
         self.loss_scale.validate()
 

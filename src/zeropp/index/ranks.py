@@ -50,6 +50,11 @@ class Layout:
         tp = self.tensor_parallel_size
         return [tuple(range(start, start + tp)) for start in range(0, self.world_size, tp)]
 
+    def node_groups(self) -> RankGroups:
+        """The ranks of each node: DiLoCo's replicas (``zero.outer``), each training alone between syncs."""
+        per_node = self.ranks_per_node
+        return [tuple(range(start, start + per_node)) for start in range(0, self.world_size, per_node)]
+
     def data_parallel_groups(self) -> RankGroups:
         """The ranks with the same tensor-parallel index, one group per index (see the module docstring)."""
         tp = self.tensor_parallel_size

@@ -1,0 +1,78 @@
+"""DiLoCo's outer step over nodes, on the shards: See [Note: the outer loop] (docs/design.md).
+
+Every node trains a replica of its own, ZeRO sharding inside the node (``Topology.shard_groups(per_node=
+True)``), so a rank and its peers at the same place on the other nodes hold the same slice of every unit's
+master. Every ``sync_every`` steps each rank takes its slice's change since the last synchronization (the
+outer gradient: anchor - master), averages it with those peers (one all-reduce over the inter-node group:
+the only bytes that cross a node), and torch's SGD (Nesterov by default) steps the anchor with it; the
+anchor becomes every replica's master again, and the inner optimizer's states carry on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeropp.comm.communicator import Communicator
+from zeropp.config.policies import OuterLoop
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
+from zeropp.topology import Group
+from zeropp.zero.unit import FlatUnit
+
+
+class OuterStep:
+    """The anchors (the weights of the last synchronization, fp32, beside each unit's master) and the
+    outer optimizer over them."""
+
+    def __init__(self, units: list[FlatUnit], comm: Communicator, peers: Group, policy: OuterLoop) -> None:
+        self.units, self.comm, self.peers, self.every = units, comm, peers, policy.sync_every
+        self.anchors = [unit.master.detach().to(torch.float32, copy=True) for unit in units]
+        self.optimizer = torch.optim.SGD(self.anchors, lr=policy.lr, momentum=policy.momentum, nesterov=policy.nesterov)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it keeps: the anchors and the outer momentum (model states, 8 bytes per parameter)."""
+        return [*self.anchors, *(v for state in self.optimizer.state.values() for v in state.values())]
+
+    def after_step(self, step: int) -> bool:
+        """After inner step `step` (counted from 1): synchronize the replicas if it is a multiple of
+        sync_every; return whether it was."""
+        if step % self.every:
+            return False
+        changes = [anchor - unit.master.detach().float() for anchor, unit in zip(self.anchors, self.units, strict=True)]
+        self.comm.all_reduce_coalesced(changes, self.peers)  # the mean over the nodes
+        for anchor, change in zip(self.anchors, changes, strict=True):
+            anchor.grad = change
+        self.optimizer.step()
+        for anchor, unit in zip(self.anchors, self.units, strict=True):
+            anchor.grad = None
+            unit.master.data.copy_(anchor)
+            unit.publish_master()
+        return True
+
+
+def refuse_outer_with(config: ZeroConfig, path: str) -> None:
+    """What the outer step cannot reach yet, refused in one line before any collective: the masters
+    of the whole-parameter path live on their owners, and the disk tier's in files."""
+    key = config.key("outer")("sync_every")
+    every = config.outer.sync_every
+    if path == "whole":
+        raise ConfigError(
+            f"{key} = {every}: DiLoCo steps the shards of element-wise optimizers only (this optimizer takes the "
+            "whole-parameter path); expected 0, or an element-wise optimizer (AdamW, Adam, SGD, ...)", key, every,
+        )  # fmt: skip
+    if config.offload.optimizer == "nvme":
+        raise ConfigError(
+            f"{key} = {every} is not allowed with zero.offload_optimizer = 'nvme'; expected 0, or 'none' or 'cpu'",
+            key, every,
+        )  # fmt: skip
+
+
+def refuse_outer_checkpoints(config: ZeroConfig, *paths: str | None) -> None:
+    """Checkpoints of a DiLoCo run (a path given in `paths`) are not built yet: each node's inner optimizer
+    states differ between syncs, and the saved layout has no place for them. Refused in one line."""
+    if config.outer.enabled and any(path is not None for path in paths):
+        key = config.key("outer")("sync_every")
+        raise ConfigError(
+            f"{key} = {config.outer.sync_every}: DiLoCo runs do not save or resume checkpoints yet; expected 0 "
+            "with checkpoint.checkpoint_dir or checkpoint.resume, or neither of them", key, config.outer.sync_every,
+        )  # fmt: skip
