@@ -135,7 +135,8 @@ class ZeroEngine:
         self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
-        self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config.outer) if outer else None
+        kernels = kernels_for(self.topology.device, self.config.quant_backend)
+        self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config.outer, kernels) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip

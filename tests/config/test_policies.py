@@ -50,6 +50,8 @@ FLAT = {
     "outer_lr": 0.5,
     "outer_momentum": 0.8,
     "outer_nesterov": False,
+    "outer_bits": 8,
+    "outer_block_size": 128,
 }
 GROUPED = dict(
     qwz=QuantizedWeights(enabled=True, bits=4, block_size=128, quantization="tensor"),
@@ -68,7 +70,7 @@ GROUPED = dict(
     ),
     offload=OffloadPolicy(optimizer="nvme", params="cpu", path="/tmp", buffer_count=3),
     activations=ActivationCheckpointPolicy(enabled=True, partition_activations=True, cpu_checkpointing=True),
-    outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False),
+    outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False, bits=8, block_size=128),
 )
 
 

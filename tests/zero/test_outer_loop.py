@@ -56,19 +56,29 @@ def outer_worker(simulated_nodes: int, stage: int, extra: dict) -> dict:
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))
     config = ZeroConfig(stage=stage, sequence_check_interval=0, **extra)
     engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, OPTIM, config, topology)
-    inter_by_step = []
+    inter_by_step, synced = [], None
     for step in range(STEPS):
         x, y = rows(global_batch("gpt", step, 0, topology.world_size), topology.rank)
         engine.backward(loss_of("gpt", engine, x, y))
         before = engine.comm.ledger.total(link="inter")
         assert engine.step()
         inter_by_step.append(engine.comm.ledger.total(link="inter") - before)
-    shard_bytes = sum(u.master.numel() * 4 for u in engine.units)
+        if step + 1 == STEPS - 1:  # the last synchronization
+            synced = engine.full_state_dict()
+    outer = engine.outer
+    from zeropp.costs.memory import analytic_model_state_bytes, flat_numels
+
+    psi, _ = flat_numels(engine.units, engine.module)
+    outer_policy = config.outer if outer is not None else None
+    analytic = analytic_model_state_bytes(psi, engine.groups.shard.size, stage, "fp32", outer=outer_policy)
     return dict(
+        memory=(engine.measured_model_state_bytes, analytic),  # at the last step, with its gradients
         state=engine.full_state_dict(),
+        synced=synced,
         inter=inter_by_step,
-        shard_bytes=shard_bytes,
         node=topology.node_of(topology.rank),
+        shard_numel=sum(u.master.numel() for u in engine.units),
+        residual=None if outer is None or outer.residual is None else outer.residual.clone(),
     )
 
 
@@ -83,10 +93,38 @@ def test_each_node_equals_the_single_process_algorithm_and_only_the_sync_crosses
         error = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)
         assert error <= TOLERANCE, (rank, error)
         # the sync's all-reduce of the fp32 shard over 2 nodes (a ring sends (n-1)/n twice): nothing else crosses
-        syncs = [result["shard_bytes"] if (step + 1) % EVERY == 0 else 0 for step in range(STEPS)]
+        syncs = [4 * result["shard_numel"] if (step + 1) % EVERY == 0 else 0 for step in range(STEPS)]
         assert result["inter"] == syncs, (rank, result["inter"], syncs)
+        measured, analytic = result["memory"]  # the anchors and the outer momentum counted, 8 bytes a parameter
+        assert measured == analytic, (rank, measured, analytic)
     apart = max((reference[0][k] - reference[1][k]).abs().max().item() for k in reference[0])
     assert apart > 1e-4  # step 5 trained each node alone: the comparison above tells the nodes apart
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_exchange_keeps_the_nodes_identical_near_the_exact_one_in_fewer_bytes(bits):
+    world, nodes, block = 4, 2, 64
+    exact = reference_replicas(world, nodes)
+    extra = dict(OUTER, outer_bits=bits, outer_block_size=block)
+    results = run_ranks(outer_worker, world, nodes=nodes, simulated_nodes=nodes, stage=3, extra=extra)
+    by_node = {r["node"]: r for r in results}
+    # every rank averages the same dequantized rows: after a sync the nodes hold the same weights, bit for bit
+    assert all(torch.equal(by_node[0]["synced"][k], by_node[1]["synced"][k]) for k in exact[0])
+    for rank, result in enumerate(results):
+        change = max(
+            (exact[result["node"]][k] - make_model("gpt").state_dict()[k]).abs().max().item() for k in exact[0]
+        )
+        error = max((result["state"][k] - exact[result["node"]][k]).abs().max().item() for k in exact[0])
+        assert 0 < error < (0.02 if bits == 8 else 0.2) * change, (rank, error, change)  # measured: 0.6%, 11%
+        # an all-gather of the quantized shard (codes and one fp32 scale a block) to the one other node
+        numel = result["shard_numel"]
+        message = (numel if bits == 8 else (numel + 1) // 2) + 4 * -(-numel // block)
+        assert result["inter"] == [message if (step + 1) % EVERY == 0 else 0 for step in range(STEPS)], rank
+        assert message < 4 * numel / (2 if bits == 8 else 3.5)
+        # the residual is what the last quantization dropped: within half a step of its block
+        assert 0 < result["residual"].abs().max().item() < change
+        measured, analytic = result["memory"]  # the residual too: 12 bytes a parameter
+        assert measured == analytic, (rank, measured, analytic)
 
 
 def test_one_node_is_plain_zeropp_bit_for_bit():

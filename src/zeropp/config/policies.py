@@ -248,6 +248,8 @@ class OuterLoop:
         "lr": "outer_lr",
         "momentum": "outer_momentum",
         "nesterov": "outer_nesterov",
+        "bits": "outer_bits",
+        "block_size": "outer_block_size",
     }
 
     sync_every: int = setting(
@@ -258,13 +260,21 @@ class OuterLoop:
     lr: float = setting(0.7, "DiLoCo: the outer optimizer's learning rate (SGD on the nodes' mean change)")
     momentum: float = setting(0.9, "DiLoCo: the outer optimizer's momentum")
     nesterov: bool = setting(True, "DiLoCo: Nesterov momentum for the outer optimizer")
+    bits: Literal[0, 8, 4] = setting(
+        0,
+        "DiLoCo: bits per value of the exchanged change (0: fp32; 8, 4: blocks quantized with error feedback, "
+        "what each rank's quantization dropped added to its next change)",
+    )
+    block_size: int = setting(256, "DiLoCo with outer_bits: values per quantization block (one fp32 scale each)")
 
     @property
     def enabled(self) -> bool:
         return self.sync_every > 0
 
     def validate(self, name: Name) -> None:
+        check_choices(self, "", name)
         require(self.sync_every >= 0, name("sync_every"), self.sync_every, "an integer >= 0 (0: off)")
+        require(self.block_size >= 1, name("block_size"), self.block_size, "an integer >= 1")
         require(self.lr > 0, name("lr"), self.lr, "a number > 0")
         require(0 <= self.momentum < 1, name("momentum"), self.momentum, "a number from 0 to below 1")
         require(

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from zeropp.config.policies import check_switches, flat_name
+from zeropp.config.policies import OuterLoop, check_switches, flat_name
 from zeropp.errors import ConfigError
 from zeropp.quant.spec import QuantSpec
 from zeropp.runtime.reductions import MAX_IN_FLIGHT
@@ -91,7 +91,7 @@ def analytic_model_state_bytes(
     frozen: int = 0,
     frozen_quant: QuantSpec | None = None,
     qwd_reference: bool = False,
-    outer: bool = False,
+    outer: OuterLoop | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
@@ -108,9 +108,10 @@ def analytic_model_state_bytes(
     `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
     feedback is on; `frozen`: Ψf; `frozen_quant`: how the frozen shards are stored at stage 3 (None: the
     compute dtype); `qwd_reference`: qWD's own rows of the reference, p Ψ/N on top of hpZ's copy (See
-    [Note: qWD's reference]); `outer`: DiLoCo's anchor and outer momentum, fp32 beside the master (8
-    bytes per parameter where it is held, `world` then being one node's data-parallel ranks: See
-    [Note: the outer loop])."""
+    [Note: qWD's reference]); `outer`: DiLoCo's policy where its outer loop runs, which keeps the anchor
+    and the outer momentum in fp32 beside the master, and with ``outer_bits`` the fp32 residual of
+    its quantization (8 or 12 bytes per parameter where the master is held, `world` then being one
+    node's data-parallel ranks: See [Note: the outer loop])."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     offload_params = offload_params or params_on_disk
     p = BYTES[precision]
@@ -122,7 +123,8 @@ def analytic_model_state_bytes(
     frozen_p = frozen_weight_bytes(frozen_quant) if frozen_quant and stage >= 3 else p
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
-    states = (k + (8 if outer else 0)) * psi / (n if stage >= 1 else 1)
+    k += 0 if outer is None else 8 + (4 if outer.bits else 0)
+    states = k * psi / (n if stage >= 1 else 1)
     secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
     secondary += p * psi / n if qwd_reference and stage >= 3 else 0
     disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)

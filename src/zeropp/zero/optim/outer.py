@@ -6,6 +6,12 @@ master. Every ``sync_every`` steps each rank takes its slice's change since the 
 outer gradient: anchor - master), averages it with those peers (one all-reduce over the inter-node group:
 the only bytes that cross a node), and torch's SGD (Nesterov by default) steps the anchor with it; the
 anchor becomes every replica's master again, and the inner optimizer's states carry on.
+
+With ``outer_bits`` the change travels block-quantized instead: each rank quantizes its change plus
+what its last quantization dropped (error feedback, kept in fp32), all-gathers the codes with its
+peers, and every rank averages the same dequantized rows, so the replicas stay identical. An
+all-gather sends (nodes - 1) x the quantized shard per rank, against the fp32 all-reduce's
+2 (nodes - 1) / nodes x 4 bytes per value: int8 is about 4x fewer bytes across 2 nodes, 2.3x across 8.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import torch
 
 from zeropp.comm.communicator import Communicator
+from zeropp.comm.quantized import all_gather_quantized
 from zeropp.config.policies import OuterLoop
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
+from zeropp.quant.spec import QuantKernels, QuantSpec
 from zeropp.topology import Group
 from zeropp.zero.unit import FlatUnit
 
@@ -24,14 +32,22 @@ class OuterStep:
     """The anchors (the weights of the last synchronization, fp32, beside each unit's master) and the
     outer optimizer over them."""
 
-    def __init__(self, units: list[FlatUnit], comm: Communicator, peers: Group, policy: OuterLoop) -> None:
+    def __init__(
+        self, units: list[FlatUnit], comm: Communicator, peers: Group, policy: OuterLoop, kernels: QuantKernels
+    ) -> None:
         self.units, self.comm, self.peers, self.every = units, comm, peers, policy.sync_every
         self.anchors = [unit.master.detach().to(torch.float32, copy=True) for unit in units]
+        self.spec = QuantSpec(policy.bits, policy.block_size) if policy.bits else None
+        self.kernels = kernels
+        numel = sum(anchor.numel() for anchor in self.anchors)
+        # what this rank's quantizations dropped, added to its next change (beside the masters)
+        self.residual = None if self.spec is None else torch.zeros(numel, device=units[0].master.device)
         self.optimizer = torch.optim.SGD(self.anchors, lr=policy.lr, momentum=policy.momentum, nesterov=policy.nesterov)
 
     def tensors(self) -> list[torch.Tensor]:
         """What it keeps: the anchors and the outer momentum (model states, 8 bytes per parameter)."""
-        return [*self.anchors, *(v for state in self.optimizer.state.values() for v in state.values())]
+        residual = [] if self.residual is None else [self.residual]
+        return [*self.anchors, *residual, *(v for state in self.optimizer.state.values() for v in state.values())]
 
     def after_step(self, step: int) -> bool:
         """After inner step `step` (counted from 1): synchronize the replicas if it is a multiple of
@@ -39,7 +55,10 @@ class OuterStep:
         if step % self.every:
             return False
         changes = [anchor - unit.master.detach().float() for anchor, unit in zip(self.anchors, self.units, strict=True)]
-        self.comm.all_reduce_coalesced(changes, self.peers)  # the mean over the nodes
+        if self.spec is None:
+            self.comm.all_reduce_coalesced(changes, self.peers)  # the mean over the nodes
+        else:
+            changes = self._quantized_mean(changes)
         for anchor, change in zip(self.anchors, changes, strict=True):
             anchor.grad = change
         self.optimizer.step()
@@ -48,6 +67,17 @@ class OuterStep:
             unit.master.data.copy_(anchor)
             unit.publish_master()
         return True
+
+    def _quantized_mean(self, changes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The nodes' mean of `changes` as every rank dequantizes them; this rank's residual updated."""
+        assert self.spec is not None and self.residual is not None
+        mine = torch.cat(changes).add_(self.residual)
+        n = self.peers.size
+        rows = mine.new_empty(n * mine.numel())
+        all_gather_quantized(self.comm, rows, mine, self.spec, self.peers, self.kernels, bucket_numel=rows.numel())
+        rows = rows.view(n, -1)
+        self.residual = mine.sub_(rows[self.peers.rank])  # in place: mine is not needed again
+        return list(rows.mean(0).split([c.numel() for c in changes]))
 
 
 def refuse_outer_with(config: ZeroConfig, path: str) -> None:
