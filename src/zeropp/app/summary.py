@@ -73,6 +73,8 @@ class RunSummary:
     # zeropp.app.metrics: tokens_per_s over the world size; 6N + 12LdT; MFU over the device's bf16 peak
     # (None where unknown, e.g. CPU); (step, loss) of every validation; what was trained
     tokens_per_s_per_rank: float = 0.0
+    # the first step left out, as in the median; DiLoCo's synchronizations show here, not in the median
+    mean_step_time_s: float = 0.0
     flops_per_token: float = 0.0
     mfu: float | None = None
     val_losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)

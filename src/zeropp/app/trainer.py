@@ -423,6 +423,7 @@ class Trainer:
             final_val_loss=val_loss,
             tokens_per_s=tokens_per_s,
             median_step_time_s=statistics.median(self.step_times[1:] or self.step_times or [0.0]),
+            mean_step_time_s=statistics.fmean(self.step_times[1:] or self.step_times or [0.0]),
             world_size=topo.world_size,
             nodes=topo.nodes,
             stage=zero.stage,

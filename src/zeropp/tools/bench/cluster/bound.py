@@ -63,7 +63,7 @@ def estimator_fields(config: dict[str, Any], nodes: int, ranks_per_node: int) ->
 def add_bounds(rows: list[dict[str, Any]], goodput_bps: dict[str, float]) -> None:
     """Give every shaped zeropp row its bound, measured / bound and the estimator's prediction, the compute
     being the fastest row of the same configuration and nodes, where one of them is unshaped (rows
-    without an unshaped run, or without a ledger, get none)."""
+    without an unshaped run, without a ledger or without the estimator's bytes, as DiLoCo's, get none)."""
     measured = [r for r in rows if "error" not in r]
     unshaped = {(r["name"], r["nodes"]) for r in measured if r["bandwidth"] == UNSHAPED}
     compute = {
@@ -71,7 +71,9 @@ def add_bounds(rows: list[dict[str, Any]], goodput_bps: dict[str, float]) -> Non
     }
     for row in rows:
         key = (row["name"], row["nodes"])
-        if row["bandwidth"] == UNSHAPED or "error" in row or key not in compute or not row.get("node_inter_bytes"):
+        if row["bandwidth"] == UNSHAPED or "error" in row or key not in compute:
+            continue
+        if not row.get("node_inter_bytes") or "estimated_phase_inter_bytes" not in row:
             continue
         wire_s = 8 * row["node_inter_bytes"] / goodput_bps[row["bandwidth"]]
         bound = max(compute[key], wire_s)

@@ -47,6 +47,9 @@ ZEROPP = {
     "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
     "zeropp ZeRO++ unquantized intra-node hop": ["--stage", "3", *ZEROPP_ON_FLAGS, "--gradient-intra-node-bits", "0"],
     "zeropp ZeRO++ chunks of any size": ["--stage", "3", *ZEROPP_ON_FLAGS, "--qgz-pipeline-min-chunk", "1"],
+    # DiLoCo: ZeRO-3 (ZeRO++ inside the node) in each node, the nodes synchronized every 10 steps, the change in int8
+    "zeropp DiLoCo H=10": ["--stage", "3", *ZEROPP_ON_FLAGS, "--outer-sync-every", "10"],
+    "zeropp DiLoCo H=10 int8": ["--stage", "3", *ZEROPP_ON_FLAGS, "--outer-sync-every", "10", "--outer-bits", "8"],
 }
 RIVALS = {
     "DDP": "ddp",
@@ -86,6 +89,7 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
     ledger = s.inter_node_bytes_per_step if isinstance(s, RunSummary) else 0  # rivals have no ledger
     row.update(
         median_step_time_s=s.median_step_time_s,
+        mean_step_time_s=getattr(s, "mean_step_time_s", 0.0) or None,
         tokens_per_s=s.tokens_per_s,
         wire_bytes_per_step=sum(result.wire_bytes.values()) / steps,
         ledger_inter_bytes_per_step=ledger * nodes * ranks_per_node or None,
@@ -93,10 +97,9 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
         final_train_loss=s.final_train_loss,
     )
     if isinstance(s, RunSummary):
-        row.update(
-            node_inter_bytes=busiest_node_bytes(s.inter_node_bytes_per_step_by_rank, ranks_per_node),
-            **estimator_fields(s.config, nodes, ranks_per_node),
-        )
+        row.update(node_inter_bytes=busiest_node_bytes(s.inter_node_bytes_per_step_by_rank, ranks_per_node))
+        if not s.config["zero"]["outer"]["sync_every"]:  # the estimator does not price DiLoCo yet
+            row.update(estimator_fields(s.config, nodes, ranks_per_node))
     return row
 
 
@@ -105,15 +108,16 @@ def markdown(rows: list[dict[str, Any]], nodes: int, bandwidth: str) -> str:
     lines = [
         f"### {nodes} nodes x {rows[0]['ranks_per_node']} ranks, inter-node bandwidth {bandwidth}",
         "",
-        "| configuration | median step (s) | tokens/s | speedup vs zeropp ZeRO-3 | cross-node MB/step: ledger | wire | "
+        "| configuration | median step (s) | mean step (s) | tokens/s | speedup vs zeropp ZeRO-3 | cross-node MB/step: ledger | wire | "
         "peak memory/rank (MiB) | bound (s) | step / bound | estimator (s) | estimator error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | | |")
             continue
         speedup = base["median_step_time_s"] / r["median_step_time_s"] if base else float("nan")
+        mean = f"{r['mean_step_time_s']:.3f}" if r.get("mean_step_time_s") else "n/a"
         ledger = f"{r['ledger_inter_bytes_per_step'] / 1e6:.2f}" if r["ledger_inter_bytes_per_step"] else "n/a"
         bound = (
             f"{r['bound_s']:.3f} | {r['of_bound']:.2f}x | {r['predicted_s']:.3f} | {r['estimator_error']:+.1%}"
@@ -121,7 +125,7 @@ def markdown(rows: list[dict[str, Any]], nodes: int, bandwidth: str) -> str:
             else "| | |"
         )
         lines.append(
-            f"| {r['name']} | {r['median_step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {ledger} | "
+            f"| {r['name']} | {r['median_step_time_s']:.3f} | {mean} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {ledger} | "
             f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['peak_memory_bytes'] / 2**20:,.0f} | {bound} |"
         )
     return "\n".join(lines)

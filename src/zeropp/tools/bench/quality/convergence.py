@@ -18,6 +18,10 @@ runs of one seed are paired: their differences are the configurations', not the 
 - ZeRO-3 with Muon for the blocks' matrices and AdamW for the rest (``--optimizer muon``), and with
   torchao's AdamW with 8-bit or 4-bit states (``--optimizer adamw8bit``, ``adamw4bit``): other
   optimizers at equal steps, not another communication (no weight error against AdamW's run).
+- DiLoCo (``--outer-sync-every``): each simulated node trains alone with ZeRO-3 over its 2 ranks and
+  the nodes meet every 10 or 50 steps (Nesterov SGD, lr 0.7, momentum 0.9), and every 10 with the
+  change in int4 blocks with error feedback (no weight error: the nodes apart between synchronizations
+  are the algorithm, not an error).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -74,6 +78,10 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3, Muon + AdamW": {**ZEROPP_OFF, "optimizer": "muon"},
     "ZeRO-3, torchao AdamW 8-bit": {**ZEROPP_OFF, "optimizer": "adamw8bit"},
     "ZeRO-3, torchao AdamW 4-bit": {**ZEROPP_OFF, "optimizer": "adamw4bit"},
+    # DiLoCo: the nodes synchronized every H steps, not every step (See [Note: the outer loop])
+    "ZeRO-3 DiLoCo H=10": {**ZEROPP_OFF, "outer_sync_every": 10},
+    "ZeRO-3 DiLoCo H=50": {**ZEROPP_OFF, "outer_sync_every": 50},
+    "ZeRO-3 DiLoCo H=10 int4": {**ZEROPP_OFF, "outer_sync_every": 10, "outer_bits": 4},
 }
 
 
@@ -88,7 +96,8 @@ def _common(args: argparse.Namespace) -> list[str]:
 def weight_errors(args: argparse.Namespace) -> dict[str, float]:
     """Weight error after --weight-steps steps on the first seed's first batch (zeropp.tools.bench.quality.weight_error)."""
     base = base_config(args.preset, args.precision, args.lr, args.weight_steps, args.seeds[0], args.micro_batch_size)
-    configs = {name: CONFIGS[name] for name in args.names if "optimizer" not in CONFIGS[name]}
+    exact_kind = [name for name in args.names if not {"optimizer", "outer_sync_every"} & set(CONFIGS[name])]
+    configs = {name: CONFIGS[name] for name in exact_kind}
     return measure({"base": base, "configs": configs, "exact": "ZeRO-3"})
 
 
