@@ -70,7 +70,10 @@ def outer_worker(simulated_nodes: int, stage: int, extra: dict) -> dict:
 
     psi, _ = flat_numels(engine.units, engine.module)
     outer_policy = config.outer if outer is not None else None
-    analytic = analytic_model_state_bytes(psi, engine.groups.shard.size, stage, "fp32", outer=outer_policy)
+    offloaded = config.offload.optimizer != "none"
+    analytic = analytic_model_state_bytes(
+        psi, engine.groups.shard.size, stage, "fp32", outer=outer_policy, offload_optimizer=offloaded
+    )
     return dict(
         memory=(engine.measured_model_state_bytes, analytic),  # at the last step, with its gradients
         state=engine.full_state_dict(),
@@ -82,12 +85,15 @@ def outer_worker(simulated_nodes: int, stage: int, extra: dict) -> dict:
     )
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_each_node_equals_the_single_process_algorithm_and_only_the_sync_crosses_nodes(stage):
+@pytest.mark.parametrize(
+    "stage,offload", [(1, "none"), (3, "none"), (3, "cpu")], ids=["stage1", "stage3", "stage3-offload"]
+)
+def test_each_node_equals_the_single_process_algorithm_and_only_the_sync_crosses_nodes(stage, offload):
     world, nodes = 4, 2
     reference = reference_replicas(world, nodes)
+    extra = dict(OUTER, offload_optimizer=offload)
     for rank, result in enumerate(
-        run_ranks(outer_worker, world, nodes=nodes, simulated_nodes=nodes, stage=stage, extra=OUTER)
+        run_ranks(outer_worker, world, nodes=nodes, simulated_nodes=nodes, stage=stage, extra=extra)
     ):
         expected = reference[result["node"]]
         error = max((result["state"][k] - expected[k]).abs().max().item() for k in expected)

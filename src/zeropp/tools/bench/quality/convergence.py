@@ -19,7 +19,7 @@ runs of one seed are paired: their differences are the configurations', not the 
   torchao's AdamW with 8-bit or 4-bit states (``--optimizer adamw8bit``, ``adamw4bit``): other
   optimizers at equal steps, not another communication (no weight error against AdamW's run).
 - DiLoCo (``--outer-sync-every``): each simulated node trains alone with ZeRO-3 over its 2 ranks and
-  the nodes meet every 10 or 50 steps (Nesterov SGD, lr 0.7, momentum 0.9), and every 10 with the
+  the nodes meet every 10 or 50 steps (Nesterov SGD, lr 0.7, momentum 0.9), and as often with the
   change in int4 blocks with error feedback (no weight error: the nodes apart between synchronizations
   are the algorithm, not an error).
 
@@ -82,6 +82,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3 DiLoCo H=10": {**ZEROPP_OFF, "outer_sync_every": 10},
     "ZeRO-3 DiLoCo H=50": {**ZEROPP_OFF, "outer_sync_every": 50},
     "ZeRO-3 DiLoCo H=10 int4": {**ZEROPP_OFF, "outer_sync_every": 10, "outer_bits": 4},
+    "ZeRO-3 DiLoCo H=50 int4": {**ZEROPP_OFF, "outer_sync_every": 50, "outer_bits": 4},
 }
 
 
