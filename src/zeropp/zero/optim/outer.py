@@ -36,6 +36,7 @@ class OuterStep:
         self, units: list[FlatUnit], comm: Communicator, peers: Group, policy: OuterLoop, kernels: QuantKernels
     ) -> None:
         self.units, self.comm, self.peers, self.every = units, comm, peers, policy.sync_every
+        self.device = comm.topology.device  # where the exchange runs (the masters may be in host memory)
         self.anchors = [unit.master.detach().to(torch.float32, copy=True) for unit in units]
         self.spec = QuantSpec(policy.bits, policy.block_size) if policy.bits else None
         self.kernels = kernels
@@ -45,7 +46,8 @@ class OuterStep:
         self.optimizer = torch.optim.SGD(self.anchors, lr=policy.lr, momentum=policy.momentum, nesterov=policy.nesterov)
 
     def tensors(self) -> list[torch.Tensor]:
-        """What it keeps: the anchors and the outer momentum (model states, 8 bytes per parameter)."""
+        """What it keeps: the anchors, the outer momentum and the residual (model states: 8 or 12 bytes per
+        parameter)."""
         residual = [] if self.residual is None else [self.residual]
         return [*self.anchors, *residual, *(v for state in self.optimizer.state.values() for v in state.values())]
 
@@ -54,13 +56,14 @@ class OuterStep:
         sync_every; return whether it was."""
         if step % self.every:
             return False
-        changes = [anchor - unit.master.detach().float() for anchor, unit in zip(self.anchors, self.units, strict=True)]
+        pairs = zip(self.anchors, self.units, strict=True)
+        changes = [(anchor - unit.master.detach().float()).to(self.device) for anchor, unit in pairs]
         if self.spec is None:
             self.comm.all_reduce_coalesced(changes, self.peers)  # the mean over the nodes
         else:
             changes = self._quantized_mean(changes)
         for anchor, change in zip(self.anchors, changes, strict=True):
-            anchor.grad = change
+            anchor.grad = change.to(anchor.device)
         self.optimizer.step()
         for anchor, unit in zip(self.anchors, self.units, strict=True):
             anchor.grad = None
@@ -71,12 +74,12 @@ class OuterStep:
     def _quantized_mean(self, changes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The nodes' mean of `changes` as every rank dequantizes them; this rank's residual updated."""
         assert self.spec is not None and self.residual is not None
-        mine = torch.cat(changes).add_(self.residual)
+        mine = torch.cat(changes).add_(self.residual.to(self.device))
         n = self.peers.size
         rows = mine.new_empty(n * mine.numel())
         all_gather_quantized(self.comm, rows, mine, self.spec, self.peers, self.kernels, bucket_numel=rows.numel())
         rows = rows.view(n, -1)
-        self.residual = mine.sub_(rows[self.peers.rank])  # in place: mine is not needed again
+        self.residual = mine.sub_(rows[self.peers.rank]).to(self.residual.device)  # mine is not needed again
         return list(rows.mean(0).split([c.numel() for c in changes]))
 
 
