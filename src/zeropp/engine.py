@@ -55,7 +55,7 @@ from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.optim.outer import OuterStep, refuse_outer_checkpoints, refuse_outer_with
+from zeropp.zero.optim.outer import OuterStep, refuse_outer_checkpoints, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, read_for
@@ -104,10 +104,8 @@ class ZeroEngine:
         self.compute_dtype = DTYPES[self.config.precision]
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         # DiLoCo: ZeRO inside each node, the nodes synchronized by the outer step (See [Note: the outer loop])
-        outer = self.config.outer.enabled and self.topology.nodes > 1
-        if outer:
-            refuse_outer_with(self.config, path)
-        self.groups = self.topology.shard_groups(self.config.hpz_partition_size, per_node=outer)  # refuses a bad size first
+        outer = runs_outer_loop(self.config, self.topology.nodes, path)
+        self.groups = self.topology.shard_groups(self.config.hpz_partition_size, per_node=outer)  # refuses bad sizes
         self.replica = self.topology.node() if outer else self.topology.world  # the ranks training one model
         self.hpz_group_size = self.groups.hpz_group_size
         refuse_qwd_without_hpz(self.config, self.hpz_group_size, self.topology.layout.nodes)
@@ -135,8 +133,7 @@ class ZeroEngine:
         self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
-        kernels = kernels_for(self.topology.device, self.config.quant_backend)
-        self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config.outer, kernels) if outer else None
+        self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
@@ -454,7 +451,8 @@ class ZeroEngine:
     @functools.cached_property
     def checkpoint_mesh(self) -> per_parameter.CheckpointMesh:
         """The ranks as the (tensor-parallel x data-parallel) mesh the per-parameter state is cut over (built once, on first use)."""
-        refuse_outer_checkpoints(self.config, "a checkpoint" if self.outer is not None else None)
+        if self.outer is not None:
+            refuse_outer_checkpoints(self.config)
         return per_parameter.CheckpointMesh(self.topology)
 
     def sharded_state_dict(self, frozen: bool = True) -> dict[str, Any]:
@@ -498,4 +496,3 @@ class ZeroEngine:
     @property
     def param_count(self) -> int:
         return sum(unit.layout.numel for unit in self.units)
-

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from zeropp.cli import build_parser
-from zeropp.config.sections import leaf_keys
+from zeropp.config.keys import leaf_keys
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,8 @@ def exported(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 
 
 def float_keys() -> list[str]:
-    from zeropp.config.sections import LossScaleConfig, leaf_keys
+    from zeropp.config.keys import leaf_keys
+    from zeropp.config.sections import LossScaleConfig
 
     keys = [key.dotted for key in leaf_keys().values() if "float" in str(key.hint)]
     return keys + [f"zero.loss_scale.{name}" for name, key in leaf_keys(LossScaleConfig).items() if key.hint is float]

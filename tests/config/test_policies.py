@@ -10,6 +10,7 @@ import json
 import pytest
 
 from zeropp.app.flags import add_config_flags
+from zeropp.config.keys import key_aliases, leaf_keys
 from zeropp.config.policies import (
     FLAT_KEYS,
     POLICIES,
@@ -19,7 +20,7 @@ from zeropp.config.policies import (
     QuantizedGradients,
     QuantizedWeights,
 )
-from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig, key_aliases, leaf_keys, load_config
+from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig, load_config
 from zeropp.errors import ConfigError
 
 # a value other than the default for every flat key, valid together at stage 3

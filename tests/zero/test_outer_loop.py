@@ -15,7 +15,7 @@ from models import ADAM_EPS, TOLERANCE, global_batch, loss_of, make_model, rows
 
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
-from zeropp.zero.optim.outer import refuse_outer_with
+from zeropp.zero.optim.outer import runs_outer_loop
 
 STEPS, EVERY = 5, 2  # synchronized after steps 2 and 4; step 5 leaves the nodes apart
 OPTIM = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
@@ -143,10 +143,12 @@ def test_one_node_is_plain_zeropp_bit_for_bit():
 @pytest.mark.unit
 def test_what_the_outer_step_cannot_reach_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^zero.outer_sync_every = 2: DiLoCo steps the shards of element-wise"):
-        refuse_outer_with(ZeroConfig(outer_sync_every=2), "whole")
+        runs_outer_loop(ZeroConfig(outer_sync_every=2), 2, "whole")
+    assert not runs_outer_loop(ZeroConfig(outer_sync_every=2), 1, "whole")  # one node: plain zeropp, nothing refused
+    assert runs_outer_loop(ZeroConfig(outer_sync_every=2), 2, "segments")
     nvme = ZeroConfig(outer_sync_every=2, offload_optimizer="nvme", offload_path=str(tmp_path))
     with pytest.raises(ConfigError, match=r"^zero.outer_sync_every = 2 is not allowed with zero.offload_optimizer"):
-        refuse_outer_with(nvme, "segments")
+        runs_outer_loop(nvme, 2, "segments")
     for key, value, allowed in (
         ("outer_sync_every", -1, "an integer >= 0"),
         ("outer_momentum", 1.0, "a number from 0 to below 1"),

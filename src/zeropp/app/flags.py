@@ -15,7 +15,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zeropp.config.sections import Key, key_aliases, leaf_keys
+from zeropp.config.keys import Key, key_aliases, leaf_keys
 
 METAVARS = {
     "checkpoint.resume": "auto|PATH",

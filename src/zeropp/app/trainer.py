@@ -103,7 +103,8 @@ def checkpoint_to_resume(config: Config) -> Path | None:
 def preflight(config: Config) -> None:
     """Checks that need no process group: the checkpoint folder is writable, the resume point readable
     and undamaged."""
-    refuse_outer_checkpoints(config.zero, config.checkpoint.checkpoint_dir, config.checkpoint.resume)
+    if config.checkpoint.checkpoint_dir is not None or config.checkpoint.resume is not None:
+        refuse_outer_checkpoints(config.zero)
     if config.checkpoint.checkpoint_dir is not None:
         check_writable(config.checkpoint.checkpoint_dir)
     path = checkpoint_to_resume(config)

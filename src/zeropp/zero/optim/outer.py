@@ -20,10 +20,10 @@ import torch
 
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.quantized import all_gather_quantized
-from zeropp.config.policies import OuterLoop
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
-from zeropp.quant.spec import QuantKernels, QuantSpec
+from zeropp.quant.backends import kernels_for
+from zeropp.quant.spec import QuantSpec
 from zeropp.topology import Group
 from zeropp.zero.unit import FlatUnit
 
@@ -32,14 +32,13 @@ class OuterStep:
     """The anchors (the weights of the last synchronization, fp32, beside each unit's master) and the
     outer optimizer over them."""
 
-    def __init__(
-        self, units: list[FlatUnit], comm: Communicator, peers: Group, policy: OuterLoop, kernels: QuantKernels
-    ) -> None:
+    def __init__(self, units: list[FlatUnit], comm: Communicator, peers: Group, config: ZeroConfig) -> None:
+        policy = config.outer
         self.units, self.comm, self.peers, self.every = units, comm, peers, policy.sync_every
         self.device = comm.topology.device  # where the exchange runs (the masters may be in host memory)
         self.anchors = [unit.master.detach().to(torch.float32, copy=True) for unit in units]
         self.spec = QuantSpec(policy.bits, policy.block_size) if policy.bits else None
-        self.kernels = kernels
+        self.kernels = kernels_for(self.device, config.quant_backend) if policy.bits else None
         numel = sum(anchor.numel() for anchor in self.anchors)
         # what this rank's quantizations dropped, added to its next change (beside the masters)
         self.residual = None if self.spec is None else torch.zeros(numel, device=units[0].master.device)
@@ -73,7 +72,7 @@ class OuterStep:
 
     def _quantized_mean(self, changes: list[torch.Tensor]) -> list[torch.Tensor]:
         """The nodes' mean of `changes` as every rank dequantizes them; this rank's residual updated."""
-        assert self.spec is not None and self.residual is not None
+        assert self.spec is not None and self.kernels is not None and self.residual is not None
         mine = torch.cat(changes).add_(self.residual.to(self.device))
         n = self.peers.size
         rows = mine.new_empty(n * mine.numel())
@@ -83,9 +82,12 @@ class OuterStep:
         return list(rows.mean(0).split([c.numel() for c in changes]))
 
 
-def refuse_outer_with(config: ZeroConfig, path: str) -> None:
-    """What the outer step cannot reach yet, refused in one line before any collective: the masters
-    of the whole-parameter path live on their owners, and the disk tier's in files."""
+def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
+    """Whether DiLoCo's outer loop runs: asked for, on more than one node (one node is plain zeropp).
+    What it cannot reach yet is refused in one line before any collective: the masters of the
+    whole-parameter optimizer `path` live on their owners, and the disk tier's in files."""
+    if not config.outer.enabled or nodes == 1:
+        return False
     key = config.key("outer")("sync_every")
     every = config.outer.sync_every
     if path == "whole":
@@ -98,12 +100,13 @@ def refuse_outer_with(config: ZeroConfig, path: str) -> None:
             f"{key} = {every} is not allowed with zero.offload_optimizer = 'nvme'; expected 0, or 'none' or 'cpu'",
             key, every,
         )  # fmt: skip
+    return True
 
 
-def refuse_outer_checkpoints(config: ZeroConfig, *paths: str | None) -> None:
-    """Checkpoints of a DiLoCo run (a path given in `paths`) are not built yet: each node's inner optimizer
-    states differ between syncs, and the saved layout has no place for them. Refused in one line."""
-    if config.outer.enabled and any(path is not None for path in paths):
+def refuse_outer_checkpoints(config: ZeroConfig) -> None:
+    """Refuse, in one line, a checkpoint of a DiLoCo run (the caller asks where one is wanted): each
+    node's inner optimizer states differ between syncs, and the saved layout has no place for them yet."""
+    if config.outer.enabled:
         key = config.key("outer")("sync_every")
         raise ConfigError(
             f"{key} = {config.outer.sync_every}: DiLoCo runs do not save or resume checkpoints yet; expected 0 "
