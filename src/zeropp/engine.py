@@ -55,7 +55,7 @@ from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.optim.outer import OuterStep, refuse_outer_checkpoints, runs_outer_loop
+from zeropp.zero.optim.outer import OuterStep, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, read_for
@@ -451,9 +451,7 @@ class ZeroEngine:
     @functools.cached_property
     def checkpoint_mesh(self) -> per_parameter.CheckpointMesh:
         """The ranks as the (tensor-parallel x data-parallel) mesh the per-parameter state is cut over (built once, on first use)."""
-        if self.outer is not None:
-            refuse_outer_checkpoints(self.config)
-        return per_parameter.CheckpointMesh(self.topology)
+        return per_parameter.CheckpointMesh(self.topology, self.groups.shard)
 
     def sharded_state_dict(self, frozen: bool = True) -> dict[str, Any]:
         """Masters, optimizer state and fixed tensors per parameter, each rank its pieces (collective).

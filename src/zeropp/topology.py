@@ -168,6 +168,14 @@ class Topology:
             secondary = self.intra_node if same_as_node else self.subgroups(f"hpz{size}", self.layout.hpz_groups(size))
         return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
 
+    def alone(self) -> Group:
+        """This rank alone, with a process group (a DeviceMesh needs one; built on first use by this rank
+        only, not collective)."""
+        if "alone" not in self._built:
+            pg = dist.new_group([self.rank], timeout=self.timeout, use_local_synchronization=True)
+            self._built["alone"] = Group(_register(pg), (self.rank,), 0)
+        return self._built["alone"]
+
     def node(self) -> Group:
         """The ranks of this rank's node (built on first use; collective then)."""
         return self.subgroups("node", self.layout.node_groups())

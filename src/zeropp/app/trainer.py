@@ -43,7 +43,6 @@ from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
 from zeropp.zero.grouping import repeated_blocks
 from zeropp.zero.offload.disk_params import io_bytes
-from zeropp.zero.optim.outer import refuse_outer_checkpoints
 from zeropp.zero.optim.owners import OWNER_OPS
 from zeropp.zero.optim.uncorrected_adam import UncorrectedAdam
 from zeropp.zero.options import frozen_quant
@@ -103,8 +102,6 @@ def checkpoint_to_resume(config: Config) -> Path | None:
 def preflight(config: Config) -> None:
     """Checks that need no process group: the checkpoint folder is writable, the resume point readable
     and undamaged."""
-    if config.checkpoint.checkpoint_dir is not None or config.checkpoint.resume is not None:
-        refuse_outer_checkpoints(config.zero)
     if config.checkpoint.checkpoint_dir is not None:
         check_writable(config.checkpoint.checkpoint_dir)
     path = checkpoint_to_resume(config)

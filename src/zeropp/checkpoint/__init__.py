@@ -5,6 +5,8 @@
   export share;
 - :mod:`~zeropp.checkpoint.dcp`: DCP sharded checkpoints on top of it: save, atomic publish,
   sha256 per file, load with resharding, export;
+- :mod:`~zeropp.checkpoint.replicas`, :mod:`~zeropp.checkpoint.residuals`: what differs between nodes
+  (DiLoCo's replicas) and between ranks (error-feedback residuals);
 - :mod:`~zeropp.checkpoint.adapters`: a frozen base referenced by path and hash, peft's adapter names;
 - :mod:`~zeropp.checkpoint.pretrained`: safetensors files and Hugging Face folders read slice by
   slice into the shards;

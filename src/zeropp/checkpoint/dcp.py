@@ -13,8 +13,10 @@ A checkpoint is a directory ``step-00000120`` holding
 - ``zeropp.json``: the step, parameter names and shapes, optimizer class and hyperparameters,
   loss-scaler state, what the caller adds (the run config), the world it was saved from, and the
   sha256 of every other file (``files``), checked by :func:`verify_files` on load and export.
-- ``qgz_residual.rank<r>.<unit>.<hop>``: qgZ's error-feedback residuals of rank r (rank-specific, like
-  the RNG state): loaded where the world size and node count match, zeroed otherwise (with a note).
+- error-feedback residuals (qgZ's, DiLoCo's), rank-specific like the RNG state: loaded where the world
+  size and node count match, zeroed otherwise, with a note (:mod:`zeropp.checkpoint.residuals`).
+- with DiLoCo's outer loop, every node's replica and the outer step's state
+  (:mod:`zeropp.checkpoint.replicas`).
 
 An adapter run saved with ``frozen_base=PATH`` leaves its frozen parameters out, referenced by path
 and hash (:mod:`zeropp.checkpoint.adapters`); a peft model's adapter config goes into zeropp.json.
@@ -53,10 +55,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from zeropp.checkpoint import adapters, changes, per_parameter
+from zeropp.checkpoint import adapters, changes, per_parameter, replicas, residuals
 from zeropp.checkpoint.failures import reason, write_failure
 from zeropp.checkpoint.per_parameter import CheckpointError, UnsavableStateError
-from zeropp.comm.feedback import HOPS
 
 if TYPE_CHECKING:
     from zeropp.engine import ZeroEngine
@@ -218,8 +219,9 @@ def _state_to_save(engine: ZeroEngine, base: dict[str, Any] | None = None) -> di
     # See [Note: a frozen base by reference] (docs/design.md)
     for name in base["params"] if base else ():  # referenced, not copied
         saved.pop(per_parameter.fixed_key(name), None)
+    saved = replicas.to_save(engine, saved)
     saved.update(_rng_states(engine))
-    saved.update(_residuals(engine))
+    saved.update(residuals.to_save(engine))
     return saved
 
 
@@ -230,50 +232,6 @@ def _rng_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         states[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state(device)
     return states
-
-
-def _residual_key(rank: int, unit: int, hop: str) -> str:
-    return f"qgz_residual.rank{rank}.{unit}.{hop}"
-
-
-def _residuals(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """This rank's qgZ error-feedback residuals under their checkpoint keys."""
-    rank = engine.topology.rank
-    return {
-        _residual_key(rank, index, hop): residual
-        for index, unit in enumerate(engine.units)
-        if unit.error_feedback is not None
-        for hop, residual in unit.error_feedback.residuals.items()
-    }
-
-
-def _residuals_to_load(engine: ZeroEngine, meta: dict[str, Any], saved: dict[str, Any], path: str | Path) -> dict:
-    """This rank's residual tensors to read where the checkpoint's world matches this run's (every
-    residual is zeroed first, so a run on another world starts them at zero, with a note)."""
-    rank, topo = engine.topology.rank, engine.topology
-    engine.reset_error_feedback()
-    feedback = [(i, u.error_feedback) for i, u in enumerate(engine.units) if u.error_feedback is not None]
-    stored = any(k.startswith("qgz_residual.") for k in saved)
-    if not feedback or not stored:
-        return {}
-    saved_mesh = (meta["world_size"], meta["nodes"], meta.get("tensor_parallel_size", 1))
-    if saved_mesh != (topo.world_size, topo.nodes, topo.tensor_parallel.size):
-        if rank == 0:
-            print(
-                f"zeropp: qgZ error-feedback residuals start from zero: checkpoint {str(path)!r} was saved on "
-                "{} ranks x {} nodes (tensor parallel {}), this run has ".format(*saved_mesh)
-                + f"{topo.world_size} x {topo.nodes} (tensor parallel {topo.tensor_parallel.size})"
-            )
-        return {}
-    wanted = {}
-    for index, ef in feedback:
-        shard = engine.units[index].layout.shard_numel
-        for hop, rows in zip(HOPS, (topo.world_size, topo.nodes), strict=True):
-            key = _residual_key(rank, index, hop)
-            if key in saved and tuple(saved[key].size) == (rows, shard):  # else (another layout) from zero
-                ef.residuals[hop] = torch.zeros(rows, shard, device=topo.device)
-                wanted[key] = ef.residuals[hop]
-    return wanted
 
 
 def _describe(engine: ZeroEngine, referenced: Collection[str] = ()) -> dict[str, Any]:
@@ -320,16 +278,19 @@ def load_checkpoint(
     if referenced:
         adapters.check_base(engine.units, engine.module, meta, path)
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    optimizer_entries = {k: (tuple(e.size), e.properties.dtype) for k, e in saved.items() if k.startswith("optim.")}
-    wanted = engine.sharded_state_template(optimizer_entries)
+    replica = replicas.source_prefix(engine, meta, saved, path)  # DiLoCo's: which node's replica
+    entries = {k.removeprefix(replica): e for k, e in saved.items() if k.startswith(f"{replica}optim.")}
+    wanted = engine.sharded_state_template({k: (tuple(e.size), e.properties.dtype) for k, e in entries.items()})
     for name in referenced:  # the engine's own frozen parameters are the checkpoint's base (checked above)
         del wanted[per_parameter.fixed_key(name)]
+    wanted = replicas.renamed(wanted, replica) | replicas.outer_template(engine, saved)
     rng = {k: torch.empty_like(v) for k, v in _rng_states(engine).items() if k in saved}
     if meta["world_size"] == engine.topology.world_size:  # a rank's stream belongs to its rank
         wanted.update(rng)
-    wanted.update(_residuals_to_load(engine, meta, saved, path))
+    wanted.update(residuals.to_load(engine, meta, saved, path))
     _read(wanted, path)
-    engine.load_sharded_state_dict(wanted)
+    engine.load_sharded_state_dict(replicas.renamed(wanted, replica, back=True))
+    replicas.load_outer(engine, wanted)
     for key in rng.keys() & wanted.keys():
         if key.startswith("rng.cuda."):
             torch.cuda.set_rng_state(wanted[key], engine.topology.device)

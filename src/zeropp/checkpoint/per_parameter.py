@@ -43,7 +43,7 @@ from zeropp.zero.unit import FlatUnit
 from zeropp.zero.weights.dtensor_params import Slices, blocks
 
 if TYPE_CHECKING:
-    from zeropp.topology import Topology
+    from zeropp.topology import Group, Topology
     from zeropp.zero.optim.owners import WholeParameterStep
     from zeropp.zero.optim.stepping import Stepper
 
@@ -82,16 +82,19 @@ class CheckpointMesh:
     then the data-parallel one (so a rank's rows are rows of its tensor-parallel piece). A dimension
     of one rank is left out (it has no process group); one rank alone is a mesh of one."""
 
-    def __init__(self, topology: Topology) -> None:
-        tp, dp = topology.tensor_parallel, topology.data_parallel
+    def __init__(self, topology: Topology, data_parallel: Group | None = None) -> None:
+        """`data_parallel`: the group the units shard over (the world's data-parallel group, or with
+        DiLoCo a node's: See [Note: the outer loop])."""
+        tp, dp = topology.tensor_parallel, data_parallel or topology.data_parallel
         self.data_parallel = dp
         self.dims = tuple(name for name, group in (("tp", tp), ("dp", dp)) if group.size > 1) or ("dp",)
         device = topology.device.type
-        if len(self.dims) == 2:
-            grid = torch.arange(topology.world_size).view(dp.size, tp.size).T  # [tp index, dp index] -> rank
+        if len(self.dims) == 2:  # [tp index, dp index] -> rank: a tensor-parallel group is a run of ranks
+            grid = torch.tensor([[rank - tp.rank + t for rank in dp.ranks] for t in range(tp.size)])
             self.mesh = DeviceMesh.from_group([tp.pg, dp.pg], device, grid, mesh_dim_names=self.dims)
-        else:
-            self.mesh = DeviceMesh.from_group((tp if self.dims == ("tp",) else dp).pg, device)
+        else:  # a data-parallel group of one rank (DiLoCo's node of one) has no process group of its own
+            group = tp if self.dims == ("tp",) else dp
+            self.mesh = DeviceMesh.from_group(group.pg or topology.alone().pg, device)
 
     def piece(self, local: torch.Tensor, param: nn.Parameter, local_shape: tuple[int, ...]) -> DTensor:
         """This rank's flat row chunk `local` of `param` (whose tensor-parallel piece has `local_shape`) as
@@ -179,20 +182,25 @@ def sharded_state_template(
         shape, dtype = saved[entry]
         keys.setdefault(name, {})[key] = (len(shape) > 0, dtype)
     for unit in units:
-        device, group, layout = unit.options.device, unit.groups.shard, unit.layout
-        for index, (name, param) in enumerate(zip(unit.names, unit.params, strict=True)):
-            start, stop = layout.row_chunk(index, group.size, group.rank)
-            shape = layout.shapes[index]
-            state[model_key(name)] = mesh.piece(torch.empty(stop - start, device=device), param, shape)
+        for index, name in enumerate(unit.names):
+            state[model_key(name)] = empty_piece(unit, index, mesh)
             for key, (per_element, dtype) in keys.get(name, {}).items():
-                empty = torch.empty(stop - start if per_element else (), dtype=dtype, device=device)
-                state[optim_key(name, key)] = mesh.piece(empty, param, shape) if per_element else empty
+                empty = torch.empty((), dtype=dtype, device=unit.options.device)
+                state[optim_key(name, key)] = empty_piece(unit, index, mesh, dtype) if per_element else empty
     state.update({fixed_key(name): t for name, t in fixed_tensors(units, module, whole=False).items()})
     for unit in units:
         frozen = unit.frozen.names if unit.frozen is not None else ()
         for name, shape in zip(frozen, unit.frozen.layout.shapes if frozen else (), strict=True):
             state[fixed_key(name)] = torch.empty(shape, dtype=unit.compute_dtype, device=unit.options.device)
     return state
+
+
+def empty_piece(unit: FlatUnit, index: int, mesh: CheckpointMesh, dtype: torch.dtype = torch.float32) -> DTensor:
+    """An empty piece of `unit`'s parameter `index`, as :meth:`CheckpointMesh.piece` cuts it, to load into."""
+    group, layout = unit.groups.shard, unit.layout
+    start, stop = layout.row_chunk(index, group.size, group.rank)
+    empty = torch.empty(stop - start, dtype=dtype, device=unit.options.device)
+    return mesh.piece(empty, unit.params[index], layout.shapes[index])
 
 
 def load_sharded_state_dict(

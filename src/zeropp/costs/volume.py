@@ -26,6 +26,12 @@ model, and the norms' partial gradients all-reduced with each unit's gradient re
 (:func:`sequence_parallel_transfers`, :func:`sequence_parallel_ends`, :func:`norm_gradient_transfers`).
 All stay inside a node (tensor-parallel groups are consecutive
 ranks of one node).
+
+Under DiLoCo's outer loop (``zero.outer`` on more than one node) each node trains a replica of its own:
+the step's collectives are priced on one node (:meth:`~zeropp.index.ranks.Layout.one_node`: nothing
+crosses a node, hpZ is off), and every ``outer_sync_every`` steps each rank exchanges its masters' change
+with the other nodes (:func:`outer_transfers`: the only bytes between nodes) and the resident units'
+new weights are gathered again inside the node.
 """
 
 from __future__ import annotations
@@ -93,6 +99,46 @@ def ring_crossing(group_size: int, ranks_per_node: int) -> float:
     """Share of a ring's ranks (consecutive, node-major) whose successor lives on another node."""
     spanned = group_size // ranks_per_node if group_size > ranks_per_node else 1
     return spanned / group_size if spanned > 1 else 0.0
+
+
+def quantized_row(spec: QuantSpec, n: int) -> tuple[int, int]:
+    """Bytes of a row of `n` values block-quantized under `spec`: its int8/int4 data, its fp32 scales."""
+    return spec.row_bytes(n), SCALE_BYTES * spec.blocks(n)
+
+
+def master_numel(units: Iterable[UnitSize], data_parallel: Layout, zero: ZeroConfig) -> int:
+    """Master elements a rank holds: each unit's padded numel over the `data_parallel` ranks where the
+    optimizer state is sharded (stages 1-3), else whole."""
+    ranks = data_parallel.world_size if zero.stage >= 1 else 1
+    return sum(padded // ranks for padded, _ in units)
+
+
+def outer_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> list[Transfer]:
+    """DiLoCo's synchronization on the (data-parallel x tensor-parallel) `layout` as a rank sends it (See
+    [Note: the outer loop]), the `units` laid out on one node: the change of its masters (:func:`master_numel`)
+    exchanged with its peers at its place on the other nodes, all of it between nodes (a ring over the n
+    nodes): the fp32 all-reduce, 2 (n-1)/n x 4 bytes a value, or with ``outer_bits`` the all-gather of its
+    quantized row (data and scales in one message), (n-1) x the row; then, as after the inner step, every
+    resident unit's new weights gathered inside the node (:func:`published_weights`, stages 1-3)."""
+    outer, nodes, units = zero.outer, layout.nodes, list(units)
+    if nodes == 1 or not outer.enabled:
+        return []
+    replica = layout.one_node().data_parallel_layout()
+    shard = master_numel(units, replica, zero)
+    if outer.bits:
+        row = sum(quantized_row(QuantSpec(outer.bits, outer.block_size), shard))
+        exchange = Transfer("all_gather", "step", ring_bytes(nodes * row, nodes), 1.0)
+    else:
+        exchange = Transfer("all_reduce", "step", ring_bytes(4 * shard, nodes, 2), 1.0)
+    published = [published_weights(padded, replica, zero) for padded, resident in units if resident]
+    return [exchange, *(published if zero.stage >= 1 else ())]
+
+
+def published_weights(padded: int, data_parallel: Layout, zero: ZeroConfig) -> Transfer:
+    """A resident unit's updated weights all-gathered from the masters' shards in the step (stages 1-3),
+    pP over the `data_parallel` group."""
+    sent = ring_bytes(padded * BYTES[zero.precision], data_parallel.world_size)
+    return Transfer("all_gather", "step", sent, _world_crossing(data_parallel))
 
 
 def step_transfers(
@@ -239,7 +285,7 @@ def unit_transfers(
         for _ in range(micro if zero.stage >= 2 else 1):
             yield from _reduce_gradients(padded, grad, layout, zero)
         if resident:
-            yield Transfer("all_gather", "step", ring_bytes(padded * compute, world), across_world)
+            yield published_weights(padded, layout, zero)
             continue
         for index in range(micro):
             for phase in ("forward", "backward"):
@@ -261,7 +307,7 @@ def frozen_transfers(frozen: Iterable[int], layout: Layout, zero: ZeroConfig, hp
     spec = frozen_quant(zero)
     for padded in frozen:
         shard = padded // world
-        stored = world * (spec.row_bytes(shard) + SCALE_BYTES * spec.blocks(shard)) if spec else padded * compute
+        stored = world * sum(quantized_row(spec, shard)) if spec else padded * compute
         for _ in range(zero.gradient_accumulation_steps):
             for phase in ("forward", "backward"):
                 if hpz > 1:
@@ -369,7 +415,7 @@ def _gather_weights(
         yield Transfer("all_gather", phase, ring_bytes(padded * compute, world), crossing)
         return
     spec, shard = QuantSpec(zero.qwz.bits, zero.qwz.block), padded // world
-    for row in (spec.row_bytes(shard), SCALE_BYTES * spec.blocks(shard)):
+    for row in quantized_row(spec, shard):
         yield Transfer("all_gather", phase, ring_bytes(world * row, world), crossing)
 
 
@@ -392,10 +438,8 @@ def _reduce_gradients(padded: int, grad: int, layout: Layout, zero: ZeroConfig) 
     chunks = qgz_column_chunks(shard, zero.reduce_bucket_numel, qgz.pipeline_chunks, qgz.pipeline_min_chunk)
     for start, stop in chunks:
         c = stop - start
-        intra_data, intra_scales = (
-            (intra_spec.row_bytes(c), SCALE_BYTES * intra_spec.blocks(c)) if qgz.intra_node_quantized else (c * grad, 0)
-        )
-        for intra_row, inter_row in ((intra_data, spec.row_bytes(c)), (intra_scales, SCALE_BYTES * spec.blocks(c))):
+        intra = quantized_row(intra_spec, c) if qgz.intra_node_quantized else (c * grad, 0)
+        for intra_row, inter_row in zip(intra, quantized_row(spec, c), strict=True):
             if per_node > 1 and intra_row:
                 yield Transfer("all_to_all", "backward", (per_node - 1) * nodes * intra_row, 0.0)
             if nodes > 1:

@@ -65,6 +65,11 @@ class Layout:
         node-major too): what the traffic model prices ZeRO's collectives on."""
         return Layout(self.data_parallel_size, self.nodes)
 
+    def one_node(self) -> Layout:
+        """One node as a world of its own (the same tensor-parallel size): what each of DiLoCo's replicas
+        trains on (See [Note: the outer loop])."""
+        return Layout(self.ranks_per_node, 1, self.tensor_parallel_size)
+
     @property
     def data_parallel_size(self) -> int:
         return len(self.data_parallel_groups()[0])

@@ -11,7 +11,9 @@ Three models (derivations, paper references and the reproduced tables: docs/esti
   (:mod:`zeropp.costs.volume`, the same model ``zeropp train`` prices its ZeRO-3 baseline with). The
   model is given as Ψ (one flat unit) or as the numel of every unit; padding follows
   :class:`~zeropp.index.flat.FlatLayout`. Left out: the one-off broadcast of the initial weights,
-  evaluation, and fp16 steps skipped for overflow (they gather no updated weights).
+  evaluation, and fp16 steps skipped for overflow (they gather no updated weights). Under DiLoCo's
+  outer loop (``--outer-sync-every H``) ZeRO runs inside each node and the synchronization's exchange
+  is priced per sync and, spread over its H steps, per step.
 - **Time**: intra-node bytes of the busiest rank / intra-node bandwidth + bytes leaving one node /
   inter-node bandwidth, summed over the step's collectives with no overlap (neither between collectives
   nor between the two kinds of link). The inter-node bandwidth is a node's (its ranks share it), the

@@ -42,6 +42,7 @@ ZERO_FLAGS = (
     "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks", "qgz_pipeline_min_chunk",
     "quantized_nontrainable_weights", "nontrainable_weight_bits", "prefetch", "optimizer_state_dtype", "master_dtype",
     "offload_optimizer", "offload_params", "offload_path", "offload_buffer_count",
+    "outer_sync_every", "outer_bits", "outer_block_size",
 )  # fmt: skip
 MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape

@@ -13,6 +13,11 @@ use (:func:`~zeropp.costs.volume.frozen_transfers`), stored quantized with
 With tensor parallelism (dp x tp ranks) a unit is one tensor-parallel rank's share of it (its split
 weights' local shards plus its whole ones) and the ZeRO formulas run over the dp ranks of a
 data-parallel group: the ZeRO paper's §7, Ψ/N_m per device for model parallelism of N_m.
+
+Under DiLoCo's outer loop (``zero.outer`` on more than one node) each node is a replica: ZeRO shards
+over one node's data-parallel ranks (memory with the outer loop's fp32 anchor, momentum and residual),
+a step's collectives stay inside the node, and each rank's exchange at a synchronization
+(:func:`~zeropp.costs.volume.outer_transfers`) counts per sync and, spread over its H steps, per step.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ from zeropp.costs.volume import (
     STEP_PHASES,
     Transfer,
     frozen_transfers,
+    master_numel,
+    outer_transfers,
     owner_transfers,
     step_transfers,
     zero3_step_bytes,
 )
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
+from zeropp.zero.optim.outer import runs_outer_loop
 from zeropp.zero.optim.owners import refuse_whole_with
 from zeropp.zero.options import frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.stages import StagePolicy
@@ -74,11 +82,23 @@ class Estimate:
     transfers: tuple[Transfer, ...]
     activations: Activations | None = None  # the transformer's shape and ZeRO-R switches; None: not priced
     whole_parameters: bool = False  # the optimizer steps whole parameters on owner ranks
+    diloco: bool = False  # DiLoCo's outer loop runs: every node a replica (See [Note: the outer loop])
+    sync_transfers: tuple[Transfer, ...] = ()  # DiLoCo: one synchronization's exchange
 
     @property
     def data_parallel(self) -> Layout:
-        """One data-parallel group as a world of its own: what ZeRO partitions over."""
+        """One data-parallel group as a world of its own."""
         return self.layout.data_parallel_layout()
+
+    @property
+    def shard_layout(self) -> Layout:
+        """What ZeRO partitions over: one data-parallel group, under DiLoCo one node's part of it."""
+        return (self.layout.one_node() if self.diloco else self.layout).data_parallel_layout()
+
+    @property
+    def shard_numel(self) -> int:
+        """Master elements per rank (:func:`~zeropp.costs.volume.master_numel`)."""
+        return master_numel([(u.padded, u.resident) for u in self.units], self.shard_layout, self.zero)
 
     @property
     def psi(self) -> int:
@@ -101,7 +121,7 @@ class Estimate:
         """Per rank on the device, the host (ZeRO-Offload), the disk (ZeRO-Infinity's tiers: their host
         rings are :meth:`disk_tiers`'), or all. A resident unit at stage 3 keeps whole weights on the
         device and no secondary copy: stage 2's formula."""
-        zero, world, offload = self.zero, self.data_parallel.world_size, self.zero.offload
+        zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
         owners = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
         return owners + sum(
             analytic_model_state_bytes(
@@ -122,6 +142,7 @@ class Estimate:
                 frozen=u.frozen_padded,
                 frozen_quant=frozen_quant(zero),
                 qwd_reference=zero.qwz.delta and not u.resident,
+                outer=zero.outer if self.diloco else None,
             )
             for u in self.units
         )
@@ -132,7 +153,7 @@ class Estimate:
         offload, zero = self.zero.offload, self.zero
         if "nvme" not in (offload.optimizer, offload.params):
             return None
-        world = self.data_parallel.world_size if zero.stage >= 1 else 1
+        world = self.shard_layout.world_size if zero.stage >= 1 else 1
         shards = [math.ceil(u.padded / world) for u in self.units]
         sharded = [s for s, u in zip(shards, self.units, strict=True) if not u.resident]
         ring, read, written = 0, 0, 0
@@ -152,7 +173,7 @@ class Estimate:
         """(ranks per node, nodes, intra-node hop quantized) where qgZ's error feedback keeps residuals, else None."""
         zero = self.zero
         feedback = zero.stage == 3 and zero.qgz.feedback
-        layout = (self.data_parallel.ranks_per_node, self.layout.nodes, zero.qgz.intra_node_quantized)
+        layout = (self.shard_layout.ranks_per_node, self.shard_layout.nodes, zero.qgz.intra_node_quantized)
         return layout if feedback else None
 
     def transient_bytes(self) -> dict[str, int] | None:
@@ -166,7 +187,7 @@ class Estimate:
         return stage3_transient_bytes(
             largest_gathered=max(u.padded + u.frozen_padded for u in gathered),
             largest_trainable=max(u.padded for u in gathered),
-            world=self.data_parallel.world_size,
+            world=self.shard_layout.world_size,
             compute_bytes=BYTES[zero.precision],
             grad_bytes=BYTES[zero.grad_dtype or zero.precision],
             prefetch=zero.prefetch,
@@ -178,18 +199,38 @@ class Estimate:
             return 0
         return self.activations.checkpoint_bytes(self.layout.tensor_parallel_size, BYTES[self.zero.precision], where)
 
-    def ledger(self, rank: int | None = None) -> Ledger:
-        """Bytes per optimizer step as the engine's ledger records them: global `rank`'s, or the mean over ranks."""
+    def ledger(self, rank: int | None = None, synced: bool | None = None) -> Ledger:
+        """Bytes per optimizer step as the engine's ledger records them: global `rank`'s, or the mean over
+        ranks. Under DiLoCo the exchange counts whole at a synchronization (`synced` True), not at all
+        between them (False), and by default spread over its H steps (1/H of it a step)."""
         ledger = Ledger(steps=1)
-        for t in self.transfers:
+        every = self.zero.outer.sync_every if synced is None else 1
+        outer = [(t, t.sent / every if every > 1 else t.sent) for t in self.sync_transfers if synced is not False]
+        for t, sent in (*((t, t.sent) for t in self.transfers), *outer):
             with ledger.in_phase(t.phase):
                 if rank is None:
-                    ledger.record(t.op, t.sent * (1 - t.crossing), t.sent * t.crossing)
+                    ledger.record(t.op, sent * (1 - t.crossing), sent * t.crossing)
                 elif t.crosses(rank, self.layout):
-                    ledger.record(t.op, 0, t.sent)
+                    ledger.record(t.op, 0, sent)
                 else:
-                    ledger.record(t.op, t.sent, 0)
+                    ledger.record(t.op, sent, 0)
         return ledger
+
+    def outer_exchange(self) -> dict[str, Any] | None:
+        """DiLoCo's exchange (None without it): the bytes between nodes a rank and a node send per
+        synchronization and per step (/H)."""
+        if not self.diloco:
+            return None
+        outer, per_node = self.zero.outer, self.layout.ranks_per_node
+        per_sync = sum(t.sent for t in self.sync_transfers if t.crossing)
+        regathered = sum(t.sent for t in self.sync_transfers if not t.crossing)  # resident units' new weights
+        return {
+            "sync_every": outer.sync_every, "bits": outer.bits, "shard_numel": self.shard_numel,
+            "bytes_per_sync_per_rank": per_sync, "node_bytes_per_sync": per_node * per_sync,
+            "bytes_per_step_per_rank": per_sync / outer.sync_every,
+            "node_bytes_per_step": per_node * per_sync / outer.sync_every,
+            "intra_node_bytes_per_sync_per_rank": regathered,
+        }  # fmt: skip
 
     def node_inter_bytes(self) -> float:
         """Bytes leaving one node per step (every node sends the same)."""
@@ -304,6 +345,7 @@ class Estimate:
             "model_state_bytes_per_rank": self.model_state_bytes,
             "model_state_bytes_per_rank_by_tier": {w: self.model_state_bytes_on(w) for w in ("device", "host", "disk")},
             "disk_tiers_per_rank": self.disk_tiers(),
+            "outer_exchange": self.outer_exchange(),
             "stage3_transient_bytes_per_rank": self.transient_bytes(),
             **self._activation_fields(),
             "bytes_per_step": {
@@ -352,8 +394,10 @@ def estimate(
     if zero.optimizer_state_dtype == "bf16":
         optimizer_bytes //= 2
     layout = Layout(world, nodes, tensor_parallel)
-    dp = layout.data_parallel_size
-    hpz = layout.hpz_group_size(zero.hpz_partition_size)
+    diloco = runs_outer_loop(zero, nodes, "whole" if whole_parameters else "flat")  # refuses what it cannot run
+    replica = layout.one_node() if diloco else layout  # the ranks that train one model
+    dp = replica.data_parallel_size
+    hpz = 1 if diloco else layout.hpz_group_size(zero.hpz_partition_size)
     refuse_qwd_without_hpz(zero, hpz, nodes)  # as the engine does
     if whole_parameters:
         refuse_whole_with("--optimizer-path whole", zero, tensor_parallel)
@@ -378,13 +422,14 @@ def estimate(
         resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
         frozen_padded = padded([frozen], frozen_block) if policy.shard_parameters else frozen
         units.append(Unit(n - frozen, padded(trained, trained_block), resident, frozen, frozen_padded))
-    est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters)
+    est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters, diloco)
     transfers = [
-        *step_transfers(((u.padded, u.resident) for u in units), layout, zero, hpz, activations, parameters=trainable),
-        *frozen_transfers(est.gathered_frozen, layout.data_parallel_layout(), zero, hpz),
+        *step_transfers(((u.padded, u.resident) for u in units), replica, zero, hpz, activations, parameters=trainable),
+        *frozen_transfers(est.gathered_frozen, replica.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
     ]
-    return dataclasses.replace(est, transfers=tuple(transfers))
+    sync = outer_transfers(((u.padded, u.resident) for u in units), layout, zero) if diloco else ()
+    return dataclasses.replace(est, transfers=tuple(transfers), sync_transfers=tuple(sync))
 
 
 def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[list[int]]:

@@ -57,6 +57,9 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
     switches += [f"hpZ (groups of {est.hpz_group_size})"] if est.hpz_group_size > 1 else []
     switches += [f"qgZ int{zero.qgz.bits}"] if zero.qgz.enabled else []
     head.add_row("ZeRO++", ", ".join(switches) or "off")
+    outer = result["outer_exchange"]
+    if outer is not None:
+        _outer_rows(head, est, outer)
     head.add_row("model states per rank", si(est.model_state_bytes))
     tiers, disk = result["model_state_bytes_per_rank_by_tier"], result["disk_tiers_per_rank"]
     if tiers["host"] or tiers["disk"]:
@@ -75,10 +78,10 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
             f"+ {si(transient['gradients_in_reduction'])} whole gradients (the unit in backward, the reductions in flight)",
         )
     _activation_rows(head, est)
-    mean = est.ledger()
+    mean, amortized = est.ledger(), "; DiLoCo's exchange spread over its steps" if outer else ""
     head.add_row(
         "sent per rank per step",
-        f"intra-node {si(mean.total(link='intra'))}, inter-node {si(mean.total(link='inter'))} (mean over ranks)",
+        f"intra-node {si(mean.total(link='intra'))}, inter-node {si(mean.total(link='inter'))} (mean over ranks{amortized})",
     )
     zero3, inter = result["zero3_inter_node_bytes_per_step"], mean.total(link="inter")
     if zero.stage == 3 and zero3:
@@ -99,13 +102,35 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
         )
     console = _console()
     console.print(head)
-    table = Table(title="bytes sent per rank per step (mean over ranks)")
+    table = Table(title=f"bytes sent per rank per step (mean over ranks{amortized})")
     for column in ("collective", "phase", "intra-node", "inter-node"):
         table.add_column(column, justify="right" if "node" in column else "left")
     for op, phases in mean.as_dict().items():
         for phase, links in phases.items():
             table.add_row(op, phase, si(links["intra"]), si(links["inter"]))
     console.print(table)
+
+
+def _outer_rows(head: Any, est: Estimate, outer: dict[str, Any]) -> None:
+    """DiLoCo: the replicas and the exchange, per synchronization and spread over the steps."""
+    every, bits = outer["sync_every"], outer["bits"]
+    how = f"int{bits} all-gather (blocks of {est.zero.outer.block_size})" if bits else "fp32 all-reduce"
+    head.add_row(
+        "DiLoCo",
+        f"{est.layout.nodes} replicas, ZeRO over each node's {est.shard_layout.world_size} data-parallel ranks "
+        f"(nothing else crosses a node); every {every} steps an {how} of {outer['shard_numel']:,} values per rank",
+    )
+    head.add_row(
+        "  outer exchange",
+        f"per sync {si(outer['bytes_per_sync_per_rank'])} per rank ({si(outer['node_bytes_per_sync'])} per node); "
+        f"per step {si(outer['bytes_per_step_per_rank'])} per rank ({si(outer['node_bytes_per_step'])} per node)",
+    )
+    if outer["intra_node_bytes_per_sync_per_rank"]:
+        head.add_row(
+            "  after each sync",
+            f"the resident units' new weights gathered again inside the node: "
+            f"{si(outer['intra_node_bytes_per_sync_per_rank'])} per rank",
+        )
 
 
 def _activation_rows(head: Any, est: Estimate) -> None:

@@ -50,6 +50,13 @@ class OuterStep:
         residual = [] if self.residual is None else [self.residual]
         return [*self.anchors, *residual, *(v for state in self.optimizer.state.values() for v in state.values())]
 
+    def restart(self) -> None:
+        """Take the masters as the last synchronization's weights (after a load), the outer momentum from
+        zero; a checkpoint's outer state is read over them (:mod:`zeropp.checkpoint.replicas`)."""
+        for anchor, unit in zip(self.anchors, self.units, strict=True):
+            anchor.copy_(unit.master.detach())
+        self.optimizer.state.clear()
+
     def after_step(self, step: int) -> bool:
         """After inner step `step` (counted from 1): synchronize the replicas if it is a multiple of
         sync_every; return whether it was."""
@@ -101,14 +108,3 @@ def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
             key, every,
         )  # fmt: skip
     return True
-
-
-def refuse_outer_checkpoints(config: ZeroConfig) -> None:
-    """Refuse, in one line, a checkpoint of a DiLoCo run (the caller asks where one is wanted): each
-    node's inner optimizer states differ between syncs, and the saved layout has no place for them yet."""
-    if config.outer.enabled:
-        key = config.key("outer")("sync_every")
-        raise ConfigError(
-            f"{key} = {config.outer.sync_every}: DiLoCo runs do not save or resume checkpoints yet; expected 0 "
-            "with checkpoint.checkpoint_dir or checkpoint.resume, or neither of them", key, config.outer.sync_every,
-        )  # fmt: skip
