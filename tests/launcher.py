@@ -16,7 +16,14 @@ import torch
 TIMEOUT_S = 240
 # What a "forkserver" rank's server imports once, before it forks any rank: the libraries a rank of the
 # integration tests imports anyway (each took about 6 s of CPU in every rank started fresh).
-PRELOAD = ("torch", "zeropp", "transformers", "accelerate", "peft", "trl", "lightning")
+PRELOAD = ("torch", "zeropp", "zeropp.cli", "transformers", "accelerate", "peft", "trl", "lightning")
+
+
+def forkserver() -> mp.context.ForkServerContext:
+    """The context whose processes fork from a server that imported PRELOAD (those installed) once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([name for name in PRELOAD if importlib.util.find_spec(name.split(".")[0]) is not None])
+    return ctx
 
 
 def free_port() -> int:
@@ -88,9 +95,7 @@ def run_ranks(
     process's threads must not reach the rank (an OpenMP pool started before a fork deadlocks the
     child's first parallel region) but its imports should: ranks fork from a server that imported
     PRELOAD once, and ran no torch operation."""
-    ctx = mp.get_context(start)
-    if start == "forkserver":
-        ctx.set_forkserver_preload([name for name in PRELOAD if importlib.util.find_spec(name) is not None])
+    ctx = forkserver() if start == "forkserver" else mp.get_context(start)
     queue = ctx.Queue()
     port = free_port()
     procs = [
