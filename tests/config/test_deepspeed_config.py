@@ -5,11 +5,10 @@ test_deepspeed_schedules.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from launcher import free_port
 
 from examples import docs_include
@@ -359,11 +358,9 @@ def test_train_with_the_example_deepspeed_config(tmp_path):
     ds["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}  # another optimizer than zeropp's
     config.write_text(json.dumps(ds))
     out, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"
-    result = subprocess.run(
-        [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4",
-         "--eval-batches", "1", "--master-port", str(free_port()), "--summary-json", str(out),
-         "--checkpoint-dir", str(ckpt)],
-        capture_output=True, text=True, timeout=300,
+    result = run_cli(
+        "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4", "--eval-batches", "1",
+        "--master-port", str(free_port()), "--summary-json", str(out), "--checkpoint-dir", str(ckpt),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     notes = [line for line in result.stdout.splitlines() if line.startswith("DeepSpeed config:")]
@@ -392,11 +389,9 @@ def test_one_cycle_and_adam_without_bias_correction_reach_the_run(tmp_path):
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False, "weight_decay": 0.01}},
         "scheduler": {"type": "OneCycle", "params": cycle},
     }))  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4",
-         "--eval-batches", "1", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "--checkpoint-dir", str(ckpt)],
-        capture_output=True, text=True, timeout=300,
+    result = run_cli(
+        "train", "--deepspeed", str(config), "--preset", "tiny", "--steps", "4", "--eval-batches", "1",
+        "--nproc-per-node", "2", "--master-port", str(free_port()), "--checkpoint-dir", str(ckpt),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     meta = json.loads((ckpt / "step-00000004" / "zeropp.json").read_text())
@@ -410,8 +405,8 @@ def test_one_cycle_and_adam_without_bias_correction_reach_the_run(tmp_path):
 def test_flags_override_the_deepspeed_file_and_the_batch_is_checked_after_them(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({**ZERO3, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))
-    command = [sys.executable, "-m", "zeropp.cli", "train", "--deepspeed", str(config), "--preset", "tiny"]
-    result = subprocess.run([*command, "--micro-batch-size", "2"], capture_output=True, text=True, timeout=120)
+    command = ["train", "--deepspeed", str(config), "--preset", "tiny"]
+    result = run_cli(*command, "--micro-batch-size", "2", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "zeropp: error: DeepSpeed train_batch_size = 16 is not allowed; "

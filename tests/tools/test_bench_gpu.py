@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
+from cli_runner import run_cli
 
 from zeropp.tools.bench.gpu.check import SRC, TESTS, junit_counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_without_cuda_it_says_so_in_one_line_and_succeeds(tmp_path):
-    command = [sys.executable, "-m", "zeropp.cli", "bench", "gpu", "--out", str(tmp_path / "out")]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = run_cli("bench", "gpu", "--out", str(tmp_path / "out"))
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert len(done.stdout.splitlines()) == 1 and "CUDA is not available" in done.stdout
     assert not (tmp_path / "out").exists()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 
 from zeropp.tools.bench.runs import output_file
 
@@ -17,7 +16,9 @@ from zeropp.tools.bench.runs import output_file
 def test_a_folder_gets_the_default_name_and_a_file_is_itself(tmp_path):
     parser = argparse.ArgumentParser()
     assert output_file(parser, tmp_path, "bench_step.json") == tmp_path / "bench_step.json"
-    assert output_file(parser, tmp_path / "new" / "folder", "bench_step.json") == tmp_path / "new/folder/bench_step.json"
+    assert (
+        output_file(parser, tmp_path / "new" / "folder", "bench_step.json") == tmp_path / "new/folder/bench_step.json"
+    )
     assert output_file(parser, tmp_path / "mine.json", "bench_step.json") == tmp_path / "mine.json"
     assert not (tmp_path / "mine.json").exists()  # checked, not left behind
 
@@ -33,11 +34,11 @@ def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_any_work
 
 def test_bench_step_into_a_folder_with_a_whole_parameter_variant(tmp_path):
     command = [
-        sys.executable, "-m", "zeropp.cli", "bench", "step", "--worlds", "2", "--n-layer", "1", "--d-model", "32",
+        "bench", "step", "--worlds", "2", "--n-layer", "1", "--d-model", "32",
         "--block-size", "16", "--steps", "2", "--warmup", "1", "--reps", "1",
         "--variants", "zeropp-3-muon", "--out", str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_cli(*command, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(Path(tmp_path / "bench_step.json").read_text())["worlds"]["2"]
     assert set(rows) == {"zeropp-3-muon"}

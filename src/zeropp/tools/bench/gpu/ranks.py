@@ -1,7 +1,9 @@
 """Ranks for ``zeropp bench gpu``: several processes sharing one device, and the collective probe.
 
-:func:`launch` spawns `world` processes (spawn, not fork: a forked child cannot use CUDA), each a
-rank of a process group on `backend` whose tensors live on `device` (every rank on the same GPU,
+:func:`launch` starts `world` processes from a fork server (not forked from this process: a forked
+child cannot use CUDA once its parent did; the server imported torch and the measures once and never
+touched CUDA, so its children can, and skip the imports: about 2 s of CPU per rank), each a rank of a
+process group on `backend` whose tensors live on `device` (every rank on the same GPU,
 or the CPU), and returns what a function returned on each rank. :func:`probe` tries every
 collective zeropp issues on such a group.
 """
@@ -68,9 +70,10 @@ def _child(fn: Callable, rank: int, world: int, nodes: int, port: int, setup: tu
 def launch(
     fn: Callable[..., Any], world: int, backend: str, device_kind: str, timeout_s: float, nodes: int = 1, **kwargs: Any
 ) -> list[Any]:
-    """`fn(topology, **kwargs)` on `world` spawned ranks; their results by rank. Raises RuntimeError
+    """`fn(topology, **kwargs)` on `world` ranks; their results by rank. Raises RuntimeError
     (one line: the first rank's error, or a timeout) when a rank fails or hangs."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["zeropp.tools.bench.gpu.measures"])  # fn's module, torch and zeropp with it
     results = ctx.Queue()
     port = free_port()
     procs = [
