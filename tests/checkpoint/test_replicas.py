@@ -35,7 +35,7 @@ def _train(engine, steps: range) -> None:
 def _outer_state(engine) -> list[torch.Tensor]:
     outer = engine.outer
     momentum = [outer.optimizer.state[a]["momentum_buffer"] for a in outer.anchors]
-    return [t.clone() for t in (*outer.anchors, *momentum, outer.residual)]
+    return [t.clone() for t in (*outer.anchors, *momentum, *outer.residuals().values())]
 
 
 def save_and_resume_worker(root: str) -> dict:

@@ -5,7 +5,6 @@ real ranks as 2 nodes x 2 (fp32, int8, int4); the command's output."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from launcher import run_ranks
 from zeropp.comm.ledger import ring_bytes
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import ZeroConfig
-from zeropp.costs.memory import analytic_model_state_bytes
+from zeropp.costs.memory import analytic_model_state_bytes, outer_state_bytes
 from zeropp.costs.volume import outer_transfers
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
@@ -83,8 +82,19 @@ def test_the_exchange_over_more_nodes_and_its_refusals():
     units, shard, block = [(2000, False), (4000, False)], 3000, 64  # 8 nodes x 2 ranks: each rank half of each
     fp32 = outer_transfers(units, Layout(16, 8), ZeroConfig(outer_sync_every=5))
     assert [(t.op, t.phase, t.sent, t.crossing) for t in fp32] == [("all_reduce", "step", 2 * 7 * 4 * shard // 8, 1)]
+    # quantized: the shard cut into 8 chunks of whole blocks, 6 blocks (384 values) each, the last 72 padding;
+    # a chunk is 384 / 2 bytes of int4 codes and 6 scales, 216 bytes: the all-to-all sends 7, the all-gather 7
     int4 = outer_transfers(units, Layout(16, 8), ZeroConfig(outer_sync_every=5, outer_bits=4, outer_block_size=block))
-    assert [t.sent for t in int4] == [7 * (shard // 2 + 4 * math.ceil(shard / block))]
+    assert [(t.op, t.phase, t.sent, t.crossing) for t in int4] == [
+        ("all_to_all", "step", 7 * 216, 1), ("all_gather", "step", 7 * 216, 1),
+    ]  # fmt: skip
+    # 4 nodes x 2 ranks, int8: chunks of 12 blocks (768 values), 768 + 4 * 12 bytes; 3 of them each way
+    int8 = outer_transfers(units, Layout(8, 4), ZeroConfig(outer_sync_every=5, outer_bits=8, outer_block_size=block))
+    assert [t.sent for t in int8] == [3 * 816, 3 * 816]
+    # the state beside the masters: anchor and momentum, 8 bytes a value; 9 residual chunks of 384 values
+    policy = ZeroConfig(outer_sync_every=5, outer_bits=4, outer_block_size=block).outer
+    assert outer_state_bytes(shard, policy, 8) == 8 * 3000 + 4 * 9 * 384
+    assert outer_state_bytes(shard, ZeroConfig(outer_sync_every=5).outer, 8) == 8 * 3000
     # stages 1-2 (every unit resident): the new weights are gathered again inside the node, in the compute dtype
     stage1 = outer_transfers([(2000, True)], Layout(16, 8), ZeroConfig(stage=1, precision="bf16", outer_sync_every=5))
     assert [(t.op, t.sent, t.crossing) for t in stage1[1:]] == [("all_gather", 2 * 2000 // 2, 0)]
@@ -117,7 +127,7 @@ def test_cli_prices_a_diloco_run(capsys, tmp_path):
     assert result["hpz_group_size"] == 1 and result["data_parallel_size"] == 8
     # memory: ZeRO-3 over the node's 4 ranks, the anchor and the outer momentum 8 more bytes a parameter
     policy = ZeroConfig(outer_sync_every=50).outer
-    expected = sum(analytic_model_state_bytes(u.padded, 4, 3, "fp32", outer=policy) for u in est.units)
+    expected = sum(analytic_model_state_bytes(u.padded, 4, 3, "fp32", outer=(policy, 2)) for u in est.units)
     assert result["model_state_bytes_per_rank"] == expected == 24 * shard
     assert result["zero3_inter_node_bytes_per_step"] > 100 * result["inter_node_bytes_per_step"]  # 0.008x
     assert main([*argv, "--outer-sync-every", "-1"]) == 2

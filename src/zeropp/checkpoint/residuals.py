@@ -1,5 +1,6 @@
 """Error-feedback residuals in a checkpoint: qgZ's per unit and hop
-(``qgz_residual.rank<r>.<unit>.<hop>``) and DiLoCo's outer exchange's (``outer_residual.rank<r>``).
+(``qgz_residual.rank<r>.<unit>.<hop>``) and DiLoCo's outer exchange's (``outer_residual.rank<r>.<hop>``:
+``inter``, its chunks of the change, and ``gather``, the mean chunk it owns).
 
 What a rank's quantizations dropped belongs to that rank, like its RNG state: the residuals are saved
 per rank and loaded where the world size, node count and tensor-parallel size match the checkpoint's;
@@ -26,12 +27,12 @@ def _qgz_key(rank: int, unit: int, hop: str) -> str:
     return f"qgz_residual.rank{rank}.{unit}.{hop}"
 
 
-def _outer_key(rank: int) -> str:
-    return f"outer_residual.rank{rank}"
+def _outer_key(rank: int, hop: str) -> str:
+    return f"outer_residual.rank{rank}.{hop}"
 
 
-def _outer_residual(engine: ZeroEngine) -> torch.Tensor | None:
-    return None if engine.outer is None else engine.outer.residual
+def _outer_residuals(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    return {} if engine.outer is None else engine.outer.residuals()
 
 
 def to_save(engine: ZeroEngine) -> dict[str, torch.Tensor]:
@@ -43,8 +44,7 @@ def to_save(engine: ZeroEngine) -> dict[str, torch.Tensor]:
         if unit.error_feedback is not None
         for hop, residual in unit.error_feedback.residuals.items()
     }
-    if (outer := _outer_residual(engine)) is not None:
-        saved[_outer_key(rank)] = outer
+    saved.update((_outer_key(rank, hop), residual) for hop, residual in _outer_residuals(engine).items())
     return saved
 
 
@@ -53,10 +53,11 @@ def to_load(engine: ZeroEngine, meta: Mapping[str, Any], saved: Mapping[str, Any
     residual is zeroed first; `saved`: the checkpoint's metadata by key)."""
     rank, topo = engine.topology.rank, engine.topology
     engine.reset_error_feedback()
-    if (outer := _outer_residual(engine)) is not None:
-        outer.zero_()
+    outer = _outer_residuals(engine)
+    for residual in outer.values():
+        residual.zero_()
     feedback = [(i, u.error_feedback) for i, u in enumerate(engine.units) if u.error_feedback is not None]
-    if not (feedback or outer is not None) or not any(key.startswith(PREFIXES) for key in saved):
+    if not (feedback or outer) or not any(key.startswith(PREFIXES) for key in saved):
         return {}
     saved_mesh = (meta["world_size"], meta["nodes"], meta.get("tensor_parallel_size", 1))
     if saved_mesh != (topo.world_size, topo.nodes, topo.tensor_parallel.size):
@@ -75,7 +76,8 @@ def to_load(engine: ZeroEngine, meta: Mapping[str, Any], saved: Mapping[str, Any
             if key in saved and tuple(saved[key].size) == (rows, shard):  # else (another layout) from zero
                 ef.residuals[hop] = torch.zeros(rows, shard, device=topo.device)
                 wanted[key] = ef.residuals[hop]
-    key = _outer_key(rank)
-    if outer is not None and key in saved and tuple(saved[key].size) == tuple(outer.shape):
-        wanted[key] = outer
+    for hop, residual in outer.items():
+        key = _outer_key(rank, hop)
+        if key in saved and tuple(saved[key].size) == tuple(residual.shape):
+            wanted[key] = residual
     return wanted

@@ -60,6 +60,7 @@ from torch import nn
 
 from zeropp.config.policies import OuterLoop, check_switches, flat_name
 from zeropp.errors import ConfigError
+from zeropp.index.flat import node_chunk_numel
 from zeropp.quant.spec import QuantSpec
 from zeropp.runtime.reductions import MAX_IN_FLIGHT
 from zeropp.zero.weights.dtensor_params import local_tensor
@@ -91,7 +92,7 @@ def analytic_model_state_bytes(
     frozen: int = 0,
     frozen_quant: QuantSpec | None = None,
     qwd_reference: bool = False,
-    outer: OuterLoop | None = None,
+    outer: tuple[OuterLoop, int] | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
@@ -108,10 +109,10 @@ def analytic_model_state_bytes(
     `qgz_residuals`: (ranks per node, nodes, whether the intra-node hop is quantized) when qgZ's error
     feedback is on; `frozen`: Ψf; `frozen_quant`: how the frozen shards are stored at stage 3 (None: the
     compute dtype); `qwd_reference`: qWD's own rows of the reference, p Ψ/N on top of hpZ's copy (See
-    [Note: qWD's reference]); `outer`: DiLoCo's policy where its outer loop runs, which keeps the anchor
-    and the outer momentum in fp32 beside the master, and with ``outer_bits`` the fp32 residual of
-    its quantization (8 or 12 bytes per parameter where the master is held, `world` then being one
-    node's data-parallel ranks: See [Note: the outer loop])."""
+    [Note: qWD's reference]); `outer`: (DiLoCo's policy, nodes) where its outer loop runs, which keeps
+    :func:`outer_state_bytes` of this rank's master shard (Ψ/N, Ψ at stage 0) beside the master, `world`
+    then being one node's data-parallel ranks (See [Note: the outer loop]); they do not add up over
+    parts of Ψ with ``outer_bits`` (one exchange pads the whole shard)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     offload_params = offload_params or params_on_disk
     p = BYTES[precision]
@@ -123,8 +124,8 @@ def analytic_model_state_bytes(
     frozen_p = frozen_weight_bytes(frozen_quant) if frozen_quant and stage >= 3 else p
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
-    k += 0 if outer is None else 8 + (4 if outer.bits else 0)
     states = k * psi / (n if stage >= 1 else 1)
+    states += 0 if outer is None else outer_state_bytes(psi // (n if stage >= 1 else 1), *outer)
     secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
     secondary += p * psi / n if qwd_reference and stage >= 3 else 0
     disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)
@@ -179,6 +180,15 @@ def disk_params_step_bytes(shard_numel: int, precision: str, micro_batches: int,
     until the weights change); the step writes each shard once."""
     shard = BYTES[precision] * shard_numel
     return (shard if hpz else 2 * micro_batches * shard), shard
+
+
+def outer_state_bytes(shard: int, outer: OuterLoop, nodes: int) -> int:
+    """DiLoCo's fp32 state per rank for a `shard` of master values: the anchor and the outer momentum (8
+    bytes a value) and, with ``outer_bits``, the residuals of its two quantizations: the shard cut into
+    one chunk per node (whole blocks, padded) and the mean chunk it owns, 4 (nodes + 1) bytes per value
+    of a chunk, about 4 + 4 / nodes per value of the shard (:class:`~zeropp.zero.optim.outer.OuterStep`)."""
+    chunk = node_chunk_numel(shard, nodes, outer.block_size)
+    return 8 * shard + (4 * (nodes + 1) * chunk if outer.bits else 0)
 
 
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_quantized: bool = True) -> float:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from zeropp.comm.ledger import PA_GATHER, ring_bytes
 from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import BYTES, Activations
-from zeropp.index.flat import FlatLayout, qgz_column_chunks
+from zeropp.index.flat import FlatLayout, node_chunk_numel, qgz_column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
 from zeropp.zero.optim.owners import OWNER_OPS
@@ -116,22 +116,25 @@ def master_numel(units: Iterable[UnitSize], data_parallel: Layout, zero: ZeroCon
 def outer_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> list[Transfer]:
     """DiLoCo's synchronization on the (data-parallel x tensor-parallel) `layout` as a rank sends it (See
     [Note: the outer loop]), the `units` laid out on one node: the change of its masters (:func:`master_numel`)
-    exchanged with its peers at its place on the other nodes, all of it between nodes (a ring over the n
-    nodes): the fp32 all-reduce, 2 (n-1)/n x 4 bytes a value, or with ``outer_bits`` the all-gather of its
-    quantized row (data and scales in one message), (n-1) x the row; then, as after the inner step, every
-    resident unit's new weights gathered inside the node (:func:`published_weights`, stages 1-3)."""
+    exchanged with its peers at its place on the other nodes, all of it between nodes: the fp32 all-reduce
+    (a ring over the n nodes), 2 (n-1)/n x 4 bytes a value, or with ``outer_bits`` the change cut into n
+    chunks of whole blocks (:func:`~zeropp.index.flat.node_chunk_numel`), each quantized (data and scales
+    in one message): the all-to-all sends n-1 of them, the all-gather of the mean chunk (a ring) n-1 more;
+    then, as after the inner step, every resident unit's new weights gathered inside the node
+    (:func:`published_weights`, stages 1-3)."""
     outer, nodes, units = zero.outer, layout.nodes, list(units)
     if nodes == 1 or not outer.enabled:
         return []
     replica = layout.one_node().data_parallel_layout()
     shard = master_numel(units, replica, zero)
     if outer.bits:
-        row = sum(quantized_row(QuantSpec(outer.bits, outer.block_size), shard))
-        exchange = Transfer("all_gather", "step", ring_bytes(nodes * row, nodes), 1.0)
+        chunk = node_chunk_numel(shard, nodes, outer.block_size)
+        row = sum(quantized_row(QuantSpec(outer.bits, outer.block_size), chunk))
+        exchange = [Transfer(op, "step", (nodes - 1) * row, 1.0) for op in ("all_to_all", "all_gather")]
     else:
-        exchange = Transfer("all_reduce", "step", ring_bytes(4 * shard, nodes, 2), 1.0)
+        exchange = [Transfer("all_reduce", "step", ring_bytes(4 * shard, nodes, 2), 1.0)]
     published = [published_weights(padded, replica, zero) for padded, resident in units if resident]
-    return [exchange, *(published if zero.stage >= 1 else ())]
+    return [*exchange, *(published if zero.stage >= 1 else ())]
 
 
 def published_weights(padded: int, data_parallel: Layout, zero: ZeroConfig) -> Transfer:

@@ -150,3 +150,9 @@ def column_chunks(numel: int, pieces: int) -> list[tuple[int, int]]:
     """[start, stop) of `pieces` near-equal consecutive chunks of `numel` columns (empty ones dropped)."""
     bounds = [numel * i // pieces for i in range(pieces + 1)]
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def node_chunk_numel(numel: int, nodes: int, block: int) -> int:
+    """Values per chunk where `numel` values are cut into `nodes` equal chunks of whole `block`s (the last
+    ones padded): DiLoCo's quantized exchange, one chunk per node (See [Note: the outer loop])."""
+    return block * math.ceil(numel / (nodes * block))

@@ -15,7 +15,7 @@ weights' local shards plus its whole ones) and the ZeRO formulas run over the dp
 data-parallel group: the ZeRO paper's §7, Ψ/N_m per device for model parallelism of N_m.
 
 Under DiLoCo's outer loop (``zero.outer`` on more than one node) each node is a replica: ZeRO shards
-over one node's data-parallel ranks (memory with the outer loop's fp32 anchor, momentum and residual),
+over one node's data-parallel ranks (memory with the outer loop's fp32 anchor, momentum and residuals),
 a step's collectives stay inside the node, and each rank's exchange at a synchronization
 (:func:`~zeropp.costs.volume.outer_transfers`) counts per sync and, spread over its H steps, per step.
 """
@@ -39,6 +39,7 @@ from zeropp.costs.memory import (
     disk_params_step_bytes,
     disk_tier_ring_bytes,
     disk_tier_step_bytes,
+    outer_state_bytes,
     owner_state_bytes,
     stage3_transient_bytes,
 )
@@ -120,10 +121,15 @@ class Estimate:
     def model_state_bytes_on(self, where: str) -> float:
         """Per rank on the device, the host (ZeRO-Offload), the disk (ZeRO-Infinity's tiers: their host
         rings are :meth:`disk_tiers`'), or all. A resident unit at stage 3 keeps whole weights on the
-        device and no secondary copy: stage 2's formula."""
+        device and no secondary copy: stage 2's formula. DiLoCo's state is the whole shard's (its
+        exchange pads the shard at once), beside the masters."""
         zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
-        owners = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
-        return owners + sum(
+        # the whole-parameter owners' state and DiLoCo's, held once per rank rather than per unit
+        held = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
+        beside_masters = "host" if offload.optimizer != "none" else "device"  # the disk tier is refused with it
+        if self.diloco and where in ("all", beside_masters):
+            held += outer_state_bytes(self.shard_numel, zero.outer, self.layout.nodes)
+        return held + sum(
             analytic_model_state_bytes(
                 u.padded,
                 world,
@@ -142,7 +148,6 @@ class Estimate:
                 frozen=u.frozen_padded,
                 frozen_quant=frozen_quant(zero),
                 qwd_reference=zero.qwz.delta and not u.resident,
-                outer=zero.outer if self.diloco else None,
             )
             for u in self.units
         )

@@ -114,7 +114,8 @@ def print_estimate(est: Estimate, result: dict[str, Any]) -> None:
 def _outer_rows(head: Any, est: Estimate, outer: dict[str, Any]) -> None:
     """DiLoCo: the replicas and the exchange, per synchronization and spread over the steps."""
     every, bits = outer["sync_every"], outer["bits"]
-    how = f"int{bits} all-gather (blocks of {est.zero.outer.block_size})" if bits else "fp32 all-reduce"
+    blocks = f"blocks of {est.zero.outer.block_size}"
+    how = f"int{bits} reduce-scatter and all-gather ({blocks})" if bits else "fp32 all-reduce"
     head.add_row(
         "DiLoCo",
         f"{est.layout.nodes} replicas, ZeRO over each node's {est.shard_layout.world_size} data-parallel ranks "
