@@ -72,6 +72,7 @@ ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.
 SUBPROGRAMS = {
     "estimate": "predict memory and communication per rank and step (zeropp estimate --help)",
     "cluster": "run zeropp train on emulated nodes joined by shaped links, as root (zeropp cluster --help)",
+    "simulate": "simulate a GPU cluster's training step: time, TFLOPs, memory (zeropp simulate --help)",
 }
 
 
@@ -321,7 +322,7 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
         print(note, file=sys.stderr, flush=True)
     quiet_torchrun()
     try:
-        elastic_launch(config, rank_process)(argv)
+        elastic_launch(config, rank_process)(main, argv)
     except SignalException as error:  # the agent turns SIGINT / SIGTERM into this
         if error.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

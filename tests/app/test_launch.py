@@ -187,7 +187,8 @@ def test_a_rank_blocked_in_the_rendezvous_stops_at_its_launchers_signal():
     # as a forked rank starts (one thread): no thread of the imports may take the signals first
     entry = (
         "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
-        "import sys; from zeropp.app.launch import rank_process; rank_process(sys.argv[1:])"
+        "import sys; from zeropp.app.launch import rank_process; from zeropp.cli import main; "
+        "rank_process(main, sys.argv[1:])"
     )
     command = [sys.executable, "-c", entry, "train", "--preset", "tiny", "--steps", "10"]
     rank = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

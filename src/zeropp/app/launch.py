@@ -52,16 +52,14 @@ STOPS = {signal.SIGINT, signal.SIGTERM}
 warnings.filterwarnings("ignore", r"'zeropp\.cli' found in sys\.modules", RuntimeWarning)
 
 
-def rank_process(argv: list[str]) -> None:
+def rank_process(main: Callable[[list[str]], int], argv: list[str]) -> None:
     """A rank of ``zeropp train`` as its launcher starts it: signals taken as above, its output
-    line-buffered (as ``python -u`` would write it), then ``zeropp ARGV``."""
+    line-buffered (as ``python -u`` would write it), then `main` (the CLI's) on ARGV."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
     threading.Thread(target=_stop_on_signal, name="zeropp-stop", daemon=True).start()
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    from zeropp.cli import main
-
     sys.exit(main(argv))
 
 
