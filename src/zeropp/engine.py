@@ -55,7 +55,7 @@ from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated
 from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.optim.outer import OuterStep, runs_outer_loop
+from zeropp.zero.optim.outer import OuterStep, refuse_fragments, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, read_for
@@ -105,6 +105,10 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         # DiLoCo: ZeRO inside each node, the nodes synchronized by the outer step (See [Note: the outer loop])
         outer = runs_outer_loop(self.config, self.topology.nodes, path)
+        units = None if units is None else list(units)
+        if outer:  # Streaming DiLoCo's fragments: whole units holding trainable parameters
+            modules = repeated_blocks(model) if units is None else units
+            refuse_fragments(self.config, len(group_parameters(model, modules)))
         self.groups = self.topology.shard_groups(self.config.hpz_partition_size, per_node=outer)  # refuses bad sizes
         self.replica = self.topology.node() if outer else self.topology.world  # the ranks training one model
         self.hpz_group_size = self.groups.hpz_group_size
@@ -116,7 +120,6 @@ class ZeroEngine:
         )
         self.last_gradient_allocations = 0
         self._check_tensor_parallel(model)
-        units = None if units is None else list(units)
         refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules

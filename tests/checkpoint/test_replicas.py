@@ -1,6 +1,7 @@
 """Checkpoints of DiLoCo runs (``zero.outer``): every node's replica and the outer step's state saved
-between synchronizations; a resume continues bit for bit; another node count continues saved node
-k mod N's replica from the same anchors; a plain run and export take node 0's."""
+between synchronizations; a resume continues bit for bit (with Streaming DiLoCo's fragments too, each
+fragment's residuals under keys of its own); another node count continues saved node k mod N's replica
+from the same anchors; a plain run and export take node 0's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from launcher import run_ranks
 from models import ADAM_EPS, global_batch, loss_of, make_model, rows
 
+from zeropp.checkpoint import residuals
 from zeropp.checkpoint.dcp import consolidated_state, find_latest, load_checkpoint, save_checkpoint
 
 STEPS, SAVED_AT = 5, 3  # synchronized after steps 2 and 4: the save falls between, with outer momentum
@@ -38,18 +40,19 @@ def _outer_state(engine) -> list[torch.Tensor]:
     return [t.clone() for t in (*outer.anchors, *momentum, *outer.residuals().values())]
 
 
-def save_and_resume_worker(root: str) -> dict:
-    engine = _engine(2, OUTER)
+def save_and_resume_worker(root: str, outer: dict = OUTER) -> dict:
+    engine = _engine(2, outer)
     _train(engine, range(SAVED_AT))
     save_checkpoint(engine, root, SAVED_AT)
     at_save = engine.full_state_dict()
     _train(engine, range(SAVED_AT, STEPS))
     through, outer_through = engine.full_state_dict(), _outer_state(engine)
-    resumed = _engine(2, OUTER)
+    resumed = _engine(2, outer)
     load_checkpoint(resumed, find_latest(root))
     _train(resumed, range(SAVED_AT, STEPS))
     return dict(
         node=engine.topology.node_of(engine.topology.rank),
+        residual_keys=sorted(residuals.to_save(engine)),
         at_save=at_save,
         bit_identical=all(torch.equal(through[k], v) for k, v in resumed.full_state_dict().items()),
         outer_identical=all(torch.equal(a, b) for a, b in zip(outer_through, _outer_state(resumed), strict=True)),
@@ -90,3 +93,13 @@ def test_a_diloco_checkpoint_resumes_bit_for_bit_on_any_node_count_and_exports_n
     assert all(torch.equal(plain[0]["masters"][k], saved[0][k]) for k in saved[0])
     _, exported = consolidated_state(find_latest(root))
     assert all(torch.equal(exported[k], saved[0][k]) for k in saved[0])
+
+
+def test_streaming_fragments_resume_bit_for_bit_with_each_fragment_s_residuals(tmp_path):
+    # H = 2, F = 2: fragment 0 synchronized after steps 1, 3 and 5, fragment 1 after 2 and 4; saved after 3
+    outer = dict(OUTER, outer_fragments=2)
+    results = run_ranks(save_and_resume_worker, 4, nodes=2, root=str(tmp_path / "ckpt"), outer=outer)
+    for rank, result in enumerate(results):
+        assert result["bit_identical"] and result["outer_identical"], rank
+        hops = ("gather", "inter")
+        assert result["residual_keys"] == [f"outer_residual.rank{rank}.fragment{f}.{h}" for f in (0, 1) for h in hops]

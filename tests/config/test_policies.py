@@ -53,6 +53,7 @@ FLAT = {
     "outer_nesterov": False,
     "outer_bits": 8,
     "outer_block_size": 128,
+    "outer_fragments": 2,
 }
 GROUPED = dict(
     qwz=QuantizedWeights(enabled=True, bits=4, block_size=128, quantization="tensor"),
@@ -71,7 +72,7 @@ GROUPED = dict(
     ),
     offload=OffloadPolicy(optimizer="nvme", params="cpu", path="/tmp", buffer_count=3),
     activations=ActivationCheckpointPolicy(enabled=True, partition_activations=True, cpu_checkpointing=True),
-    outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False, bits=8, block_size=128),
+    outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False, bits=8, block_size=128, fragments=2),
 )
 
 

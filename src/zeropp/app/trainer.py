@@ -450,7 +450,9 @@ class Trainer:
                 else None,
                 frozen=frozen_numel,
                 frozen_quant=frozen_quant(zero),
-                outer=(zero.outer, topo.nodes) if engine.outer is not None else None,
+                outer=(zero.outer, topo.nodes, [u.master.numel() for u in engine.units])
+                if engine.outer is not None
+                else None,
             ),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,

@@ -48,7 +48,7 @@ def to_save(engine: ZeroEngine, state: dict[str, Any]) -> dict[str, Any]:
     for unit, anchor in zip(engine.units, outer.anchors, strict=True):
         momentum = outer.optimizer.state.get(anchor, {}).get(MOMENTUM_STATE)
         for prefix, value in ((ANCHOR, anchor), (MOMENTUM, momentum)):
-            if value is not None:  # the momentum exists from the first synchronization on, on every rank
+            if value is not None:  # the momentum exists from its fragment's first synchronization on, on every rank
                 pieces = per_parameter.param_chunks(unit, value)
                 for name, param, shape, piece in zip(unit.names, unit.params, unit.layout.shapes, pieces, strict=True):
                     saved[prefix + name] = mesh.piece(piece, param, shape)

@@ -1,6 +1,7 @@
 """Error-feedback residuals in a checkpoint: qgZ's per unit and hop
 (``qgz_residual.rank<r>.<unit>.<hop>``) and DiLoCo's outer exchange's (``outer_residual.rank<r>.<hop>``:
-``inter``, its chunks of the change, and ``gather``, the mean chunk it owns).
+``inter``, its chunks of the change, and ``gather``, the mean chunk it owns; with Streaming DiLoCo's
+fragments ``outer_residual.rank<r>.fragment<f>.<hop>``, each fragment's own).
 
 What a rank's quantizations dropped belongs to that rank, like its RNG state: the residuals are saved
 per rank and loaded where the world size, node count and tensor-parallel size match the checkpoint's;

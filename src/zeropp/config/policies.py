@@ -250,6 +250,7 @@ class OuterLoop:
         "nesterov": "outer_nesterov",
         "bits": "outer_bits",
         "block_size": "outer_block_size",
+        "fragments": "outer_fragments",
     }
 
     sync_every: int = setting(
@@ -266,15 +267,35 @@ class OuterLoop:
         "what each rank's quantization dropped added to its next change)",
     )
     block_size: int = setting(256, "DiLoCo with outer_bits: values per quantization block (one fp32 scale each)")
+    fragments: int = setting(
+        1,
+        "Streaming DiLoCo: the model's units cut into this many contiguous fragments of about equal size, "
+        "synchronized one at a time, staggered over the sync_every steps (1: the whole model at once)",
+    )
 
     @property
     def enabled(self) -> bool:
         return self.sync_every > 0
 
+    def synced_after(self, step: int) -> tuple[int, ...]:
+        """The fragments synchronized after inner step `step` (from 1): fragment f where step % H ==
+        ((f + 1) H // F) % H, so the last one on plain DiLoCo's schedule and at most one a step (F <= H)."""
+        every, count = self.sync_every, self.fragments
+        if not self.enabled:
+            return ()
+        return tuple(f for f in range(count) if step % every == (f + 1) * every // count % every)
+
     def validate(self, name: Name) -> None:
         check_choices(self, "", name)
         require(self.sync_every >= 0, name("sync_every"), self.sync_every, "an integer >= 0 (0: off)")
         require(self.block_size >= 1, name("block_size"), self.block_size, "an integer >= 1")
+        require(self.fragments >= 1, name("fragments"), self.fragments, "an integer >= 1")
+        require(
+            not self.enabled or self.fragments <= self.sync_every,
+            name("fragments"),
+            self.fragments,
+            f"at most {name('sync_every')} ({self.sync_every}): one fragment synchronized a step at most",
+        )
         require(self.lr > 0, name("lr"), self.lr, "a number > 0")
         require(0 <= self.momentum < 1, name("momentum"), self.momentum, "a number from 0 to below 1")
         require(

@@ -60,7 +60,7 @@ from torch import nn
 
 from zeropp.config.policies import OuterLoop, check_switches, flat_name
 from zeropp.errors import ConfigError
-from zeropp.index.flat import node_chunk_numel
+from zeropp.index.flat import node_chunk_numel, outer_fragments
 from zeropp.quant.spec import QuantSpec
 from zeropp.runtime.reductions import MAX_IN_FLIGHT
 from zeropp.zero.weights.dtensor_params import local_tensor
@@ -92,7 +92,7 @@ def analytic_model_state_bytes(
     frozen: int = 0,
     frozen_quant: QuantSpec | None = None,
     qwd_reference: bool = False,
-    outer: tuple[OuterLoop, int] | None = None,
+    outer: tuple[OuterLoop, int] | tuple[OuterLoop, int, Sequence[int]] | None = None,
 ) -> float:
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
@@ -111,8 +111,9 @@ def analytic_model_state_bytes(
     compute dtype); `qwd_reference`: qWD's own rows of the reference, p Ψ/N on top of hpZ's copy (See
     [Note: qWD's reference]); `outer`: (DiLoCo's policy, nodes) where its outer loop runs, which keeps
     :func:`outer_state_bytes` of this rank's master shard (Ψ/N, Ψ at stage 0) beside the master, `world`
-    then being one node's data-parallel ranks (See [Note: the outer loop]); they do not add up over
-    parts of Ψ with ``outer_bits`` (one exchange pads the whole shard)."""
+    then being one node's data-parallel ranks (See [Note: the outer loop]); with ``outer_fragments``
+    > 1, (policy, nodes, this rank's master numel of each unit), which the fragments are cut from. They
+    do not add up over parts of Ψ with ``outer_bits`` (one exchange pads a whole fragment)."""
     offload_optimizer = offload_optimizer or optimizer_on_disk
     offload_params = offload_params or params_on_disk
     p = BYTES[precision]
@@ -125,7 +126,9 @@ def analytic_model_state_bytes(
     params = (p * psi + frozen_p * frozen) / (n if stage >= 3 else 1)
     grads = g * psi / (n if stage >= 2 else 1)
     states = k * psi / (n if stage >= 1 else 1)
-    states += 0 if outer is None else outer_state_bytes(psi // (n if stage >= 1 else 1), *outer)
+    if outer is not None:
+        policy, nodes, *shards = outer  # the units' shards where given, else one of Ψ/N
+        states += outer_state_bytes(shards[0] if shards else psi // (n if stage >= 1 else 1), policy, nodes)
     secondary = (p * psi + frozen_p * frozen) / hpz_group_size if hpz_group_size > 1 else 0
     secondary += p * psi / n if qwd_reference and stage >= 3 else 0
     disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)
@@ -182,13 +185,17 @@ def disk_params_step_bytes(shard_numel: int, precision: str, micro_batches: int,
     return (shard if hpz else 2 * micro_batches * shard), shard
 
 
-def outer_state_bytes(shard: int, outer: OuterLoop, nodes: int) -> int:
-    """DiLoCo's fp32 state per rank for a `shard` of master values: the anchor and the outer momentum (8
-    bytes a value) and, with ``outer_bits``, the residuals of its two quantizations: the shard cut into
-    one chunk per node (whole blocks, padded) and the mean chunk it owns, 4 (nodes + 1) bytes per value
-    of a chunk, about 4 + 4 / nodes per value of the shard (:class:`~zeropp.zero.optim.outer.OuterStep`)."""
-    chunk = node_chunk_numel(shard, nodes, outer.block_size)
-    return 8 * shard + (4 * (nodes + 1) * chunk if outer.bits else 0)
+def outer_state_bytes(shards: int | Sequence[int], outer: OuterLoop, nodes: int) -> int:
+    """DiLoCo's fp32 state per rank for master `shards` (this rank's values of each unit, in unit order;
+    an int: one unit): the anchor and the outer momentum (8 bytes a value) and, with ``outer_bits``, the
+    residuals of its two quantizations per fragment (:func:`~zeropp.index.flat.outer_fragments`): the
+    fragment's values cut into one chunk per node (whole blocks, padded) and the mean chunk it owns,
+    4 (nodes + 1) bytes per value of a chunk, about 4 + 4 / nodes per value of the shard
+    (:class:`~zeropp.zero.optim.outer.OuterStep`)."""
+    shards = [shards] if isinstance(shards, int) else list(shards)
+    fragments = [sum(shards[i] for i in f) for f in outer_fragments(shards, outer.fragments)]
+    chunks = sum(node_chunk_numel(numel, nodes, outer.block_size) for numel in fragments)
+    return 8 * sum(shards) + (4 * (nodes + 1) * chunks if outer.bits else 0)
 
 
 def qgz_residual_bytes(psi: int, ranks_per_node: int, nodes: int, intra_node_quantized: bool = True) -> float:

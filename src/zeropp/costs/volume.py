@@ -31,7 +31,8 @@ Under DiLoCo's outer loop (``zero.outer`` on more than one node) each node train
 the step's collectives are priced on one node (:meth:`~zeropp.index.ranks.Layout.one_node`: nothing
 crosses a node, hpZ is off), and every ``outer_sync_every`` steps each rank exchanges its masters' change
 with the other nodes (:func:`outer_transfers`: the only bytes between nodes) and the resident units'
-new weights are gathered again inside the node.
+new weights are gathered again inside the node; with ``outer_fragments`` one fragment of the units at a
+time, staggered over those steps.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from zeropp.comm.ledger import PA_GATHER, ring_bytes
 from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import BYTES, Activations
-from zeropp.index.flat import FlatLayout, node_chunk_numel, qgz_column_chunks
+from zeropp.index.flat import FlatLayout, node_chunk_numel, outer_fragments, qgz_column_chunks
 from zeropp.index.ranks import Layout
 from zeropp.quant.spec import QuantSpec
 from zeropp.zero.optim.owners import OWNER_OPS
@@ -106,14 +107,21 @@ def quantized_row(spec: QuantSpec, n: int) -> tuple[int, int]:
     return spec.row_bytes(n), SCALE_BYTES * spec.blocks(n)
 
 
-def master_numel(units: Iterable[UnitSize], data_parallel: Layout, zero: ZeroConfig) -> int:
-    """Master elements a rank holds: each unit's padded numel over the `data_parallel` ranks where the
-    optimizer state is sharded (stages 1-3), else whole."""
+def master_numels(units: Iterable[UnitSize], data_parallel: Layout, zero: ZeroConfig) -> list[int]:
+    """Master elements a rank holds of each unit: its padded numel over the `data_parallel` ranks where
+    the optimizer state is sharded (stages 1-3), else whole."""
     ranks = data_parallel.world_size if zero.stage >= 1 else 1
-    return sum(padded // ranks for padded, _ in units)
+    return [padded // ranks for padded, _ in units]
 
 
-def outer_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig) -> list[Transfer]:
+def master_numel(units: Iterable[UnitSize], data_parallel: Layout, zero: ZeroConfig) -> int:
+    """Master elements a rank holds (:func:`master_numels`, summed)."""
+    return sum(master_numels(units, data_parallel, zero))
+
+
+def outer_transfers(
+    units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig, fragment: int | None = None
+) -> list[Transfer]:
     """DiLoCo's synchronization on the (data-parallel x tensor-parallel) `layout` as a rank sends it (See
     [Note: the outer loop]), the `units` laid out on one node: the change of its masters (:func:`master_numel`)
     exchanged with its peers at its place on the other nodes, all of it between nodes: the fp32 all-reduce
@@ -121,12 +129,24 @@ def outer_transfers(units: Iterable[UnitSize], layout: Layout, zero: ZeroConfig)
     chunks of whole blocks (:func:`~zeropp.index.flat.node_chunk_numel`), each quantized (data and scales
     in one message): the all-to-all sends n-1 of them, the all-gather of the mean chunk (a ring) n-1 more;
     then, as after the inner step, every resident unit's new weights gathered inside the node
-    (:func:`published_weights`, stages 1-3)."""
+    (:func:`published_weights`, stages 1-3). With ``outer_fragments`` the same over the units of
+    `fragment` (:func:`~zeropp.index.flat.outer_fragments` of their masters), or (None) every fragment's
+    synchronization one after the other: what H steps exchange."""
     outer, nodes, units = zero.outer, layout.nodes, list(units)
     if nodes == 1 or not outer.enabled:
         return []
     replica = layout.one_node().data_parallel_layout()
-    shard = master_numel(units, replica, zero)
+    fragments = outer_fragments(master_numels(units, replica, zero), outer.fragments)
+    return [
+        t
+        for f in (range(len(fragments)) if fragment is None else [fragment])
+        for t in _fragment_sync([units[i] for i in fragments[f]], nodes, replica, zero)
+    ]
+
+
+def _fragment_sync(units: list[UnitSize], nodes: int, replica: Layout, zero: ZeroConfig) -> list[Transfer]:
+    """One synchronization of `units` (:func:`outer_transfers`)."""
+    outer, shard = zero.outer, master_numel(units, replica, zero)
     if outer.bits:
         chunk = node_chunk_numel(shard, nodes, outer.block_size)
         row = sum(quantized_row(QuantSpec(outer.bits, outer.block_size), chunk))

@@ -12,6 +12,7 @@ at the end (:meth:`FlatLayout.gaps`) hold zeros, receive zero gradients and ther
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,3 +157,18 @@ def node_chunk_numel(numel: int, nodes: int, block: int) -> int:
     """Values per chunk where `numel` values are cut into `nodes` equal chunks of whole `block`s (the last
     ones padded): DiLoCo's quantized exchange, one chunk per node (See [Note: the outer loop])."""
     return block * math.ceil(numel / (nodes * block))
+
+
+def outer_fragments(shards: Sequence[int], fragments: int) -> list[range]:
+    """The units (by index) of each of Streaming DiLoCo's `fragments`, given each unit's master numel on a
+    rank (`shards`, in unit order): contiguous, at least one unit each, and balanced by numel: boundary f
+    is the unit boundary nearest f / F of the total (the first on a tie), within what leaves every
+    fragment a unit (See [Note: the outer loop]). One fragment: every unit."""
+    if not 1 <= fragments <= len(shards):
+        raise ValueError(f"{fragments} fragments of {len(shards)} units")
+    prefix = [0, *itertools.accumulate(shards)]
+    total, bounds = prefix[-1], [0]
+    for f in range(1, fragments):
+        allowed = range(bounds[-1] + 1, len(shards) - (fragments - f) + 1)
+        bounds.append(min(allowed, key=lambda i: abs(fragments * prefix[i] - f * total)))
+    return [range(a, b) for a, b in zip(bounds, [*bounds[1:], len(shards)], strict=True)]

@@ -42,7 +42,7 @@ ZERO_FLAGS = (
     "hpz_partition_size", "quantized_gradients", "gradient_bits", "gradient_block_size", "qgz_pipeline_chunks", "qgz_pipeline_min_chunk",
     "quantized_nontrainable_weights", "nontrainable_weight_bits", "prefetch", "optimizer_state_dtype", "master_dtype",
     "offload_optimizer", "offload_params", "offload_path", "offload_buffer_count",
-    "outer_sync_every", "outer_bits", "outer_block_size",
+    "outer_sync_every", "outer_bits", "outer_block_size", "outer_fragments",
 )  # fmt: skip
 MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
@@ -52,23 +52,24 @@ SP_KEY = "topology.sequence_parallel"
 DEFAULT_BANDWIDTH = {"intra": "100gbit", "inter": "200mbit"}  # inter: the emulated cluster's tc limit
 
 
-class _UsageError(Exception):
-    pass
+class UsageError(Exception):
+    """A bad command line, said in one line (the tools' parsers raise it instead of printing usage)."""
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:  # one line, no usage block
-        raise _UsageError(message)
+        raise UsageError(message)
 
 
-def _bandwidth(text: str) -> float:
+def bandwidth_argument(text: str) -> float:
     try:
         return parse_bandwidth(text)
     except RateError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _param_count(text: str) -> int:
+def count_argument(text: str) -> int:
+    """A whole number >= 1, written as one (8) or in exponent form (7.5e9)."""
     try:
         value = float(text)
     except ValueError:
@@ -115,13 +116,13 @@ ZERO_R_HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="zeropp estimate",
         description="Per-rank memory of model states, per-step communication (intra-/inter-node bytes) and "
         "predicted communication time of zeropp, computed without running it (models: docs/estimate.md).",
     )
     model = parser.add_argument_group("model (default: the config's, else the embedded GPT 'small')")
-    model.add_argument("--params", type=_param_count, metavar="N", help="parameter count Ψ, one flat unit (7.5e9)")
+    model.add_argument("--params", type=count_argument, metavar="N", help="parameter count Ψ, one flat unit (7.5e9)")
     model.add_argument("--config", type=Path, help="a zeropp TOML/JSON config: its zero, model and topology keys")
     add_config_flags(model, MODEL_FLAGS)
     model.add_argument(
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     for link in ("intra", "inter"):
         cluster.add_argument(
             f"--{link}-node-bandwidth",
-            type=_bandwidth,
+            type=bandwidth_argument,
             default=parse_bandwidth(DEFAULT_BANDWIDTH[link]),
             metavar="RATE",
             help=f"{'a rank' if link == 'intra' else 'a node'}'s {link}-node bandwidth (default {DEFAULT_BANDWIDTH[link]})",
@@ -187,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         tables = args.zero_table or args.zeropp_table or args.zero_r_example
         result, shows = _tables(args) if tables else _estimate(args)
-    except _UsageError as error:
+    except UsageError as error:
         print(f"zeropp estimate: error: {error}", file=sys.stderr)
         return 2
     except ConfigError as error:
@@ -217,9 +218,9 @@ Shows = list[Callable[[], None]]  # what to print, after the JSON is written
 
 def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     if args.world is None:
-        raise _UsageError("argument --world is required (or ask for --zero-table / --zeropp-table / --zero-r-example)")
+        raise UsageError("argument --world is required (or ask for --zero-table / --zeropp-table / --zero-r-example)")
     if args.config is not None and not args.config.is_file():
-        raise _UsageError(f"argument --config: {str(args.config)!r} is not allowed; expected a .toml or .json file")
+        raise UsageError(f"argument --config: {str(args.config)!r} is not allowed; expected a .toml or .json file")
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     nodes = _nodes(args, overrides.get("topology.nodes"))
     if nodes is not None:
@@ -276,7 +277,7 @@ def _activations(args: argparse.Namespace, config: Config, sequence_parallel: bo
         )  # fmt: skip
     if len(missing) < len(shape) or any(switches.values()):
         what = "activation checkpoints" if any(switches.values()) else "the activations"
-        raise _UsageError(
+        raise UsageError(
             f"argument --params: {what} of a --params model need its shape; expected {', '.join(missing)} too"
         )
     return None
@@ -291,7 +292,7 @@ def _nodes(args: argparse.Namespace, nodes: int | None) -> int | None:
     if args.ranks_per_node is None:
         return nodes
     if args.world % args.ranks_per_node:
-        raise _UsageError(
+        raise UsageError(
             f"argument --ranks-per-node: {args.ranks_per_node} is not allowed; expected a divisor of --world {args.world}"
         )
     return args.world // args.ranks_per_node
@@ -317,7 +318,7 @@ def _tables(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         if args.world is not None:
             nodes = _nodes(args, getattr(args, "topology.nodes")) or 1
             if nodes < 2:
-                raise _UsageError(f"argument --nodes: {nodes} is not allowed; expected >= 2 with --zeropp-table")
+                raise UsageError(f"argument --nodes: {nodes} is not allowed; expected >= 2 with --zeropp-table")
             per_node = Layout(args.world, nodes).ranks_per_node
         result["zeropp_table_1"] = zeropp_table(nodes, per_node, args.params or 100_000_000_000)
         result["hpz_example"] = hpz_example()

@@ -17,14 +17,15 @@ data-parallel group: the ZeRO paper's §7, Ψ/N_m per device for model paralleli
 Under DiLoCo's outer loop (``zero.outer`` on more than one node) each node is a replica: ZeRO shards
 over one node's data-parallel ranks (memory with the outer loop's fp32 anchor, momentum and residuals),
 a step's collectives stay inside the node, and each rank's exchange at a synchronization
-(:func:`~zeropp.costs.volume.outer_transfers`) counts per sync and, spread over its H steps, per step.
+(:func:`~zeropp.costs.volume.outer_transfers`) counts per sync and, spread over its H steps, per step;
+with ``outer_fragments`` per fragment, each synchronized once in H steps at its own step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from zeropp.costs.volume import (
     Transfer,
     frozen_transfers,
     master_numel,
+    master_numels,
     outer_transfers,
     owner_transfers,
     step_transfers,
@@ -56,7 +58,7 @@ from zeropp.costs.volume import (
 )
 from zeropp.index.flat import FlatLayout
 from zeropp.index.ranks import Layout
-from zeropp.zero.optim.outer import runs_outer_loop
+from zeropp.zero.optim.outer import refuse_fragments, runs_outer_loop
 from zeropp.zero.optim.owners import refuse_whole_with
 from zeropp.zero.options import frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.stages import StagePolicy
@@ -84,7 +86,7 @@ class Estimate:
     activations: Activations | None = None  # the transformer's shape and ZeRO-R switches; None: not priced
     whole_parameters: bool = False  # the optimizer steps whole parameters on owner ranks
     diloco: bool = False  # DiLoCo's outer loop runs: every node a replica (See [Note: the outer loop])
-    sync_transfers: tuple[Transfer, ...] = ()  # DiLoCo: one synchronization's exchange
+    sync_transfers: tuple[tuple[Transfer, ...], ...] = ()  # DiLoCo: each fragment's synchronization
 
     @property
     def data_parallel(self) -> Layout:
@@ -100,6 +102,11 @@ class Estimate:
     def shard_numel(self) -> int:
         """Master elements per rank (:func:`~zeropp.costs.volume.master_numel`)."""
         return master_numel([(u.padded, u.resident) for u in self.units], self.shard_layout, self.zero)
+
+    @property
+    def unit_shard_numels(self) -> list[int]:
+        """Master elements per rank of each unit (:func:`~zeropp.costs.volume.master_numels`)."""
+        return master_numels([(u.padded, u.resident) for u in self.units], self.shard_layout, self.zero)
 
     @property
     def psi(self) -> int:
@@ -122,13 +129,13 @@ class Estimate:
         """Per rank on the device, the host (ZeRO-Offload), the disk (ZeRO-Infinity's tiers: their host
         rings are :meth:`disk_tiers`'), or all. A resident unit at stage 3 keeps whole weights on the
         device and no secondary copy: stage 2's formula. DiLoCo's state is the whole shard's (its
-        exchange pads the shard at once), beside the masters."""
+        exchange pads each fragment's shard at once), beside the masters."""
         zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
         # the whole-parameter owners' state and DiLoCo's, held once per rank rather than per unit
         held = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
         beside_masters = "host" if offload.optimizer != "none" else "device"  # the disk tier is refused with it
         if self.diloco and where in ("all", beside_masters):
-            held += outer_state_bytes(self.shard_numel, zero.outer, self.layout.nodes)
+            held += outer_state_bytes(self.unit_shard_numels, zero.outer, self.layout.nodes)
         return held + sum(
             analytic_model_state_bytes(
                 u.padded,
@@ -204,13 +211,21 @@ class Estimate:
             return 0
         return self.activations.checkpoint_bytes(self.layout.tensor_parallel_size, BYTES[self.zero.precision], where)
 
-    def ledger(self, rank: int | None = None, synced: bool | None = None) -> Ledger:
+    def synced_after(self, step: int) -> tuple[int, ...]:
+        """The fragments DiLoCo synchronizes after inner step `step` (from 1; none without it)."""
+        return self.zero.outer.synced_after(step) if self.diloco else ()
+
+    def ledger(self, rank: int | None = None, synced: bool | Iterable[int] | None = None) -> Ledger:
         """Bytes per optimizer step as the engine's ledger records them: global `rank`'s, or the mean over
-        ranks. Under DiLoCo the exchange counts whole at a synchronization (`synced` True), not at all
-        between them (False), and by default spread over its H steps (1/H of it a step)."""
+        ranks. Under DiLoCo a fragment's exchange counts whole at a step that synchronizes it (`synced`:
+        the fragments it synchronizes, :meth:`synced_after`; True: every fragment, plain DiLoCo's
+        synchronization; False: none), and by default every fragment's spread over its H steps (1/H of
+        each a step, as each fragment synchronizes once in H steps)."""
         ledger = Ledger(steps=1)
         every = self.zero.outer.sync_every if synced is None else 1
-        outer = [(t, t.sent / every if every > 1 else t.sent) for t in self.sync_transfers if synced is not False]
+        everyone = range(len(self.sync_transfers))
+        fragments = everyone if synced is None or synced is True else () if synced is False else synced
+        outer = [(t, t.sent / every if every > 1 else t.sent) for f in fragments for t in self.sync_transfers[f]]
         for t, sent in (*((t, t.sent) for t in self.transfers), *outer):
             with ledger.in_phase(t.phase):
                 if rank is None:
@@ -223,14 +238,18 @@ class Estimate:
 
     def outer_exchange(self) -> dict[str, Any] | None:
         """DiLoCo's exchange (None without it): the bytes between nodes a rank and a node send per
-        synchronization and per step (/H)."""
+        synchronization of the whole model (with fragments, every fragment's once: H steps' worth), per
+        fragment's synchronization, and per step (/H)."""
         if not self.diloco:
             return None
         outer, per_node = self.zero.outer, self.layout.ranks_per_node
-        per_sync = sum(t.sent for t in self.sync_transfers if t.crossing)
-        regathered = sum(t.sent for t in self.sync_transfers if not t.crossing)  # resident units' new weights
+        fragments = [sum(t.sent for t in sync if t.crossing) for sync in self.sync_transfers]
+        per_sync = sum(fragments)
+        # resident units' new weights
+        regathered = sum(t.sent for sync in self.sync_transfers for t in sync if not t.crossing)
         return {
             "sync_every": outer.sync_every, "bits": outer.bits, "shard_numel": self.shard_numel,
+            "fragments": outer.fragments, "fragment_bytes_per_sync_per_rank": fragments,
             "bytes_per_sync_per_rank": per_sync, "node_bytes_per_sync": per_node * per_sync,
             "bytes_per_step_per_rank": per_sync / outer.sync_every,
             "node_bytes_per_step": per_node * per_sync / outer.sync_every,
@@ -433,7 +452,10 @@ def estimate(
         *frozen_transfers(est.gathered_frozen, replica.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
     ]
-    sync = outer_transfers(((u.padded, u.resident) for u in units), layout, zero) if diloco else ()
+    sizes = [(u.padded, u.resident) for u in units]
+    if diloco:  # Streaming DiLoCo's fragments: whole units holding trainable parameters, as the engine refuses
+        refuse_fragments(zero, sum(1 for u in units if u.numel))
+    sync = [tuple(outer_transfers(sizes, layout, zero, f)) for f in range(zero.outer.fragments)] if diloco else []
     return dataclasses.replace(est, transfers=tuple(transfers), sync_transfers=tuple(sync))
 
 

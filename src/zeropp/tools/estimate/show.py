@@ -121,14 +121,21 @@ def _outer_rows(head: Any, est: Estimate, outer: dict[str, Any]) -> None:
         f"{est.layout.nodes} replicas, ZeRO over each node's {est.shard_layout.world_size} data-parallel ranks "
         f"(nothing else crosses a node); every {every} steps an {how} of {outer['shard_numel']:,} values per rank",
     )
+    if outer["fragments"] > 1:
+        head.add_row(
+            "  fragments",
+            f"{outer['fragments']}, staggered over the {every} steps (one synchronized at a time): per fragment's "
+            f"sync {', '.join(si(b) for b in outer['fragment_bytes_per_sync_per_rank'])} per rank",
+        )
     head.add_row(
         "  outer exchange",
-        f"per sync {si(outer['bytes_per_sync_per_rank'])} per rank ({si(outer['node_bytes_per_sync'])} per node); "
+        f"{'per sync' if outer['fragments'] == 1 else f'every {every} steps'} "
+        f"{si(outer['bytes_per_sync_per_rank'])} per rank ({si(outer['node_bytes_per_sync'])} per node); "
         f"per step {si(outer['bytes_per_step_per_rank'])} per rank ({si(outer['node_bytes_per_step'])} per node)",
     )
     if outer["intra_node_bytes_per_sync_per_rank"]:
         head.add_row(
-            "  after each sync",
+            "  after each sync" if outer["fragments"] == 1 else "  after every fragment's sync",
             f"the resident units' new weights gathered again inside the node: "
             f"{si(outer['intra_node_bytes_per_sync_per_rank'])} per rank",
         )

@@ -21,7 +21,8 @@ runs of one seed are paired: their differences are the configurations', not the 
 - DiLoCo (``--outer-sync-every``): each simulated node trains alone with ZeRO-3 over its 2 ranks and
   the nodes meet every 10 or 50 steps (Nesterov SGD, lr 0.7, momentum 0.9), and as often with the
   change in int4 blocks with error feedback (no weight error: the nodes apart between synchronizations
-  are the algorithm, not an error).
+  are the algorithm, not an error); and Streaming DiLoCo (``--outer-fragments 3``: one unit of the
+  tiny GPT synchronized at a time, staggered over the 50 steps).
 
 Per configuration: validation loss every ``--eval-interval`` steps, mean and standard deviation
 over the seeds, and the paired gap to ZeRO-3 (mean and standard deviation of the per-seed
@@ -83,6 +84,13 @@ CONFIGS: dict[str, dict[str, Any]] = {  # zero keys of each configuration
     "ZeRO-3 DiLoCo H=50": {**ZEROPP_OFF, "outer_sync_every": 50},
     "ZeRO-3 DiLoCo H=10 int4": {**ZEROPP_OFF, "outer_sync_every": 10, "outer_bits": 4},
     "ZeRO-3 DiLoCo H=50 int4": {**ZEROPP_OFF, "outer_sync_every": 50, "outer_bits": 4},
+    # Streaming DiLoCo: the tiny GPT's 3 units (2 blocks, the root) each synchronized once in 50 steps, staggered
+    "ZeRO-3 Streaming DiLoCo H=50 F=3 int4": {
+        **ZEROPP_OFF,
+        "outer_sync_every": 50,
+        "outer_fragments": 3,
+        "outer_bits": 4,
+    },
 }
 
 
