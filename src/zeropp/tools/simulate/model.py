@@ -1,0 +1,292 @@
+"""One training step of a GPU cluster, simulated: the estimator's transfers and memory, timed.
+
+What each collective sends and what each GPU holds are the estimator's (:func:`~zeropp.tools.estimate.estimate`:
+:mod:`zeropp.costs.volume`'s transfers, :mod:`zeropp.costs.memory`'s formulas); this module adds their
+time on a fabric (:mod:`zeropp.costs.collectives`: NCCL's ring and tree on alpha-beta links), the
+compute from the GPU's datasheet peak and one achieved efficiency, the quantization kernels' time
+from its memory bandwidth, and stage 3's overlap (:func:`~zeropp.costs.step_time.pass_seconds`: each
+pass a pipeline of per-unit communication and compute over the model's blocks, prefetch on), of the
+share ``Assumptions.overlap`` of the communication (the rest exposed: the paper's runs hid less).
+
+Compute: a step does 6 Ψ T FLOPs per GPU (T tokens), 8 Ψ T with activation checkpointing (the
+forward recomputed in backward): forward 2 Ψ T, backward the rest. Achieved TFLOPs count the same
+FLOPs over the step's time (the papers' TFLOPs, recomputation included), ``peak_fraction`` their
+share of the datasheet peak. The quantization kernels (qwZ's dequantization of every gathered unit,
+qgZ's two quantize / dequantize hops over the gradient) stream about 3 bytes per element through
+memory and run on the GPU beside the matmuls: their time adds to the pass's compute. The optimizer
+step (Adam on the rank's fp32 shard, about 32 bytes moved per element) follows the backward pass.
+
+Variants: ZeRO-3 (FSDP2's full sharding sends the same), ZeRO++ and each of its parts alone, DDP
+(stage 0: its bucketed all-reduce overlaps backward, priced like stage 3's reductions over the same
+blocks), HSDP (FSDP2's hybrid sharding: ZeRO-3 inside each node, each rank's gradient shard
+all-reduced with its peers on the other nodes, in the gradient dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from zeropp.comm.ledger import ring_bytes
+from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig
+from zeropp.costs.collectives import Fabric, Group, Link, collective_seconds
+from zeropp.costs.memory import BYTES
+from zeropp.costs.step_time import pass_seconds
+from zeropp.costs.volume import STEP_PHASES, Transfer
+from zeropp.errors import ConfigError
+from zeropp.tools.estimate.model import Estimate, estimate
+from zeropp.tools.simulate.gpus import GPUS, Gpu
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "zero3": {"stage": 3},
+    "zeropp": {"stage": 3, **ZEROPP_SWITCHES},
+    "qwz": {"stage": 3, "quantized_weights": True},
+    "hpz": {"stage": 3, "hpz_partition_size": 0},
+    "qgz": {"stage": 3, "quantized_gradients": True},
+    "ddp": {"stage": 0},
+    "hsdp": {"stage": 3},  # on one node, plus the all-reduce between nodes (:func:`simulate`)
+}
+KERNEL_BYTES_PER_ELEMENT = 3  # a quantize or dequantize pass: 2 bytes of fp16/bf16 and 1 of int8 (int4: 1/2)
+ADAM_BYTES_PER_ELEMENT = 32  # fp32 master, two moments read and written, the gradient read, the weight written
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # one block's activations, bytes per token per d_model (Korthikanti et al. 2022)
+ASPECT = 128  # d_model / n_layer where the shape is not given (GPT-3: 12288 / 96)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the simulation does not read from a datasheet. The defaults are calibrated once on the
+    ZeRO++ paper's evaluation (docs/simulate.md); latencies and kernel efficiency are set, not fitted."""
+
+    compute_efficiency: float = 0.42  # achieved matmul FLOP/s over the datasheet peak
+    nic_efficiency: float = 0.7  # NCCL's bus bandwidth over the NICs' line rate
+    nvlink_efficiency: float = 0.8  # the same inside a node
+    intra_latency_s: float = 2e-6  # α of one ring step inside a node
+    inter_latency_s: float = 8e-6  # α of one ring step between nodes
+    kernel_efficiency: float = 0.5  # quantization kernels: their share of the memory bandwidth
+    overlap: float = 0.5  # share of a pass's communication prefetch can hide (1: the flow shop; 0: none)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Blocks and width of the transformer (its units: n_layer blocks of Ψ / n_layer)."""
+
+    n_layer: int
+    d_model: int
+    given: bool
+
+    @classmethod
+    def of(cls, params: int, n_layer: int | None, d_model: int | None) -> Shape:
+        """The given shape; the missing half from Ψ = 12 n_layer d_model²; neither given: d_model =
+        128 n_layer (GPT-3's proportions)."""
+        given = n_layer is not None and d_model is not None
+        if n_layer is None and d_model is None:
+            n_layer = max(1, round((params / (12 * ASPECT**2)) ** (1 / 3)))
+        if d_model is None:
+            d_model = max(1, round(math.sqrt(params / (12 * n_layer))))
+        if n_layer is None:
+            n_layer = max(1, round(params / (12 * d_model**2)))
+        return cls(n_layer, d_model, given)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    gpu: Gpu
+    gpus: int
+    ranks_per_node: int
+    variant: str
+    params: int
+    tokens_per_gpu: int
+    shape: Shape
+    activation_checkpointing: bool
+    assumptions: Assumptions
+    estimate: Estimate
+    comm_s: dict[str, float]  # seconds on the wire per phase
+    kernel_s: dict[str, float]  # quantization kernels per phase
+    compute_s: dict[str, float]  # matmuls per pass
+    optimizer_s: float
+    memory: dict[str, float]  # bytes per GPU
+
+    @property
+    def flops(self) -> float:
+        """FLOPs per GPU and step, as the papers count them (recomputation included)."""
+        return (8 if self.activation_checkpointing else 6) * self.params * self.tokens_per_gpu
+
+    @property
+    def passes_s(self) -> dict[str, float]:
+        """Each pass: the flow shop over the blocks (:func:`~zeropp.costs.step_time.pass_seconds`) of its
+        compute and the share `overlap` of its communication, the rest exposed after it."""
+        units, overlap = self.shape.n_layer, self.assumptions.overlap
+        return {
+            p: pass_seconds(self.compute_s[p] + self.kernel_s[p], overlap * self.comm_s[p], units)
+            + (1 - overlap) * self.comm_s[p]
+            for p in ("forward", "backward")
+        }
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.passes_s.values()) + self.comm_s["step"] + self.optimizer_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops / self.step_s / 1e12
+
+    @property
+    def peak_fraction(self) -> float:
+        return self.flops / self.step_s / self.gpu.peak_flops
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.name, "gpus": self.gpus, "gpus_per_node": self.ranks_per_node,
+            "nodes": self.gpus // self.ranks_per_node, "variant": self.variant, "params": self.params,
+            "n_layer": self.shape.n_layer, "d_model": self.shape.d_model, "shape_given": self.shape.given,
+            "tokens_per_gpu": self.tokens_per_gpu, "activation_checkpointing": self.activation_checkpointing,
+            "assumptions": dataclasses.asdict(self.assumptions),
+            "step_seconds": self.step_s, "passes_seconds": self.passes_s, "comm_seconds": self.comm_s,
+            "kernel_seconds": self.kernel_s, "compute_seconds": self.compute_s, "optimizer_seconds": self.optimizer_s,
+            "flops_per_gpu": self.flops, "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
+            "memory_bytes_per_gpu": self.memory_bytes, "memory_bytes_per_gpu_by_kind": self.memory,
+            "gpu_memory_bytes": self.gpu.memory_bytes, "fits": self.memory_bytes <= self.gpu.memory_bytes,
+        }  # fmt: skip
+
+
+def gpu_named(name: str) -> Gpu:
+    if name not in GPUS:
+        raise ConfigError(f"gpu {name!r} is not known; expected one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def fabric_for(
+    gpu: Gpu, ranks_per_node: int, inter_bits_per_s: float, intra_bits_per_s: float | None, a: Assumptions
+) -> Fabric:
+    """The links as NCCL drives them: line rates times its efficiencies (intra: the GPU's NVLink by default)."""
+    intra = (intra_bits_per_s or gpu.nvlink_bits_per_s) * a.nvlink_efficiency / 8
+    return Fabric(
+        Link(intra, a.intra_latency_s), Link(inter_bits_per_s * a.nic_efficiency / 8, a.inter_latency_s), ranks_per_node
+    )
+
+
+def group_of(transfer: Transfer, gpus: int, nodes: int) -> Group:
+    """The group a transfer's collective runs over, from its crossing share: 0, inside one node (hpZ's
+    group, qgZ's first hop, anything on one node); 1, one rank per node (qgZ's second hop, HSDP's
+    all-reduce); between, the world's ring."""
+    if transfer.crossing == 0:
+        return Group(gpus // nodes)
+    if transfer.crossing == 1:
+        return Group(nodes, nodes)
+    return Group(gpus, nodes)
+
+
+def phase_seconds(transfers: Iterable[Transfer], gpus: int, nodes: int, fabric: Fabric) -> dict[str, float]:
+    seconds = dict.fromkeys(STEP_PHASES, 0.0)
+    for t in transfers:
+        seconds[t.phase] += collective_seconds(t.op, t.sent, group_of(t, gpus, nodes), fabric)
+    return seconds
+
+
+def hsdp_transfers(est: Estimate, nodes: int) -> list[Transfer]:
+    """HSDP's all-reduce of every unit's gradient shard (its node's 1/G) with its peers on the other nodes."""
+    grad, per_node = BYTES[est.zero.grad_dtype or est.zero.precision], est.layout.world_size
+    return [
+        Transfer("all_reduce", "backward", ring_bytes(u.padded // per_node * grad, nodes, 2), 1.0) for u in est.units
+    ]
+
+
+def kernel_seconds(est: Estimate, gpu: Gpu, a: Assumptions) -> dict[str, float]:
+    """The quantization kernels per pass: qwZ dequantizes every gathered unit (in backward too unless hpZ
+    gathers there), qgZ quantizes and dequantizes the gradient at its intra-node hop and its 1/G again
+    at the inter-node one."""
+    zero, per_node = est.zero, est.layout.ranks_per_node
+    psi = sum(u.padded for u in est.gathered_per_use)
+    elements = dict.fromkeys(STEP_PHASES, 0.0)
+    if zero.qwz.enabled:
+        elements["forward"] += psi
+        elements["backward"] += psi if est.hpz_group_size == 1 else 0
+    if zero.qgz.enabled:
+        elements["backward"] += 2 * psi * (1 + 1 / per_node)
+    rate = gpu.hbm_bytes_per_s * a.kernel_efficiency / KERNEL_BYTES_PER_ELEMENT
+    return {p: n / rate for p, n in elements.items()}
+
+
+def simulate(
+    gpu: str,
+    gpus: int,
+    ranks_per_node: int,
+    inter_bits_per_s: float,
+    params: int,
+    tokens_per_gpu: int,
+    variant: str,
+    *,
+    intra_bits_per_s: float | None = None,
+    n_layer: int | None = None,
+    d_model: int | None = None,
+    activation_checkpointing: bool = True,
+    assumptions: Assumptions | None = None,
+) -> Simulation:
+    """One step of `params` parameters on `gpus` GPUs of kind `gpu`, `ranks_per_node` per node joined by
+    `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`).
+    Raises ConfigError for what it does not know or cannot lay out."""
+    kind, a = gpu_named(gpu), assumptions or Assumptions()
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
+    if ranks_per_node < 1 or gpus % ranks_per_node:
+        raise ConfigError(f"--gpus-per-node {ranks_per_node} does not divide --gpus {gpus}")
+    if min(params, tokens_per_gpu, gpus) < 1:
+        raise ConfigError("--params, --tokens-per-gpu and --gpus must be >= 1")
+    if min(a.compute_efficiency, a.nic_efficiency, a.nvlink_efficiency, a.kernel_efficiency) <= 0:
+        raise ConfigError("the efficiencies must be > 0")
+    nodes, shape = gpus // ranks_per_node, Shape.of(params, n_layer, d_model)
+    block = params // shape.n_layer
+    units = (*[block] * (shape.n_layer - 1), params - block * (shape.n_layer - 1))  # one unit per block
+    est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes)
+    fabric = fabric_for(kind, ranks_per_node, inter_bits_per_s, intra_bits_per_s, a)
+    rate = kind.peak_flops * a.compute_efficiency
+    forward = 2 * params * tokens_per_gpu / rate
+    total = (8 if activation_checkpointing else 6) * params * tokens_per_gpu / rate
+    return Simulation(
+        kind, gpus, ranks_per_node, variant, params, tokens_per_gpu, shape, activation_checkpointing, a, est,
+        comm_s=_comm_seconds(units, variant, kind.precision, gpus, nodes, fabric),
+        kernel_s=kernel_seconds(est, kind, a),
+        compute_s={"forward": forward, "backward": total - forward},
+        optimizer_s=est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s,
+        memory=memory_bytes(est, shape, tokens_per_gpu, activation_checkpointing),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate(units: tuple[int, ...], gpus: int, variant: str, precision: str, nodes: int) -> Estimate:
+    """The estimator's step (cached: a calibration simulates the same runs under many assumptions);
+    HSDP's on one node (`gpus`: one node's)."""
+    zero = ZeroConfig(precision=precision, **VARIANTS[variant])
+    return estimate(list(units), gpus, 1 if variant == "hsdp" else nodes, zero)
+
+
+@functools.lru_cache(maxsize=1024)
+def _comm_seconds(
+    units: tuple[int, ...], variant: str, precision: str, gpus: int, nodes: int, fabric: Fabric
+) -> dict[str, float]:
+    """Seconds on the wire per phase (cached beside :func:`_estimate`), HSDP's all-reduce between nodes added."""
+    est = _estimate(units, fabric.ranks_per_node if variant == "hsdp" else gpus, variant, precision, nodes)
+    transfers = [*est.transfers, *(hsdp_transfers(est, nodes) if variant == "hsdp" else ())]
+    return phase_seconds(transfers, gpus, nodes, fabric)
+
+
+def memory_bytes(est: Estimate, shape: Shape, tokens: int, checkpointing: bool) -> dict[str, float]:
+    """Per GPU: the estimator's model states and stage 3's transient buffers, the activation checkpoints
+    (one block input per block) and the activations of the blocks held whole (one, recomputed, with
+    checkpointing; all without)."""
+    element = BYTES[est.zero.precision]
+    block = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * shape.d_model
+    return {
+        "model_states": est.model_state_bytes,
+        "stage3_transient": sum((est.transient_bytes() or {}).values()),
+        "activation_checkpoints": shape.n_layer * tokens * shape.d_model * element if checkpointing else 0,
+        "activations": block * (1 if checkpointing else shape.n_layer),
+    }

@@ -1,0 +1,83 @@
+"""``zeropp simulate``'s printing: one step, the ZeRO++ paper's table, the Llama-3 table (Markdown, as
+docs/simulate.md shows them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeropp.config.rates import si
+from zeropp.tools.simulate.model import Simulation
+from zeropp.tools.simulate.papers import PAPER_PEAK_TFLOPS
+
+NAMES = {"zero3": "ZeRO-3", "zeropp": "ZeRO++", "qwz": "qwZ", "hpz": "hpZ", "qgz": "qgZ", "ddp": "DDP", "hsdp": "HSDP"}
+
+
+def print_simulation(sim: Simulation, inter_bits_per_s: float, intra_bits_per_s: float) -> None:
+    nodes = sim.gpus // sim.ranks_per_node
+    shape = "" if sim.shape.given else " (derived from P = 12 L H², with H = 128 L where neither is given)"
+    passes = sim.passes_s
+    print(
+        f"zeropp simulate: {NAMES[sim.variant]} on {sim.gpus} {sim.gpu.name} ({nodes} node(s) x {sim.ranks_per_node}), "
+        f"{si(inter_bits_per_s, 'bit/s')} per node between nodes, {si(intra_bits_per_s, 'bit/s')} per GPU inside"
+    )
+    print(
+        f"model: {sim.params / 1e9:.3g}B parameters, {sim.shape.n_layer} layers x d_model {sim.shape.d_model}{shape}, "
+        f"{sim.tokens_per_gpu} tokens per GPU, activation checkpointing {'on' if sim.activation_checkpointing else 'off'}"
+    )
+    print(
+        f"step: {sim.step_s:.3g} s (forward {passes['forward']:.3g} s, backward {passes['backward']:.3g} s, "
+        f"step's collectives {sim.comm_s['step']:.2g} s, optimizer {sim.optimizer_s:.2g} s)"
+    )
+    for name, seconds in (
+        ("compute", sim.compute_s),
+        ("communication", sim.comm_s),
+        ("quantization kernels", sim.kernel_s),
+    ):
+        print(f"  {name}: forward {seconds['forward']:.3g} s, backward {seconds['backward']:.3g} s")
+    print(
+        f"achieved: {sim.tflops_per_gpu:.1f} TFLOPs per GPU, peak_fraction {sim.peak_fraction:.3f} "
+        f"(of {sim.gpu.peak_flops / 1e12:g} TFLOPs)"
+    )
+    parts = ", ".join(f"{k.replace('_', ' ')} {si(v)}" for k, v in sim.memory.items())
+    fits = "fits" if sim.memory_bytes <= sim.gpu.memory_bytes else "does NOT fit"
+    print(f"memory per GPU: {si(sim.memory_bytes)} of {si(sim.gpu.memory_bytes)}, {fits} ({parts})")
+
+
+def paper_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| source | cell | the text | paper | simulated | ratio | reading |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        if r["unit"] == "x":
+            text, paper, simulated = f"{r['paper']:g}x", f"{r['paper']:.2f}x", f"{r['simulated']:.2f}x"
+        else:
+            text = f"{round(r['paper'] / PAPER_PEAK_TFLOPS * 100, 1):g}%"
+            paper, simulated = f"{r['paper']:.1f}", f"{r['simulated']:.1f}"
+        lines.append(
+            f"| {r['source']} | {r['label']} | {text} | {paper} | {simulated} | {r['ratio']:.2f} | {r['reading']} |"
+        )
+    return "\n".join(lines)
+
+
+def llama_markdown(rows: list[dict[str, Any]]) -> str:
+    """TFLOPs per GPU (peak fraction) of each variant at each bandwidth, memory per GPU of each variant
+    (the same at every bandwidth), ZeRO++ at 100 Gbit/s over ZeRO-3 at 400."""
+    keys = [k for k in rows[0] if "@" in k and "/" not in k]
+    variants = list(dict.fromkeys(k.split("@")[0] for k in keys))
+    speed = " | ".join(f"{NAMES[k.split('@')[0]]} {k.split('@')[1]}G" for k in keys)
+    memory = " | ".join(f"{NAMES[v]} GB" for v in variants)
+    lines = [
+        f"| model | H100s | {speed} | {memory} | ZeRO++ 100G / ZeRO-3 400G |",
+        "| --- | ---: |" + " ---: |" * (len(keys) + len(variants) + 1),
+    ]
+    for r in rows:
+        tflops = [f"{r[k]['tflops']:.0f} ({r[k]['peak_fraction']:.0%})" for k in keys]
+        gb = []
+        for v in variants:
+            cell = r[next(k for k in keys if k.startswith(f"{v}@"))]
+            gb.append(f"{cell['memory_gb']:.0f}" + ("" if cell["fits"] else " (OOM)"))
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | {' | '.join(tflops)} | {' | '.join(gb)} | {r['zeropp@100 / zero3@400']:.2f} |"
+        )
+    return "\n".join(lines)
