@@ -6,6 +6,11 @@ read ahead of their gathers."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+import os
+
 import pytest
 import torch
 from launcher import run_ranks
@@ -20,7 +25,7 @@ from zeropp.costs.memory import (
     disk_tier_step_bytes,
 )
 from zeropp.errors import ConfigError
-from zeropp.zero.offload.disk import DiskTier, rank_folder
+from zeropp.zero.offload.disk import ALIGN, STAGING_BYTES, DiskFiles, DiskTier, rank_folder
 
 STEPS = 3
 
@@ -236,3 +241,76 @@ def test_parameters_on_disk_resume_exactly_with_hpz_reading_nothing_in_backward(
 def test_a_folder_too_small_for_the_parameters_is_one_line(small_disk):
     message = run_ranks(_build_on, 1, path=str(small_disk("64k")), offload_params="nvme", offload_optimizer="cpu")
     assert message == ["zero.offload_path:"]
+
+
+# -- direct I/O: the files' pages never enter the page cache -------------------------------------------
+
+
+class _Files(DiskFiles):
+    """Files of given tensors, one tensor list per file."""
+
+    def __init__(self, folder, files: list[list[torch.Tensor]]) -> None:
+        super().__init__(folder, depth=1)
+        self.files = files
+        for _ in files:
+            self._open()
+
+    def tensors(self, index: int) -> list[torch.Tensor]:
+        return self.files[index]
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a private mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        window = (ctypes.c_char * size).from_buffer(mapped)
+        vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        status = libc.mincore(ctypes.c_void_p(ctypes.addressof(window)), ctypes.c_size_t(size), vector)
+        del window
+    assert status == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector)
+
+
+def _roundtrip(folder) -> tuple[_Files, list[torch.Tensor]]:
+    sizes = [[1, 1025], [(STAGING_BYTES // 4) + 3], [12345]]  # odd sizes, one over the staging buffer
+    files = [[torch.randn(n) for n in group] for group in sizes]
+    files[2][0] = files[2][0].bfloat16()
+    expected = [t.clone() for group in files for t in group]
+    return _Files(folder, files), expected
+
+
+@pytest.mark.unit
+def test_the_files_are_read_and_written_past_the_page_cache_bit_for_bit(tmp_path):
+    disk, expected = _roundtrip(tmp_path)
+    assert all(t.untyped_storage().nbytes() == 0 for group in disk.files for t in group)  # written out, freed
+    paths = sorted(tmp_path.glob("unit-*.bin"))
+    assert [cached_pages(p) for p in paths] == [0, 0, 0]
+    assert os.path.getsize(paths[0]) == ALIGN + 2 * ALIGN  # 4 bytes, then 4,100 bytes, each from a page boundary
+    for index in range(3):
+        disk._read_in(index)
+    assert all(torch.equal(a, b) for a, b in zip([t for g in disk.files for t in g], expected, strict=True))
+    assert [cached_pages(p) for p in paths] == [0, 0, 0]
+    disk.close()
+
+
+@pytest.mark.unit
+def test_a_file_system_without_direct_io_gets_buffered_files_said_once(tmp_path, monkeypatch, capsys):
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    disk, expected = _roundtrip(tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"zeropp: {tmp_path} does not take direct I/O (O_DIRECT): the offload files go through the page cache"
+    ]
+    assert sum(cached_pages(p) for p in tmp_path.glob("unit-*.bin")) > 0  # the check above can tell
+    for index in range(3):
+        disk._read_in(index)
+    assert all(torch.equal(a, b) for a, b in zip([t for g in disk.files for t in g], expected, strict=True))
+    disk.close()

@@ -10,14 +10,24 @@ their storage is resized to nothing; swapped in, the storage is allocated again 
 scalar states (Adam's ``step``) stay in memory.
 
 The ring that bounds host memory and overlaps the I/O: see [Note: the disk tier's ring] (docs/design.md).
+
+The files are read and written with direct I/O (``O_DIRECT``), so their pages never enter the page
+cache: a memory limit (a cgroup's ``memory.max``) is charged for the ring, not for the files. Direct
+I/O needs page-aligned buffers, offsets and lengths, so every tensor starts at a multiple of 4 KiB
+of its file, and the bytes travel through a page-aligned staging buffer of 4 MiB per thread (copied
+to and from the tensor's own storage, which torch aligns to 64 bytes only). A file system that
+refuses ``O_DIRECT`` gets buffered files instead, said once in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import mmap
 import os
 import shutil
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +37,66 @@ from torch import nn
 
 from zeropp.errors import ConfigError
 from zeropp.zero.optim.stepping import steps_unit_by_unit
+
+ALIGN = 4096  # direct I/O's alignment of buffers, offsets and lengths (the page size)
+STAGING_BYTES = 4 << 20  # the page-aligned buffer each I/O thread copies through
+_staging = threading.local()
+_buffered_note: set[str] = set()  # file systems already said to refuse direct I/O
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _staging_buffer() -> mmap.mmap:
+    """This thread's staging buffer: an anonymous mapping (page-aligned), private (mmap's default is
+    shared: a process forked after this thread made one would write into the same pages)."""
+    if getattr(_staging, "buffer", None) is None:
+        _staging.buffer = mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return _staging.buffer
+
+
+def open_direct(path: Path) -> int:
+    """`path` opened for direct I/O, or buffered (with a one-line note, once per folder) where the file
+    system refuses it."""
+    flags = os.O_RDWR | os.O_CREAT
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        return os.open(path, flags | direct, 0o600)
+    except OSError as error:
+        if not direct or error.errno != errno.EINVAL:
+            raise
+    if str(path.parent) not in _buffered_note:
+        _buffered_note.add(str(path.parent))
+        print(f"zeropp: {path.parent} does not take direct I/O (O_DIRECT): the offload files go through the page cache")
+    return os.open(path, flags, 0o600)
+
+
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    """`data` into file `fd` at `offset` (a multiple of ALIGN) through the staging buffer, its last
+    block padded with zeros to ALIGN."""
+    staging, done = _staging_buffer(), 0
+    while done < len(data):
+        n = min(STAGING_BYTES, len(data) - done)
+        staging[:n] = data[done : done + n]
+        padded = _aligned(n)
+        staging[n:padded] = bytes(padded - n)
+        written = os.pwritev(fd, [memoryview(staging)[:padded]], offset + done)
+        if written != padded:
+            raise OSError(f"wrote {written} of {padded} bytes")
+        done += n
+
+
+def read_at(fd: int, data: memoryview, offset: int) -> None:
+    """Fill `data` from file `fd` at `offset` (a multiple of ALIGN) through the staging buffer."""
+    staging, done = _staging_buffer(), 0
+    while done < len(data):
+        n = min(STAGING_BYTES, len(data) - done)
+        read = os.preadv(fd, [memoryview(staging)[: _aligned(n)]], offset + done)
+        if read < n:
+            raise OSError(f"read {read} of {n} bytes (a damaged offload file)")
+        data[done : done + n] = staging[:n]
+        done += n
 
 
 class DiskFiles:
@@ -53,31 +123,34 @@ class DiskFiles:
     def _open(self) -> None:
         """The next unit's file, written out at once (its memory freed)."""
         path = self.folder / f"{self.PREFIX}-{len(self._files):04d}.bin"
-        self._files.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        self._files.append(open_direct(path))
         self._write_out(len(self._files) - 1)
 
     def _write_out(self, index: int) -> None:
-        """Write the unit's states to its file and free their memory."""
-        offset = 0
+        """Write the unit's states to its file and free their memory. The byte counts are the tensors'
+        (each one's padding to ALIGN, under 4 KiB, is not counted)."""
+        offset, payload = 0, 0
         for tensor in self.tensors(index):
             buffer = _bytes_of(tensor)
-            written = os.pwritev(self._files[index], [buffer], offset)
-            if written != len(buffer):
-                raise OSError(f"wrote {written} of {len(buffer)} bytes to {self.folder}")
-            offset += len(buffer)
+            try:
+                write_at(self._files[index], buffer, offset)
+            except OSError as error:
+                raise OSError(f"{error} to {self.folder}") from None
+            offset, payload = offset + _aligned(len(buffer)), payload + len(buffer)
             tensor.untyped_storage().resize_(0)
-        self.bytes_written += offset if self.counting else 0
+        self.bytes_written += payload if self.counting else 0
 
     def _read_in(self, index: int) -> None:
-        offset = 0
+        offset, payload = 0, 0
         for tensor in self.tensors(index):
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
             buffer = _bytes_of(tensor)
-            read = os.preadv(self._files[index], [buffer], offset)
-            if read != len(buffer):
-                raise OSError(f"read {read} of {len(buffer)} bytes from {self.folder} (a damaged offload file)")
-            offset += len(buffer)
-        self.bytes_read += offset
+            try:
+                read_at(self._files[index], buffer, offset)
+            except OSError as error:
+                raise OSError(f"{error} from {self.folder}") from None
+            offset, payload = offset + _aligned(len(buffer)), payload + len(buffer)
+        self.bytes_read += payload
 
     def in_memory(self, index: int) -> bool:
         return all(t.untyped_storage().nbytes() > 0 for t in self.tensors(index))
