@@ -73,6 +73,7 @@ SUBPROGRAMS = {
     "estimate": "predict memory and communication per rank and step (zeropp estimate --help)",
     "cluster": "run zeropp train on emulated nodes joined by shaped links, as root (zeropp cluster --help)",
     "simulate": "simulate a GPU cluster's training step: time, TFLOPs, memory (zeropp simulate --help)",
+    "plan": "rank a run's configurations by simulated throughput within memory (zeropp plan --help)",
 }
 
 

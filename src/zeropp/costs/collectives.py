@@ -20,6 +20,9 @@ Closed forms (B: the buffer, the gathered or reduced tensor; S: what one rank se
   of ring and tree (its tuner does, by the same kind of model): :func:`all_reduce_seconds`.
 - **all-to-all** (pairwise): each rank sends B/n to every other rank, (g-1)/n B inside its node and
   (n-g)/n B to other nodes, n-1 messages one after the other in latency.
+
+**gloo** (``backend="gloo"``, CPU ranks) has no tree and performs a reduce-scatter as an all-reduce
+(:mod:`zeropp.costs.step_time`): both are priced as the ring all-reduce of the buffer.
 """
 
 from __future__ import annotations
@@ -105,14 +108,17 @@ def all_to_all_seconds(buffer_bytes: float, group: Group, fabric: Fabric) -> flo
     return (n - 1) * alpha + max(intra, inter)
 
 
-def collective_seconds(op: str, sent: float, group: Group, fabric: Fabric) -> float:
+def collective_seconds(op: str, sent: float, group: Group, fabric: Fabric, backend: str = "nccl") -> float:
     """The time of a collective given what one rank sends under the ledger's byte model
-    (:mod:`zeropp.comm.ledger`: S = (n-1)/n B, all-reduce 2(n-1)/n B): B recovered from S."""
+    (:mod:`zeropp.comm.ledger`: S = (n-1)/n B, all-reduce 2(n-1)/n B): B recovered from S; `backend`
+    ``"gloo"``: reductions as gloo runs them (see the module docstring)."""
     n = group.ranks
     if n == 1 or sent == 0:
         return 0.0
     passes = RING_PASSES.get(op, 1)
     buffer_bytes = sent * n / ((n - 1) * passes)
+    if backend == "gloo" and op in ("all_reduce", "reduce_scatter"):
+        return ring_seconds("all_reduce", buffer_bytes, group, fabric)
     if op == "all_reduce":
         return all_reduce_seconds(buffer_bytes, group, fabric)
     if op == "all_to_all":

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from zeropp.errors import ConfigError
 from zeropp.tools.estimate.cli import OneLineParser, UsageError, bandwidth_argument, count_argument
 from zeropp.tools.simulate.gpus import GPUS
-from zeropp.tools.simulate.model import VARIANTS, Assumptions, simulate
+from zeropp.tools.simulate.model import VARIANTS, Assumptions, default_assumptions, simulate
 from zeropp.tools.simulate.papers import assumptions_dict, llama_table, paper_table
 from zeropp.tools.simulate.show import llama_markdown, paper_markdown, print_simulation
 
@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
         "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP (models: docs/simulate.md).",
     )
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpu", choices=tuple(GPUS), help="the GPU type (datasheet peak, memory, NVLink)")
+    cluster.add_argument(
+        "--gpu",
+        choices=tuple(GPUS),
+        help="the GPU type (datasheet peak, memory, NVLink); cpu-gloo: the emulated cluster",
+    )
     cluster.add_argument("--gpus", type=count_argument, metavar="N", help="GPUs in all")
     cluster.add_argument(
         "--gpus-per-node",
@@ -112,7 +116,7 @@ def _assumptions(args: argparse.Namespace) -> Assumptions:
     given = {
         k: getattr(args, k) for k in ("compute_efficiency", "nic_efficiency", "overlap") if getattr(args, k) is not None
     }
-    return dataclasses.replace(Assumptions(), **given)
+    return dataclasses.replace(default_assumptions(args.gpu) if args.gpu else Assumptions(), **given)
 
 
 def _tables(args: argparse.Namespace, assumptions: Assumptions) -> int:

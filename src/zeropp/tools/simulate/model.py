@@ -19,7 +19,13 @@ step (Adam on the rank's fp32 shard, about 32 bytes moved per element) follows t
 Variants: ZeRO-3 (FSDP2's full sharding sends the same), ZeRO++ and each of its parts alone, DDP
 (stage 0: its bucketed all-reduce overlaps backward, priced like stage 3's reductions over the same
 blocks), HSDP (FSDP2's hybrid sharding: ZeRO-3 inside each node, each rank's gradient shard
-all-reduced with its peers on the other nodes, in the gradient dtype).
+all-reduced with its peers on the other nodes, in the gradient dtype); any other ZeRO keys over a
+variant's (``zero``: stage, bits, hpZ's group, ...), as ``zeropp plan`` enumerates them.
+
+The emulated cluster (``gpu="cpu-gloo"``): every rank shares one host, so its compute, kernels and
+optimizer run at the host's rate over the world; gloo's collectives (:mod:`zeropp.costs.collectives`);
+and :data:`PROFILE_ASSUMPTIONS`: the link's nominal rate, no latency, full overlap, as
+:mod:`zeropp.tools.bench.cluster.bound` predicts its steps (docs/simulate.md).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +76,25 @@ class Assumptions:
     overlap: float = 0.5  # share of a pass's communication prefetch can hide (1: the flow shop; 0: none)
 
 
+# the emulated cluster as bound.py prices it: nominal link rate, no latency (gloo's per-call cost is in the
+# calibrated compute), loopback inside a node, stage 3's flow shop with all its communication
+PROFILE_ASSUMPTIONS = {
+    "cpu-gloo": Assumptions(
+        compute_efficiency=1.0,
+        nic_efficiency=1.0,
+        nvlink_efficiency=1.0,
+        intra_latency_s=0.0,
+        inter_latency_s=0.0,
+        kernel_efficiency=1.0,
+        overlap=1.0,
+    ),
+}
+
+
+def default_assumptions(gpu: str) -> Assumptions:
+    return PROFILE_ASSUMPTIONS.get(gpu, Assumptions())
+
+
 @dataclass(frozen=True)
 class Shape:
     """Blocks and width of the transformer (its units: n_layer blocks of Ψ / n_layer)."""
@@ -109,6 +134,8 @@ class Simulation:
     compute_s: dict[str, float]  # matmuls per pass
     optimizer_s: float
     memory: dict[str, float]  # bytes per GPU
+    units: int  # what stage 3's overlap pipelines over
+    zero: tuple[tuple[str, Any], ...] = ()  # ZeRO keys over the variant's
 
     @property
     def flops(self) -> float:
@@ -119,7 +146,7 @@ class Simulation:
     def passes_s(self) -> dict[str, float]:
         """Each pass: the flow shop over the blocks (:func:`~zeropp.costs.step_time.pass_seconds`) of its
         compute and the share `overlap` of its communication, the rest exposed after it."""
-        units, overlap = self.shape.n_layer, self.assumptions.overlap
+        units, overlap = self.units, self.assumptions.overlap
         return {
             p: pass_seconds(self.compute_s[p] + self.kernel_s[p], overlap * self.comm_s[p], units)
             + (1 - overlap) * self.comm_s[p]
@@ -135,25 +162,40 @@ class Simulation:
         return self.flops / self.step_s / 1e12
 
     @property
+    def peak_flops(self) -> float:
+        """One GPU's peak (a shared host's over its ranks)."""
+        return self.gpu.peak_flops / (self.gpus if self.gpu.shared_host else 1)
+
+    @property
     def peak_fraction(self) -> float:
-        return self.flops / self.step_s / self.gpu.peak_flops
+        return self.flops / self.step_s / self.peak_flops
 
     @property
     def memory_bytes(self) -> float:
         return sum(self.memory.values())
+
+    @property
+    def memory_capacity(self) -> float:
+        """One GPU's memory (a shared host's over its ranks)."""
+        return self.gpu.memory_bytes / (self.gpus if self.gpu.shared_host else 1)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_capacity
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "gpu": self.gpu.name, "gpus": self.gpus, "gpus_per_node": self.ranks_per_node,
             "nodes": self.gpus // self.ranks_per_node, "variant": self.variant, "params": self.params,
             "n_layer": self.shape.n_layer, "d_model": self.shape.d_model, "shape_given": self.shape.given,
+            "units": self.units, "zero": dict(self.zero),
             "tokens_per_gpu": self.tokens_per_gpu, "activation_checkpointing": self.activation_checkpointing,
             "assumptions": dataclasses.asdict(self.assumptions),
             "step_seconds": self.step_s, "passes_seconds": self.passes_s, "comm_seconds": self.comm_s,
             "kernel_seconds": self.kernel_s, "compute_seconds": self.compute_s, "optimizer_seconds": self.optimizer_s,
             "flops_per_gpu": self.flops, "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
             "memory_bytes_per_gpu": self.memory_bytes, "memory_bytes_per_gpu_by_kind": self.memory,
-            "gpu_memory_bytes": self.gpu.memory_bytes, "fits": self.memory_bytes <= self.gpu.memory_bytes,
+            "gpu_memory_bytes": self.memory_capacity, "fits": self.fits,
         }  # fmt: skip
 
 
@@ -184,10 +226,12 @@ def group_of(transfer: Transfer, gpus: int, nodes: int) -> Group:
     return Group(gpus, nodes)
 
 
-def phase_seconds(transfers: Iterable[Transfer], gpus: int, nodes: int, fabric: Fabric) -> dict[str, float]:
+def phase_seconds(
+    transfers: Iterable[Transfer], gpus: int, nodes: int, fabric: Fabric, backend: str = "nccl"
+) -> dict[str, float]:
     seconds = dict.fromkeys(STEP_PHASES, 0.0)
     for t in transfers:
-        seconds[t.phase] += collective_seconds(t.op, t.sent, group_of(t, gpus, nodes), fabric)
+        seconds[t.phase] += collective_seconds(t.op, t.sent, group_of(t, gpus, nodes), fabric, backend)
     return seconds
 
 
@@ -229,11 +273,15 @@ def simulate(
     d_model: int | None = None,
     activation_checkpointing: bool = True,
     assumptions: Assumptions | None = None,
+    zero: Mapping[str, Any] | None = None,
+    units: Sequence[int | Sequence[int]] | None = None,
 ) -> Simulation:
     """One step of `params` parameters on `gpus` GPUs of kind `gpu`, `ranks_per_node` per node joined by
-    `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`).
-    Raises ConfigError for what it does not know or cannot lay out."""
-    kind, a = gpu_named(gpu), assumptions or Assumptions()
+    `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`)
+    with the ZeRO keys `zero` over its own; `units`: the model's units as the engine wraps them (numels,
+    or their parameters' numels; default: one per block). Raises ConfigError for what it does not know
+    or cannot lay out."""
+    kind, a = gpu_named(gpu), assumptions or default_assumptions(gpu)
     if variant not in VARIANTS:
         raise ConfigError(f"variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
     if ranks_per_node < 1 or gpus % ranks_per_node:
@@ -243,39 +291,53 @@ def simulate(
     if min(a.compute_efficiency, a.nic_efficiency, a.nvlink_efficiency, a.kernel_efficiency) <= 0:
         raise ConfigError("the efficiencies must be > 0")
     nodes, shape = gpus // ranks_per_node, Shape.of(params, n_layer, d_model)
-    block = params // shape.n_layer
-    units = (*[block] * (shape.n_layer - 1), params - block * (shape.n_layer - 1))  # one unit per block
-    est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes)
+    if units is None:
+        block = params // shape.n_layer
+        units = (*[block] * (shape.n_layer - 1), params - block * (shape.n_layer - 1))  # one unit per block
+    units = tuple(u if isinstance(u, int) else tuple(u) for u in units)
+    keys = tuple(sorted((zero or {}).items()))
+    est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes, keys)
     fabric = fabric_for(kind, ranks_per_node, inter_bits_per_s, intra_bits_per_s, a)
-    rate = kind.peak_flops * a.compute_efficiency
+    sharing = gpus if kind.shared_host else 1  # ranks sharing one host's compute and memory bandwidth
+    rate = kind.peak_flops * a.compute_efficiency / sharing
     forward = 2 * params * tokens_per_gpu / rate
     total = (8 if activation_checkpointing else 6) * params * tokens_per_gpu / rate
     return Simulation(
         kind, gpus, ranks_per_node, variant, params, tokens_per_gpu, shape, activation_checkpointing, a, est,
-        comm_s=_comm_seconds(units, variant, kind.precision, gpus, nodes, fabric),
-        kernel_s=kernel_seconds(est, kind, a),
+        comm_s=_comm_seconds(units, variant, kind.precision, gpus, nodes, fabric, keys, kind.backend),
+        kernel_s={p: s * sharing for p, s in kernel_seconds(est, kind, a).items()},
         compute_s={"forward": forward, "backward": total - forward},
-        optimizer_s=est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s,
+        optimizer_s=est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s * sharing,
         memory=memory_bytes(est, shape, tokens_per_gpu, activation_checkpointing),
+        units=len(units), zero=keys,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
-def _estimate(units: tuple[int, ...], gpus: int, variant: str, precision: str, nodes: int) -> Estimate:
+def _estimate(
+    units: tuple[Any, ...], gpus: int, variant: str, precision: str, nodes: int, keys: tuple[tuple[str, Any], ...] = ()
+) -> Estimate:
     """The estimator's step (cached: a calibration simulates the same runs under many assumptions);
     HSDP's on one node (`gpus`: one node's)."""
-    zero = ZeroConfig(precision=precision, **VARIANTS[variant])
+    zero = ZeroConfig(precision=precision, **{**VARIANTS[variant], **dict(keys)})
     return estimate(list(units), gpus, 1 if variant == "hsdp" else nodes, zero)
 
 
 @functools.lru_cache(maxsize=1024)
 def _comm_seconds(
-    units: tuple[int, ...], variant: str, precision: str, gpus: int, nodes: int, fabric: Fabric
+    units: tuple[Any, ...],
+    variant: str,
+    precision: str,
+    gpus: int,
+    nodes: int,
+    fabric: Fabric,
+    keys: tuple[tuple[str, Any], ...] = (),
+    backend: str = "nccl",
 ) -> dict[str, float]:
     """Seconds on the wire per phase (cached beside :func:`_estimate`), HSDP's all-reduce between nodes added."""
-    est = _estimate(units, fabric.ranks_per_node if variant == "hsdp" else gpus, variant, precision, nodes)
+    est = _estimate(units, fabric.ranks_per_node if variant == "hsdp" else gpus, variant, precision, nodes, keys)
     transfers = [*est.transfers, *(hsdp_transfers(est, nodes) if variant == "hsdp" else ())]
-    return phase_seconds(transfers, gpus, nodes, fabric)
+    return phase_seconds(transfers, gpus, nodes, fabric, backend)
 
 
 def memory_bytes(est: Estimate, shape: Shape, tokens: int, checkpointing: bool) -> dict[str, float]:

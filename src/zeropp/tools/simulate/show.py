@@ -36,11 +36,11 @@ def print_simulation(sim: Simulation, inter_bits_per_s: float, intra_bits_per_s:
         print(f"  {name}: forward {seconds['forward']:.3g} s, backward {seconds['backward']:.3g} s")
     print(
         f"achieved: {sim.tflops_per_gpu:.1f} TFLOPs per GPU, peak_fraction {sim.peak_fraction:.3f} "
-        f"(of {sim.gpu.peak_flops / 1e12:g} TFLOPs)"
+        f"(of {sim.peak_flops / 1e12:g} TFLOPs)"
     )
     parts = ", ".join(f"{k.replace('_', ' ')} {si(v)}" for k, v in sim.memory.items())
-    fits = "fits" if sim.memory_bytes <= sim.gpu.memory_bytes else "does NOT fit"
-    print(f"memory per GPU: {si(sim.memory_bytes)} of {si(sim.gpu.memory_bytes)}, {fits} ({parts})")
+    fits = "fits" if sim.fits else "does NOT fit"
+    print(f"memory per GPU: {si(sim.memory_bytes)} of {si(sim.memory_capacity)}, {fits} ({parts})")
 
 
 def paper_markdown(rows: list[dict[str, Any]]) -> str:

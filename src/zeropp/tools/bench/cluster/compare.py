@@ -9,7 +9,8 @@ memory per rank, the speedup over zeropp ZeRO-3 at the same bandwidth and nodes,
 on a shaped link the step's lower bound, the fraction of it reached and the estimator's prediction
 (:mod:`zeropp.tools.bench.cluster.bound`; the unshaped runs, added when not asked for, give the
 compute, and every shaped link is probed first). Writes results.json, results.md and the plots
-(step time with the bound, cross-node bytes) to the results folder.
+(step time with the bound, cross-node bytes) to the results folder. ``--plan``: the configurations
+of a ``zeropp plan --json`` output, in its order (docs/simulate.md, "zeropp plan").
 
 DeepSpeed runs when it is installed (``pip install deepspeed``; ``DS_ACCELERATOR=cpu``, gloo); its
 ZeRO++ (qwZ/qgZ) is CUDA-only and fails on CPU, which is recorded as the result.
@@ -30,27 +31,29 @@ from typing import Any
 
 from zeropp.app.flags import as_flags
 from zeropp.app.summary import RunSummary
+from zeropp.config.sections import ZEROPP_SWITCHES
 from zeropp.tools.bench.cluster.bound import UNSHAPED, add_bounds, busiest_node_bytes, estimator_fields
 from zeropp.tools.bench.rivals import RivalSummary
-from zeropp.tools.bench.runs import ZEROPP_OFF, ZEROPP_OFF_FLAGS, ZEROPP_ON_FLAGS, publish_report
+from zeropp.tools.bench.runs import ZEROPP_OFF, publish_report
 from zeropp.tools.cluster import probe_bandwidth, run_cluster
 from zeropp.tools.cluster.errors import ClusterError
 from zeropp.tools.cluster.links import check_privileges, parse_bandwidth
 
-ZEROPP = {
-    "zeropp ZeRO-1": ["--stage", "1"],
-    "zeropp ZeRO-2": ["--stage", "2"],
-    "zeropp ZeRO-3": ["--stage", "3", *ZEROPP_OFF_FLAGS],
-    "zeropp ZeRO-3 + qwZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_weights": True})],
-    "zeropp ZeRO-3 + hpZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"hpz_partition_size": 0})],
-    "zeropp ZeRO-3 + qgZ": ["--stage", "3", *as_flags(ZEROPP_OFF | {"quantized_gradients": True})],
-    "zeropp ZeRO++": ["--stage", "3", *ZEROPP_ON_FLAGS],
-    "zeropp ZeRO++ unquantized intra-node hop": ["--stage", "3", *ZEROPP_ON_FLAGS, "--gradient-intra-node-bits", "0"],
-    "zeropp ZeRO++ chunks of any size": ["--stage", "3", *ZEROPP_ON_FLAGS, "--qgz-pipeline-min-chunk", "1"],
+ZEROPP_KEYS: dict[str, dict[str, Any]] = {  # each configuration's ZeRO keys (zeropp simulate prices the same)
+    "zeropp ZeRO-1": {"stage": 1},
+    "zeropp ZeRO-2": {"stage": 2},
+    "zeropp ZeRO-3": {"stage": 3, **ZEROPP_OFF},
+    "zeropp ZeRO-3 + qwZ": {"stage": 3, **ZEROPP_OFF, "quantized_weights": True},
+    "zeropp ZeRO-3 + hpZ": {"stage": 3, **ZEROPP_OFF, "hpz_partition_size": 0},
+    "zeropp ZeRO-3 + qgZ": {"stage": 3, **ZEROPP_OFF, "quantized_gradients": True},
+    "zeropp ZeRO++": {"stage": 3, **ZEROPP_SWITCHES},
+    "zeropp ZeRO++ unquantized intra-node hop": {"stage": 3, **ZEROPP_SWITCHES, "gradient_intra_node_bits": 0},
+    "zeropp ZeRO++ chunks of any size": {"stage": 3, **ZEROPP_SWITCHES, "qgz_pipeline_min_chunk": 1},
     # DiLoCo: ZeRO-3 (ZeRO++ inside the node) in each node, the nodes synchronized every 10 steps, the change in int8
-    "zeropp DiLoCo H=10": ["--stage", "3", *ZEROPP_ON_FLAGS, "--outer-sync-every", "10"],
-    "zeropp DiLoCo H=10 int8": ["--stage", "3", *ZEROPP_ON_FLAGS, "--outer-sync-every", "10", "--outer-bits", "8"],
+    "zeropp DiLoCo H=10": {"stage": 3, **ZEROPP_SWITCHES, "outer_sync_every": 10},
+    "zeropp DiLoCo H=10 int8": {"stage": 3, **ZEROPP_SWITCHES, "outer_sync_every": 10, "outer_bits": 8},
 }
+ZEROPP = {name: as_flags(keys) for name, keys in ZEROPP_KEYS.items()}
 RIVALS = {
     "DDP": "ddp",
     "FSDP2": "fsdp2",
@@ -62,12 +65,16 @@ RIVALS = {
 }
 
 
-def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: str, steps: int) -> dict[str, Any]:
+def run_one(
+    name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: str, steps: int, flags: list[str] | None = None
+) -> dict[str, Any]:
+    """One configuration: `name` of :data:`ZEROPP` or :data:`RIVALS`, or zeropp with `flags` (a plan's)."""
     common = ["--preset", preset, "--steps", str(steps), "--micro-batch-size", "1"]
+    flags = flags if flags is not None else ZEROPP.get(name)
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = Path(tmp) / "summary.json"
-        if name in ZEROPP:
-            args = [*common, "--eval-batches", "1", "--eval-interval", str(steps + 1), *ZEROPP[name]]
+        if flags is not None:
+            args = [*common, "--eval-batches", "1", "--eval-interval", str(steps + 1), *flags]
             result = run_cluster(nodes, ranks_per_node, bandwidth, args, summary_path, timeout_s=900)
         else:
             args = ["--rival", RIVALS[name], *common]
@@ -103,6 +110,12 @@ def run_one(name: str, nodes: int, ranks_per_node: int, bandwidth: str, preset: 
     return row
 
 
+def planned(path: Path) -> dict[str, list[str]]:
+    """The configurations of a ``zeropp plan --json`` output, in its order: ``plan N: name`` -> zeropp flags."""
+    ranked = json.loads(path.read_text())["ranked"]
+    return {f"plan {i}: {entry['name']}": entry["zero_flags"] for i, entry in enumerate(ranked, 1)}
+
+
 def step_of(row: dict[str, Any]) -> float:
     """The step a speedup compares: the mean where the run has one (DiLoCo's synchronizations are in it,
     not in the median), else the median (the rivals')."""
@@ -122,7 +135,7 @@ def markdown(rows: list[dict[str, Any]], nodes: int, bandwidth: str) -> str:
         if "error" in r:
             lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | | | | | |")
             continue
-        speedup = step_of(base) / step_of(r) if base else float("nan")
+        speedup = f"{step_of(base) / step_of(r):.2f}x" if base else "n/a"  # no ZeRO-3 run (a plan's)
         mean = f"{r['mean_step_time_s']:.3f}" if r.get("mean_step_time_s") else "n/a"
         ledger = f"{r['ledger_inter_bytes_per_step'] / 1e6:.2f}" if r["ledger_inter_bytes_per_step"] else "n/a"
         bound = (
@@ -131,7 +144,7 @@ def markdown(rows: list[dict[str, Any]], nodes: int, bandwidth: str) -> str:
             else "| | |"
         )
         lines.append(
-            f"| {r['name']} | {r['median_step_time_s']:.3f} | {mean} | {r['tokens_per_s']:,.0f} | {speedup:.2f}x | {ledger} | "
+            f"| {r['name']} | {r['median_step_time_s']:.3f} | {mean} | {r['tokens_per_s']:,.0f} | {speedup} | {ledger} | "
             f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['peak_memory_bytes'] / 2**20:,.0f} | {bound} |"
         )
     return "\n".join(lines)
@@ -176,13 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", nargs="+", help="configuration names to run (default: all)")
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        help="a `zeropp plan --json` output: run its configurations, named 'plan N: ...' "
+        "(beside those of --only, if given)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench_cluster"))
     args = parser.parse_args(argv)
     names = [*ZEROPP, *RIVALS]
     if importlib.util.find_spec("deepspeed") is None:
         names = [n for n in names if not n.startswith("DeepSpeed")]
         print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
-    names = [n for n in names if not args.only or n in args.only]
+    plan = planned(args.plan) if args.plan else {}
+    names = [n for n in names if (not args.only and not plan) or n in (args.only or ())] + list(plan)
     shaped = [b for b in args.bandwidths if parse_bandwidth(b) is not None]
     try:  # before anything is written
         check_privileges(shaped=bool(shaped))
@@ -192,21 +212,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     goodput = {b: probe_bandwidth(b)["goodput_bps"] for b in shaped}
     print(json.dumps({"probed_goodput_bps": goodput}), flush=True)
+    recorded = vars(args) | {"out": str(args.out), "plan": args.plan and str(args.plan)}
     bandwidths = [UNSHAPED, *shaped]  # the unshaped runs give each configuration's compute: the bound needs them
     rows: list[dict[str, Any]] = []
     for nodes in args.nodes:
         for bandwidth in bandwidths:
             for name in names:
-                rows.append(run_one(name, nodes, args.ranks_per_node, bandwidth, args.preset, args.steps))
+                rows.append(
+                    run_one(name, nodes, args.ranks_per_node, bandwidth, args.preset, args.steps, plan.get(name))
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 (args.out / "results.json").write_text(
-                    json.dumps(
-                        {"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1
-                    )
+                    json.dumps({"args": recorded, "goodput_bps": goodput, "rows": rows}, indent=1)
                 )
     add_bounds(rows, goodput)
     (args.out / "results.json").write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "goodput_bps": goodput, "rows": rows}, indent=1)
+        json.dumps({"args": recorded, "goodput_bps": goodput, "rows": rows}, indent=1)
     )
     groups = {
         (n, b): [r for r in rows if (r["nodes"], r["bandwidth"]) == (n, b)] for n in args.nodes for b in bandwidths

@@ -1,0 +1,7 @@
+"""``python -m zeropp.tools.plan``: the same as ``zeropp plan``."""
+
+import sys
+
+from zeropp.tools.plan.cli import main
+
+sys.exit(main())
