@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import errno
 import importlib
-import multiprocessing
 import os
 import signal
 import sys
@@ -36,7 +35,7 @@ from zeropp.app.launch import (
     LAUNCH_FLAGS,
     LAUNCHER_PID,
     PEER_LOST_STATUS,
-    RANK_PRELOAD,
+    RANK_ENTRY,
     add_launch_flags,
     adopt_task,
     describe_failure,
@@ -44,7 +43,6 @@ from zeropp.app.launch import (
     is_rank,
     on_stop,
     quiet_torchrun,
-    rank_process,
     resolve,
     usable_cpus,
     waiting_note,
@@ -303,8 +301,7 @@ def _check_adapter_out(out: Path, config: Any) -> None:
 
 def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
+    from torch.distributed.run import get_args_parser, run
 
     launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS if k != "join_timeout_s"]
     # c10d rendezvous: each restart (--max-restarts) meets under a fresh key prefix; the static one
@@ -313,17 +310,16 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     # node 0 hosts the store even where its hostname does not resolve to master_addr
     host = ",is_host=true" if args.node_rank == 0 else ""
     launcher_argv.append(f"--rdzv-conf=join_timeout={args.join_timeout_s}{host}")
-    launcher_argv.append("--start-method=forkserver")  # See the note above RANK_PRELOAD
+    rank_command = ["--no-python", sys.executable, "-u", "-c", RANK_ENTRY, *argv]
+    torchrun_args = get_args_parser().parse_args([*launcher_argv, *rank_command])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // args.nproc_per_node)))
-    config, _, _ = config_from_args(get_args_parser().parse_args([*launcher_argv, "zeropp"]))
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
     os.environ[LAUNCHER_PID] = str(os.getpid())
     note = waiting_note(args, nodes)
     if note:
         print(note, file=sys.stderr, flush=True)
     quiet_torchrun()
     try:
-        elastic_launch(config, rank_process)(main, argv)
+        run(torchrun_args)
     except SignalException as error:  # the agent turns SIGINT / SIGTERM into this
         if error.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
@@ -383,17 +379,14 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
         shutdown(wait_for_others=False)  # the ranks met in the barrier above, or one failed
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
-    # A rank the launcher forked ends by os._exit anyway, once torchrun's agent has its answer.
     sys.stdout.flush()
     sys.stderr.flush()
-    if multiprocessing.parent_process() is not None:
-        sys.exit(status)
     os._exit(status)
 
 
 def _record_on_signal(trace: Any) -> None:
     """A rank stopped by SIGTERM or SIGINT (its launcher stopping the run) writes its flight record first."""
-    if LAUNCHER_PID in os.environ:  # started by rank_process: its stopping thread runs the hooks
+    if LAUNCHER_PID in os.environ:  # started by RANK_ENTRY: its stopping thread runs the hooks
         on_stop(trace.write)
         return
 

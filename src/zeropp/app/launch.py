@@ -1,8 +1,7 @@
 """``zeropp train``'s launcher side: torchrun's flags, the port, the environment, and what a failure says.
 
-The launcher runs torchrun's agent in its own process (torch.distributed's ``elastic_launch``), and
-each rank, forked from the agent's fork server (:func:`rank_process`), runs ``zeropp train`` again,
-recognising itself by torchrun's environment (``TORCHELASTIC_RUN_ID``).
+The launcher runs torch.distributed.run in its own process (it is torchrun's agent), and each rank
+runs ``zeropp train`` again, recognising itself by torchrun's environment (``TORCHELASTIC_RUN_ID``).
 Started by srun or mpirun once per rank instead, ``zeropp train`` is the rank itself (:func:`adopt_task`).
 A rank follows its launcher: it dies with it (``PR_SET_PDEATHSIG`` on Linux, and a watchdog thread
 that polls the parent pid everywhere), so killing ``zeropp train`` never leaves ranks training.
@@ -20,7 +19,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,45 +31,33 @@ TASK = "ZEROPP_TASK"  # set in a rank that srun or mpirun started (its launcher'
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
-# How the launcher starts a rank. torchrun's agent forks it from a fork server (start method
-# "forkserver") that imported zeropp once (RANK_PRELOAD): a rank skips the ~2 s of CPU a fresh
-# interpreter spends importing torch and zeropp, and the server never touched a device, so CUDA works
-# in its children (a child forked from a process that used CUDA could not).
-# Ctrl-C reaches every process of the terminal's group, and torchrun's agent forwards the SIGINT it
-# got to the ranks (then waits 30 s before SIGKILL). A Python handler runs only when the main thread
-# runs Python: a rank blocked in C++ (a gloo wait, the store's rendezvous) would hold it until the
-# SIGKILL. So the rank's first act (:func:`rank_process`) blocks SIGINT and SIGTERM in every thread
-# (threads started later inherit it; a forked child gets them back) and one thread takes them with
-# sigwait: it runs the stop hooks (the flight record, see on_stop) and ends the process by SIGTERM's
-# default action (or, where a library set a Python handler for SIGTERM, by os._exit a second later),
-# whatever the main thread is doing. The launcher alone says "interrupted".
-RANK_PRELOAD = ["zeropp.cli"]
+# How the launcher starts a rank. Ctrl-C reaches every process of the terminal's group, also ranks
+# still importing torch, and torchrun's agent forwards the SIGINT it got to the ranks (then waits 30 s
+# before SIGKILL). A Python handler runs only when the main thread runs Python: a rank blocked in C++
+# (a gloo wait, the store's rendezvous) would hold it until the SIGKILL. So the rank's first line
+# blocks SIGINT and SIGTERM in every thread (threads started later inherit it; a forked child gets
+# them back) and one thread takes them with sigwait: it runs the stop hooks (the flight record,
+# see on_stop) and ends the process by SIGTERM's default action (or, where a library set a Python
+# handler for SIGTERM, by os._exit a second later), whatever the main thread is doing.
+# The launcher alone says "interrupted".
+RANK_ENTRY = """\
+import os, signal, sys, threading, time
 STOPS = {signal.SIGINT, signal.SIGTERM}
-# A forked rank runs the launcher's main module again as __mp_main__ (multiprocessing's preparation):
-# under ``python -m zeropp.cli`` runpy warns that the server imported it already, which tells a user nothing.
-warnings.filterwarnings("ignore", r"'zeropp\.cli' found in sys\.modules", RuntimeWarning)
-
-
-def rank_process(main: Callable[[list[str]], int], argv: list[str]) -> None:
-    """A rank of ``zeropp train`` as its launcher starts it: signals taken as above, its output
-    line-buffered (as ``python -u`` would write it), then `main` (the CLI's) on ARGV."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
-    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
-    threading.Thread(target=_stop_on_signal, name="zeropp-stop", daemon=True).start()
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
-    sys.exit(main(argv))
-
-
-def _stop_on_signal() -> None:
+signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
+def stop():
     name = signal.Signals(signal.sigwait(STOPS)).name
-    run_stop_hooks(name)
+    launch = sys.modules.get("zeropp.app.launch")
+    if launch is not None:
+        launch.run_stop_hooks(name)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
     time.sleep(1)  # still here: a library set a Python handler for SIGTERM, which the main thread may never run
     os._exit(128 + signal.SIGTERM)
-
-
+threading.Thread(target=stop, name="zeropp-stop", daemon=True).start()
+from zeropp.cli import main
+sys.exit(main())
+"""
 _stop_hooks: list[Callable[[str], object]] = []
 PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
 
@@ -249,39 +235,26 @@ def describe_failure(error: BaseException, args: argparse.Namespace) -> str:
 
 
 def follow_launcher() -> None:
-    """In a rank: die when the launcher (torchrun's agent) dies. The rank's parent is the launcher's
-    fork server, which ends when the launcher does (or the launcher itself, under torchrun by hand)."""
-    parent = os.getppid()
+    """In a rank: die when the process that started it (torchrun's agent) dies."""
+    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    launcher = int(os.environ.get(LAUNCHER_PID, parent))
-    if os.getppid() != parent or not _alive(launcher):  # gone before prctl took effect
+    if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
-    threading.Thread(target=_watch, args=(parent, launcher), name="zeropp-launcher-watchdog", daemon=True).start()
+    threading.Thread(target=_watch, args=(parent,), name="zeropp-launcher-watchdog", daemon=True).start()
 
 
-def _watch(parent: int, launcher: int) -> None:
-    while os.getppid() == parent and _alive(launcher):
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
         time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        pass
-    return True
 
 
 def quiet_torchrun() -> None:
     """Silence torchrun's own warnings about failures and signals: the launcher says them once.
 
     Each of its modules' loggers has a level of its own (torch.distributed.elastic.utils.logging)."""
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL if ".multiprocessing" in name else logging.ERROR)
@@ -303,7 +276,7 @@ def on_stop(hook: Callable[[str], object]) -> None:
 
 
 def run_stop_hooks(name: str) -> None:
-    """Called by the stopping thread of :func:`rank_process`; a hook's failure never keeps the rank alive."""
+    """Called by the stopping thread of :data:`RANK_ENTRY`; a hook's failure never keeps the rank alive."""
     for hook in _stop_hooks:
         try:
             hook(name)

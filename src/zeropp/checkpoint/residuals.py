@@ -71,8 +71,9 @@ def to_load(engine: ZeroEngine, meta: Mapping[str, Any], saved: Mapping[str, Any
         return {}
     wanted = {}
     for index, ef in feedback:
-        shard = engine.units[index].layout.shard_numel
-        for hop, rows in zip(HOPS, (topo.world_size, topo.nodes), strict=True):
+        unit = engine.units[index]
+        shard, groups = unit.layout.shard_numel, unit.groups  # rows: qgZ's slices of the shard group, its nodes
+        for hop, rows in zip(HOPS, (groups.shard.size, groups.inter_node.size), strict=True):
             key = _qgz_key(rank, index, hop)
             if key in saved and tuple(saved[key].size) == (rows, shard):  # else (another layout) from zero
                 ef.residuals[hop] = torch.zeros(rows, shard, device=topo.device)
