@@ -5,7 +5,7 @@ The process forks from the tests' forkserver (:func:`launcher.forkserver`), whic
 zeropp once, instead of starting a fresh interpreter: the command's own imports cost about 2 s of CPU
 per run on 2 cores. What it runs is what ``python -m zeropp.cli ARGS`` runs: ``main(ARGS)`` with the
 given environment and working directory, its file descriptors 1 and 2 on files (so the ranks it
-launches write there too), at-exit handlers run at its end.
+launches write there too), its non-daemon threads joined and at-exit handlers run at its end.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from launcher import forkserver
@@ -40,6 +41,7 @@ def _main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) ->
 
         traceback.print_exc()
         code = 1
+    threading._shutdown()  # as the interpreter ends: its non-daemon threads joined, then the at-exit handlers
     atexit._run_exitfuncs()
     if isinstance(code, str):
         print(code, file=sys.stderr)
@@ -61,4 +63,6 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(["zeropp", *args], timeout)
-        return subprocess.CompletedProcess(["zeropp", *args], process.exitcode, Path(out).read_text(), Path(err).read_text())
+        return subprocess.CompletedProcess(
+            ["zeropp", *args], process.exitcode, Path(out).read_text(), Path(err).read_text()
+        )

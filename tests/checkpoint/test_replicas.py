@@ -95,7 +95,7 @@ def test_a_diloco_checkpoint_resumes_bit_for_bit_on_any_node_count_and_exports_n
     assert all(torch.equal(exported[k], saved[0][k]) for k in saved[0])
 
 
-def test_streaming_fragments_and_qgz_inside_the_nodes_resume_bit_for_bit_with_their_residuals(tmp_path):
+def test_streaming_fragments_and_qgz_inside_the_nodes_resume_bit_for_bit_with_their_residuals(tmp_path, capfd):
     # H = 2, F = 2: fragment 0 synchronized after steps 1, 3 and 5, fragment 1 after 2 and 4; saved after 3;
     # qgZ with LoCo's error feedback inside each node (its residuals' rows: the node's ranks)
     outer = dict(OUTER, outer_fragments=2, quantized_gradients=True, gradient_error_feedback="loco")
@@ -106,3 +106,9 @@ def test_streaming_fragments_and_qgz_inside_the_nodes_resume_bit_for_bit_with_th
         outer_keys = [f"outer_residual.rank{rank}.fragment{f}.{h}" for f in (0, 1) for h in hops]
         assert [k for k in result["residual_keys"] if k.startswith("outer_")] == outer_keys
         assert any(k.startswith(f"qgz_residual.rank{rank}.") for k in result["residual_keys"])  # qgZ's, loaded too
+    # resumed with one fragment: the fragments' outer residuals have no place here, and rank 0 says so
+    capfd.readouterr()
+    plain = dict(OUTER, quantized_gradients=True, gradient_error_feedback="loco")
+    run_ranks(resume_worker, 4, nodes=2, root=str(tmp_path / "ckpt"), simulated_nodes=2, outer=plain)
+    said = [line for line in capfd.readouterr().out.splitlines() if "error-feedback residuals" in line]
+    assert len(said) == 1 and said[0].startswith("zeropp: 4 of this rank's "), said  # the 2 fragments' 2 hops

@@ -82,4 +82,10 @@ def to_load(engine: ZeroEngine, meta: Mapping[str, Any], saved: Mapping[str, Any
         key = _outer_key(rank, hop)
         if key in saved and tuple(saved[key].size) == tuple(residual.shape):
             wanted[key] = residual
+    mine = [key for key in saved if key.startswith(PREFIXES) and key.split(".")[1] == f"rank{rank}"]
+    if rank == 0 and len(wanted) < len(mine):  # the same world, another layout (outer_fragments, qgZ, units)
+        print(
+            f"zeropp: {len(mine) - len(wanted)} of this rank's {len(mine)} error-feedback residuals in checkpoint "
+            f"{str(path)!r} have another layout here and start from zero"
+        )
     return wanted
