@@ -280,6 +280,11 @@ def test_what_the_outer_step_cannot_reach_is_refused_in_one_line(tmp_path):
     nvme = ZeroConfig(outer_sync_every=2, offload_optimizer="nvme", offload_path=str(tmp_path))
     with pytest.raises(ConfigError, match=r"^zero.outer_sync_every = 2 is not allowed with zero.offload_optimizer"):
         runs_outer_loop(nvme, 2, "segments")
+    params = ZeroConfig(outer_sync_every=2, offload_optimizer="cpu", offload_params="nvme", offload_path=str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"^zero.outer_sync_every = 2 is not allowed with zero.offload_params = 'nvme'"
+    ):
+        runs_outer_loop(params, 2, "segments")
     for key, value, allowed in (
         ("outer_sync_every", -1, "an integer >= 0"),
         ("outer_momentum", 1.0, "a number from 0 to below 1"),

@@ -163,7 +163,9 @@ class OuterStep:
 def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
     """Whether DiLoCo's outer loop runs: asked for, on more than one node (one node is plain zeropp).
     What it cannot reach yet is refused in one line before any collective: the masters of the
-    whole-parameter optimizer `path` live on their owners, and the disk tier's in files."""
+    whole-parameter optimizer `path` live on their owners, and the disk tiers' in files (the
+    parameters' tier writes each compute shard out after the inner step's publish; a synchronization
+    publishing into it again crashed the ranks)."""
     if not config.outer.enabled or nodes == 1:
         return False
     key = config.key("outer")("sync_every")
@@ -173,11 +175,12 @@ def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
             f"{key} = {every}: DiLoCo steps the shards of element-wise optimizers only (this optimizer takes the "
             "whole-parameter path); expected 0, or an element-wise optimizer (AdamW, Adam, SGD, ...)", key, every,
         )  # fmt: skip
-    if config.offload.optimizer == "nvme":
-        raise ConfigError(
-            f"{key} = {every} is not allowed with zero.offload_optimizer = 'nvme'; expected 0, or 'none' or 'cpu'",
-            key, every,
-        )  # fmt: skip
+    for tier in ("optimizer", "params"):
+        if getattr(config.offload, tier) == "nvme":
+            raise ConfigError(
+                f"{key} = {every} is not allowed with zero.offload_{tier} = 'nvme'; expected 0, or 'none' or 'cpu'",
+                key, every,
+            )  # fmt: skip
     return True
 
 
