@@ -13,7 +13,7 @@ PACKAGE = Path(
     importlib.util.find_spec("zeropp").origin
 ).parent  # found, not imported: a broken import still fails here
 LAYERS = (
-    "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel",
+    "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel", "context_parallel",
     "costs", "checkpoint", "engine", "integrations", "app", "tools", "cli",
 )  # fmt: skip
 

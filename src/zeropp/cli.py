@@ -55,6 +55,7 @@ from zeropp.checkpoint.pretrained import PretrainedError
 from zeropp.comm.communicator import CollectiveTimeout, PeerLost
 from zeropp.config.deepspeed import Translation, translate
 from zeropp.config.sections import ZEROPP_SWITCHES, load_config
+from zeropp.context_parallel import check_heads, check_length
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
 from zeropp.tensor_parallel.apply import check_sequence_length, plan_for
@@ -231,12 +232,11 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
             config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
         if deepspeed is not None:
             deepspeed.check_batch(config)
+        mesh = (config.topology.tensor_parallel_size, config.topology.context_parallel_size)
         if is_rank():
-            Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, config.topology.tensor_parallel_size)
+            Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, *mesh)
         else:
-            layout = Layout(
-                args.nproc_per_node * nodes, config.topology.nodes or nodes, config.topology.tensor_parallel_size
-            )
+            layout = Layout(args.nproc_per_node * nodes, config.topology.nodes or nodes, *mesh)
             layout.hpz_group_size(config.zero.hpz_partition_size)
             hpz_note = layout.hpz_note(config.zero.hpz_partition_size)  # hpZ asked for and off here
             if hpz_note:
@@ -252,6 +252,9 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                     plan_for(model, topology.tensor_parallel_size, topology.sequence_parallel)
             if topology.sequence_parallel:
                 check_sequence_length(source.block_size, topology.tensor_parallel_size)
+            if topology.context_parallel_size > 1:  # See [Note: Ulysses attention]
+                check_length(source.block_size, topology.context_parallel_size)
+                check_heads(source.n_head, topology.context_parallel_size, "the model's heads")
             preflight(config)
             for flag in ("summary_json", "metrics_jsonl", "plot"):
                 if getattr(args, flag) is not None:

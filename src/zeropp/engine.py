@@ -33,6 +33,7 @@ from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
 from zeropp.comm.sequence import check_sequences
 from zeropp.config.sections import ZeroConfig
+from zeropp.context_parallel import apply_context_parallel
 from zeropp.costs.memory import distinct_storage_bytes
 from zeropp.errors import ConfigError
 from zeropp.quant import scratch
@@ -120,6 +121,7 @@ class ZeroEngine:
         )
         self.last_gradient_allocations = 0
         self._check_tensor_parallel(model)
+        apply_context_parallel(model, self.comm)  # See [Note: Ulysses attention]
         refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
         unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
@@ -249,8 +251,15 @@ class ZeroEngine:
             )
             unit = (
                 FlatUnit(
-                    module, params, self.comm, self.groups, self.policy, options,
-                    broadcast_initial=not meta, initial_flat=flat, name=names.get(id(module), ""),
+                    module,
+                    params,
+                    self.comm,
+                    self.groups,
+                    self.policy,
+                    options,
+                    broadcast_initial=not meta,
+                    initial_flat=flat,
+                    name=names.get(id(module), ""),
                 )  # fmt: skip
                 if params
                 else None

@@ -93,6 +93,7 @@ class Topology:
     inter_node: Group
     data_parallel: Group
     tensor_parallel: Group
+    context_parallel: Group  # the ranks sharing sequences, each holding a slice (zeropp.context_parallel)
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     sequence_parallel: bool = False  # activations between the split layers sharded over the sequence (tensor_parallel)
     _built: dict[str, Group] = field(default_factory=dict)
@@ -187,7 +188,9 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     config.validate()
     launch = read_launch_environment(os.environ)  # torchrun's, Open MPI's, PMI's or Slurm's variables
     rank, world_size = launch.rank, launch.world_size
-    layout = Layout(world_size, config.nodes or launch.nodes or 1, config.tensor_parallel_size)
+    layout = Layout(
+        world_size, config.nodes or launch.nodes or 1, config.tensor_parallel_size, config.context_parallel_size
+    )
     backend = resolve_backend(config)
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
@@ -241,18 +244,19 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 def build_topology(
     layout: Layout, rank: int, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> Topology:
-    """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node (collective:
+    """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node, context-parallel (collective:
     every rank calls it identically)."""
     # An exit without shutdown() must not leave gloo's threads to the C++ runtime, also where another
     # library (accelerate under the Trainer, Lightning) started the process group: none destroys it.
     atexit.unregister(shutdown)
     atexit.register(shutdown, wait_for_others=False)
     world = Group(_register(dist.group.WORLD), tuple(range(layout.world_size)), rank)
-    topo = Topology(layout, rank, device, world, world, world, world, world, timeout)
+    topo = Topology(layout, rank, device, world, world, world, world, world, world, timeout)
     topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
     topo.tensor_parallel = topo.subgroups("tensor_parallel", layout.tensor_parallel_groups())
     topo.intra_node = topo.subgroups("intra_node", layout.intra_node_groups())
     topo.inter_node = topo.subgroups("inter_node", layout.inter_node_groups())
+    topo.context_parallel = topo.subgroups("context_parallel", layout.context_parallel_groups())
     return topo
 
 

@@ -101,3 +101,38 @@ def test_tensor_parallelism_takes_checkpoints_resume_init_from_and_low_precision
         "bf16",
         "auto",
     )
+
+
+def test_context_parallel_groups_cut_each_data_parallel_group_and_share_its_rows():
+    layout = Layout(8, 2, context_parallel_size=2)
+    assert layout.context_parallel_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [layout.reader(r) for r in range(8)] == [(r // 2, 4) for r in range(8)]
+    assert layout.data_parallel_groups() == [tuple(range(8))]  # ZeRO still shards over every rank
+    # with tensor parallelism innermost: runs of each data-parallel group, the same rows per tp index
+    layout = Layout(8, 1, tensor_parallel_size=2, context_parallel_size=2)
+    assert layout.context_parallel_groups() == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert [layout.reader(r) for r in range(8)] == [(0, 2), (0, 2), (0, 2), (0, 2), (1, 2), (1, 2), (1, 2), (1, 2)]
+    assert Layout(4, 1).reader(3) == (3, 4)
+
+
+@pytest.mark.parametrize("world,nodes,tp,cp", [(4, 2, 1, 4), (8, 1, 2, 3), (4, 1, 1, 0)])
+def test_cp_not_dividing_a_nodes_data_parallel_ranks_is_refused_in_one_line(world, nodes, tp, cp):
+    with pytest.raises(ConfigError) as error:
+        Layout(world, nodes, tp, cp)
+    message = str(error.value)
+    assert message.startswith(f"topology.context_parallel_size = {cp} does not divide the ") and "\n" not in message
+    assert "allowed: a divisor of" in message
+
+
+def test_context_parallel_refusals_name_the_length_and_the_heads():
+    from zeropp.context_parallel import check_heads, check_length
+
+    with pytest.raises(ConfigError, match=r"^a sequence of 30 tokens is not allowed with topology.context_parallel_size = 4; expected a multiple of 4"):  # fmt: skip
+        check_length(30, 4)
+    with pytest.raises(ConfigError, match=r"^topology.context_parallel_size = 4 does not divide the model's 6 attention heads \(model.n_head\)"):  # fmt: skip
+        check_heads(6, 4, "model.n_head")
+    check_length(32, 4), check_heads(8, 4, "model.n_head")  # no error
+    config = load_config(None, {"topology.context_parallel": 2})  # the short spelling, as --context-parallel
+    assert config.topology.context_parallel_size == 2
+    with pytest.raises(ConfigError, match="topology.context_parallel_size"):
+        TopologyConfig(context_parallel_size=0).validate()

@@ -300,6 +300,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
         ("tp", (*tensor_parallel, "--save-interval", "2")),
         ("dp", ("--nproc-per-node", "2")),
         ("sp", ("--nproc-per-node", "4", "--tensor-parallel", "2", "--sequence-parallel")),
+        ("cp", ("--nproc-per-node", "4", "--context-parallel", "2")),  # Ulysses: each rank half of every sequence
         ("resumed", (*tensor_parallel, "--resume", str(tmp_path / "ckpt" / "step-00000002"))),
     ):
         out = tmp_path / f"{name}.json"
@@ -312,6 +313,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     # 2 data-parallel ranks every time, same micro-batch and initial weights: the same losses, step by step
     assert tp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
     assert sp["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-5)
+    assert summaries["cp"]["train_losses"] == pytest.approx(dp["train_losses"], abs=1e-4)
     assert tp["tokens_per_s"] > 0 and dp["tensor_parallel_bytes_per_step"] == 0
     # Megatron's layout: 4 all-reduces per block and micro-batch, of micro_batch x block_size x d_model fp32
     from safetensors.torch import load_file
@@ -331,6 +333,12 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
         gpt.d_model * 4, 2, 2
     )
     assert tp["ledger"]["tp.all_reduce"]["forward"]["inter"] == 0
+    # Ulysses: per block, forward and backward, q, k, v and the output of each rank's half sequence
+    from zeropp.costs.context_parallel import ulysses_bytes
+
+    attention = ulysses_bytes(micro, gpt.block_size, gpt.n_head, gpt.n_head, gpt.d_model // gpt.n_head, 2, 4)
+    assert summaries["cp"]["context_parallel_bytes_per_step"] == 2 * gpt.n_layer * attention
+    assert summaries["cp"]["context_parallel_size"] == 2 and dp["context_parallel_bytes_per_step"] == 0
     # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
     assert tp["param_count"] < dp["param_count"]
     # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run

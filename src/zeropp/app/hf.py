@@ -111,9 +111,10 @@ def build_model(config: Any) -> nn.Module:
     return transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def causal_lm_loss(engine: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (in fp32) of the model's logits for inputs `x` against targets `y`."""
-    logits = engine(input_ids=x).logits
+def causal_lm_loss(engine: Any, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Mean next-token cross-entropy (in fp32) of the model's logits for inputs `x` against targets `y`
+    (`positions`: the tokens' places, None for 0, 1, ...)."""
+    logits = engine(input_ids=x, position_ids=None if positions is None else positions.unsqueeze(0)).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 

@@ -90,6 +90,9 @@ class RunSummary:
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     tensor_parallel_bytes_per_step: float = 0.0
+    # the context-parallel group's size (Ulysses) and its all-to-alls' bytes per rank and step (cp.*, mean over ranks)
+    context_parallel_size: int = 1
+    context_parallel_bytes_per_step: float = 0.0
     # activation checkpoints (zeropp.runtime.activation_checkpointing) rank 0 stored in its last step, peak: on the
     # compute device (with Pa+cpu only the pieces fetched back in backward, at most two) and on the host
     activation_checkpoint_bytes_per_rank: int = 0

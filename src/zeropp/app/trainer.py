@@ -35,6 +35,8 @@ from zeropp.checkpoint.dcp import (
 from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.comm.ledger import PA_GATHER
 from zeropp.config.sections import Config
+from zeropp.context_parallel import sequence_positions, split_sequence
+from zeropp.context_parallel.ulysses import LEDGER_OP as ULYSSES_OP
 from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, flat_numels, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.engine import ZeroEngine
@@ -49,7 +51,14 @@ from zeropp.zero.options import frozen_quant
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
-LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), PA_GATHER, *OWNER_OPS)
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), ULYSSES_OP, PA_GATHER, *OWNER_OPS)
+
+
+def _bytes_of(ledger: dict[str, dict[str, dict[str, float]]], prefix: str) -> float:
+    """The bytes per step of the ledger's ops named `prefix`..., every phase and link."""
+    return sum(
+        sum(links.values()) for op, phases in ledger.items() if op.startswith(prefix) for links in phases.values()
+    )
 
 
 OPTIMIZERS = {
@@ -160,8 +169,10 @@ class Trainer:
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = self.last_step_peak_memory = 0
         self.qgz_residual_bytes = 0  # the most qgZ's error-feedback residuals held on this rank
-        dp = self.topology.data_parallel  # the tensor-parallel ranks of one data-parallel rank read the same rows
-        args = (self.source.block_size, config.train.micro_batch_size, dp.size, dp.rank, config.train.seed)
+        # the tensor-parallel ranks of one data-parallel rank read the same rows, and so do the context-parallel
+        # ranks of one reader (each keeping its slice of the sequence)
+        reader, readers = self.topology.layout.reader(self.topology.rank)
+        args = (self.source.block_size, config.train.micro_batch_size, readers, reader, config.train.seed)
         self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
         self.val_batches = Batches("val", *args, tokens=None if text is None else text[1])
         self.flops_per_token = flops_per_token(
@@ -276,7 +287,7 @@ class Trainer:
             t.micro_batch_size
             * self.source.block_size
             * self.config.zero.gradient_accumulation_steps
-            * self.topology.data_parallel.size
+            * self.topology.layout.reader(self.topology.rank)[1]
         )
 
     def train_step(self, step: int) -> float:
@@ -292,8 +303,7 @@ class Trainer:
         self.engine.set_quantized_gradients(step < self.quantized_gradient_steps)
         losses = []
         for micro in range(self.config.zero.gradient_accumulation_steps):
-            x, y = (t.to(self.topology.device) for t in self.train_batches.local_batch(step, micro))
-            loss = self.source.loss(self.engine, x, y)
+            loss = self.loss(self.train_batches.local_batch(step, micro))
             self.engine.backward(loss)
             losses.append(loss.detach().float())
         self.engine.step()
@@ -304,10 +314,18 @@ class Trainer:
         self.engine.eval()
         losses = []
         for i in range(self.config.train.eval_batches):
-            x, y = (t.to(self.topology.device) for t in self.val_batches.local_batch(i))
-            losses.append(self.source.loss(self.engine, x, y).float())
+            losses.append(self.loss(self.val_batches.local_batch(i)).float())
         self.engine.train()
         return self.mean_over_ranks(torch.stack(losses).mean())
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The model's loss on this rank's rows; with context parallelism, on its slice of them (equal
+        slices of whole sequences: the slices' mean over the group is the sequences' mean)."""
+        x, y = (t.to(self.topology.device) for t in batch)
+        if self.topology.context_parallel.size == 1:
+            return self.source.loss(self.engine, x, y, None)
+        positions = sequence_positions(self.topology, x.shape[1], x.device)
+        return self.source.loss(self.engine, *split_sequence(self.topology, x, y), positions)
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         with self.engine.comm.ledger.in_phase("other"):
@@ -465,12 +483,9 @@ class Trainer:
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
             tensor_parallel_size=topo.tensor_parallel.size,
             sequence_parallel=topo.sequence_parallel,
-            tensor_parallel_bytes_per_step=sum(
-                sum(links.values())
-                for op, phases in mean_ledger.items()
-                if op.startswith("tp.")
-                for links in phases.values()
-            ),
+            tensor_parallel_bytes_per_step=_bytes_of(mean_ledger, "tp."),
+            context_parallel_size=topo.context_parallel.size,
+            context_parallel_bytes_per_step=_bytes_of(mean_ledger, "cp."),
             activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
             activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,
             zeropp=ZeroppSwitches(zero.qwz.enabled, engine.hpz_group_size, zero.qgz.enabled),

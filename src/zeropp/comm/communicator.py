@@ -141,7 +141,7 @@ class Communicator:
     def _role(self, group: Group) -> str:
         """The group's name in the topology, the same on every rank (its ranks differ)."""
         topology = self.topology
-        for role in ("world", "data_parallel", "tensor_parallel", "intra_node", "inter_node"):
+        for role in ("world", "data_parallel", "tensor_parallel", "intra_node", "inter_node", "context_parallel"):
             if getattr(topology, role).ranks == group.ranks:
                 return role
         return f"{group.size}-rank"
@@ -162,13 +162,13 @@ class Communicator:
         intra = self._successor_is_intra(group)
         self.ledger.record(label or self._label(op, group), sent if intra else 0, 0 if intra else sent)
 
-    def _record_pairwise(self, op: str, group: Group, buffer_bytes: int) -> None:
+    def _record_pairwise(self, op: str, group: Group, buffer_bytes: int, label: str | None = None) -> None:
         """An all-to-all: B/n straight to each other rank of the group, intra- or inter-node by peer."""
         chunk = buffer_bytes // group.size
         here = self.topology.node_of(self.topology.rank)
         peers = [r for r in group.ranks if r != self.topology.rank]
         inter = sum(chunk for r in peers if self.topology.node_of(r) != here)
-        self.ledger.record(self._label(op, group), chunk * len(peers) - inter, inter)
+        self.ledger.record(label or self._label(op, group), chunk * len(peers) - inter, inter)
 
     def record_observed(self, op: str, group: Group, buffer_bytes: int, passes: int | None) -> None:
         """A collective issued outside zeropp (DTensor's), priced like ours: a ring of `passes`, a
@@ -277,16 +277,19 @@ class Communicator:
         for tensor, reduced in zip(tensors, packed.split([t.numel() for t in tensors]), strict=True):
             tensor.copy_(reduced.view_as(tensor))
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, group: Group, *, async_op: bool = False, label: str | None = None
+    ) -> Pending:
         """Send the j-th of group.size equal chunks of `inp` (split on dim 0) to group rank j; chunk i
-        of `out` comes from group rank i."""
+        of `out` comes from group rank i. `label`: the ledger's op (default: all_to_all, tp. on the
+        tensor-parallel group); groups of different roles can span the same ranks."""
         n = group.size
         assert inp.shape[0] % n == 0 and out.shape == inp.shape, (tuple(inp.shape), tuple(out.shape), n)
         if n == 1:
             out.copy_(inp)
             return Pending([])
-        self._record_pairwise("all_to_all", group, inp.numel() * inp.element_size())
-        issued = self._issue("all_to_all", group, inp.numel() * inp.element_size())
+        self._record_pairwise("all_to_all", group, inp.numel() * inp.element_size(), label)
+        issued = self._issue("all_to_all", group, inp.numel() * inp.element_size(), label)
         work = dist.all_to_all_single(out, inp, group=group.pg, async_op=True)
         return self._done(Pending([work], issued=issued), async_op)
 

@@ -235,6 +235,7 @@ class TopologyConfig:
         "tensor_parallel": "tensor_parallel_size",
         "tensor_model_parallel_size": "tensor_parallel_size",
         "model_parallel_size": "tensor_parallel_size",
+        "context_parallel": "context_parallel_size",
     }
 
     nodes: int | None = setting(
@@ -242,6 +243,11 @@ class TopologyConfig:
     )
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "collective backend; auto: NCCL with CUDA, else gloo")
     timeout_s: float = setting(300.0, "seconds a collective may wait for the other ranks before a one-line error")
+    context_parallel_size: int = setting(
+        1,
+        "split every sequence over this many consecutive data-parallel ranks of a node (Ulysses: attention by "
+        "all-to-all between sequence and heads); ZeRO shards over them too",
+    )
     tensor_parallel_size: int = setting(
         1,
         "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest",
@@ -260,6 +266,12 @@ class TopologyConfig:
             self.tensor_parallel_size >= 1,
             "topology.tensor_parallel_size",
             self.tensor_parallel_size,
+            "an integer >= 1",
+        )
+        require(
+            self.context_parallel_size >= 1,
+            "topology.context_parallel_size",
+            self.context_parallel_size,
             "an integer >= 1",
         )
         if self.sequence_parallel:

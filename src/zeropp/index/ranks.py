@@ -6,6 +6,12 @@ the same). The world is a (data-parallel x tensor-parallel) grid, the tensor-par
 innermost: runs of ``tensor_parallel_size`` consecutive ranks, inside one node. Everything ZeRO
 uses is derived from one data-parallel group's ranks, so it follows that group's own node structure
 (:mod:`zeropp.topology` builds the process groups from these lists, the estimator prices them).
+
+Context parallelism (Ulysses) is a cut of each data-parallel group, not a dimension beside it: runs
+of ``context_parallel_size`` consecutive members, inside one node, read the same sequences and hold
+one slice of each; ZeRO still shards over the whole data-parallel group (DeepSpeed's layout), so
+model states per rank shrink with it. The groups reading different data are the data-parallel
+group's members divided by the context-parallel size (:meth:`Layout.reader`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class Layout:
     world_size: int
     nodes: int
     tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.nodes < 1 or self.world_size % self.nodes:
@@ -36,6 +43,13 @@ class Layout:
             raise ConfigError(
                 f"topology.tensor_parallel_size = {tp} does not divide the {per_node} ranks per node "
                 f"({self.world_size} ranks on {self.nodes} node(s)); allowed: a divisor of {per_node}"
+            )
+        cp, dp_per_node = self.context_parallel_size, per_node // tp
+        if cp < 1 or dp_per_node % cp:
+            raise ConfigError(
+                f"topology.context_parallel_size = {cp} does not divide the {dp_per_node} data-parallel ranks per "
+                f"node ({self.world_size} ranks on {self.nodes} node(s), tensor parallel {tp}); allowed: a divisor "
+                f"of {dp_per_node} (its all-to-alls stay inside a node)"
             )
 
     @property
@@ -60,6 +74,19 @@ class Layout:
         tp = self.tensor_parallel_size
         return [tuple(range(index, self.world_size, tp)) for index in range(tp)]
 
+    def context_parallel_groups(self) -> RankGroups:
+        """Every data-parallel group cut into runs of context_parallel_size consecutive members (inside
+        one node, since the size divides a node's data-parallel ranks): the ranks sharing sequences."""
+        cp = self.context_parallel_size
+        return [ranks[i : i + cp] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), cp)]
+
+    def reader(self, rank: int) -> tuple[int, int]:
+        """(which of the data-parallel group's readers `rank` is, how many readers there are): the
+        members of one context-parallel group read the same rows, each its own slice of them."""
+        members = next(ranks for ranks in self.data_parallel_groups() if rank in ranks)
+        cp = self.context_parallel_size
+        return members.index(rank) // cp, len(members) // cp
+
     def data_parallel_layout(self) -> Layout:
         """One data-parallel group seen as a world of its own on the same nodes (its ranks are
         node-major too): what the traffic model prices ZeRO's collectives on."""
@@ -68,7 +95,7 @@ class Layout:
     def one_node(self) -> Layout:
         """One node as a world of its own (the same tensor-parallel size): what each of DiLoCo's replicas
         trains on (See [Note: the outer loop])."""
-        return Layout(self.ranks_per_node, 1, self.tensor_parallel_size)
+        return Layout(self.ranks_per_node, 1, self.tensor_parallel_size, self.context_parallel_size)
 
     @property
     def data_parallel_size(self) -> int:

@@ -48,12 +48,17 @@ def gpt_config(model: ModelConfig) -> GPTConfig:
     return config
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        self.attend = causal_attention  # (batch, heads, T, head size) each; context parallelism wraps it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """qkv's output features are laid out head by head (q, k, v of head 0, then of head 1, ...), so
@@ -62,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         head_size = C // self.n_head
         q, k, v = self.qkv(x).view(B, T, -1, 3 * head_size).transpose(1, 2).split(head_size, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -100,9 +105,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy (computed in fp32) when targets are given."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits, or the mean cross-entropy (computed in fp32) when targets are given; `positions`: the
+        tokens' places in their sequence (default 0, 1, ...; a context-parallel rank's slice starts later)."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)

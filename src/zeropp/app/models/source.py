@@ -29,11 +29,13 @@ GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model")
 class ModelSource:
     name: str  # for messages: "the embedded GPT", "gpt2 (--hf-config ...)"
     build: Callable[[], nn.Module]
-    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]  # (engine, inputs, targets)
+    # (engine, inputs, targets, positions): positions None for 0, 1, ... (a context-parallel slice starts later)
+    loss: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     block_size: int
     vocab_size: int
     n_layer: int
     d_model: int
+    n_head: int
     checkpoint_extra: dict[str, Any] = field(default_factory=dict)  # what `zeropp export` needs
     weights: Path | None = None  # a folder to load into the shards after construction
 
@@ -46,8 +48,8 @@ def model_source(config: Config) -> ModelSource:
 
         gpt = gpt_config(model)
         return ModelSource(
-            "the embedded GPT", lambda: GPT(gpt), lambda engine, x, y: engine(x, y), gpt.block_size,
-            gpt.vocab_size, gpt.n_layer, gpt.d_model,
+            "the embedded GPT", lambda: GPT(gpt), lambda engine, x, y, positions: engine(x, y, positions=positions),
+            gpt.block_size, gpt.vocab_size, gpt.n_layer, gpt.d_model, gpt.n_head,
         )  # fmt: skip
     for key in GPT_ONLY_KEYS:
         if getattr(model, key) is not None:
@@ -69,7 +71,7 @@ def model_source(config: Config) -> ModelSource:
     return ModelSource(
         f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config}{adapted})",
         build, hf.causal_lm_loss, block_size, hf_config.vocab_size,
-        hf_config.num_hidden_layers, hf_config.hidden_size, extra,
+        hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, extra,
         folder if folder is not None and hf.has_weights(folder) else None,
     )  # fmt: skip
 

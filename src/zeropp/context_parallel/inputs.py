@@ -1,0 +1,61 @@
+"""A batch as one context-parallel rank sees it: its slice of every sequence, the slice's positions,
+and for causal language models the labels shifted before the split and the loss normalized over the
+whole sequence (a mean over all of its tokens, not a mean of the slices' means)."""
+
+from __future__ import annotations
+
+import torch
+
+from zeropp.errors import ConfigError
+from zeropp.topology import Topology
+
+IGNORE_INDEX = -100  # transformers' and torch's cross-entropy default
+
+
+def check_length(length: int, size: int) -> None:
+    """Each rank keeps an equal slice: refuse a sequence that does not split evenly."""
+    if length % size:
+        raise ConfigError(
+            f"a sequence of {length} tokens is not allowed with topology.context_parallel_size = {size}; "
+            f"expected a multiple of {size} (each rank keeps an equal slice)"
+        )
+
+
+def sequence_slice(topology: Topology, length: int) -> slice:
+    """This rank's tokens of a sequence of `length`: the group's rank-th of equal consecutive slices."""
+    group = topology.context_parallel
+    check_length(length, group.size)
+    step = length // group.size
+    return slice(group.rank * step, (group.rank + 1) * step)
+
+
+def split_sequence(topology: Topology, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (batch, T, ...) tensor cut to this rank's slice of T."""
+    return tuple(t[:, sequence_slice(topology, t.shape[1])] for t in tensors)
+
+
+def sequence_positions(topology: Topology, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions of this rank's slice in a sequence of `length` (for position embeddings, rotary)."""
+    part = sequence_slice(topology, length)
+    return torch.arange(part.start, part.stop, device=device)
+
+
+def causal_lm_inputs(
+    topology: Topology, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+) -> dict[str, torch.Tensor | float]:
+    """A Hugging Face causal language model's keyword arguments for this rank's slice: input_ids,
+    position_ids, the labels shifted by one over the whole sequence before the cut (``shift_labels``),
+    and ``num_items_in_batch`` so that the rank's loss is its summed token losses over the rows'
+    counted tokens / C: averaged over the data-parallel group (ZeRO's gradient mean), the mean over
+    every token. Without context parallelism: the model's own loss, unchanged."""
+    labels = input_ids if labels is None else labels
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    counted = int((shifted != IGNORE_INDEX).sum())
+    part = sequence_slice(topology, input_ids.shape[1])
+    return dict(
+        input_ids=input_ids[:, part].contiguous(),
+        position_ids=sequence_positions(topology, input_ids.shape[1], input_ids.device).unsqueeze(0),
+        labels=labels[:, part].contiguous(),
+        shift_labels=shifted[:, part].contiguous(),
+        num_items_in_batch=counted / topology.context_parallel.size,
+    )

@@ -1,0 +1,132 @@
+"""Ulysses context parallelism trains exactly as one process on whole sequences (fp32): the embedded
+GPT and a Hugging Face Llama with grouped-query attention, at world 2 (C 2), world 4 (C 2 x data
+parallel 2) and world 4 (C 4, where the Llama's 2 key-value heads are repeated); its all-to-all bytes
+are the formula; what it cannot do is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import ADAM_EPS, TOLERANCE, global_batch, loss_of, make_model, rows
+
+STEPS = 3
+OPTIM = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
+
+
+def reference(kind: str, readers: int) -> tuple[dict, list[float]]:
+    """One process on the whole global batch: its weights after STEPS AdamW steps and its losses."""
+    model = make_model(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(kind, model, *global_batch(kind, step, 0, readers))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def context_parallel_worker(kind: str, cp: int, stage: int) -> dict:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.context_parallel import causal_lm_inputs, sequence_positions, split_sequence
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(context_parallel_size=cp))
+    reader, readers = topology.layout.reader(topology.rank)
+    engine = ZeroEngine(make_model(kind), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
+    losses, all_to_all = [], []
+    for step in range(STEPS):
+        engine.comm.ledger.reset()
+        x, y = rows(global_batch(kind, step, 0, readers), reader)
+        if kind == "gpt":
+            loss = engine(*split_sequence(topology, x, y), positions=sequence_positions(topology, x.shape[1]))
+        else:
+            loss = engine(**causal_lm_inputs(topology, x)).loss
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+        all_to_all.append(engine.comm.ledger.as_dict().get("cp.all_to_all", {}))
+    return dict(state=engine.full_state_dict(), losses=losses, all_to_all=all_to_all, readers=readers)
+
+
+@pytest.mark.parametrize(
+    "kind,world,cp,stage",
+    [("gpt", 2, 2, 3), ("hf-llama", 2, 2, 3), ("gpt", 4, 2, 3), ("hf-llama", 4, 2, 2), ("hf-llama", 4, 4, 3)],
+    ids=["gpt-c2", "llama-c2", "gpt-c2xdp2", "llama-c2xdp2-stage2", "llama-c4-kv-repeated"],
+)
+def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage):
+    from models import GPT_TEST
+
+    per_rank = run_ranks(context_parallel_worker, world, kind=kind, cp=cp, stage=stage)
+    readers = world // cp
+    assert per_rank[0]["readers"] == readers
+    ref, ref_losses = reference(kind, readers)
+    for result in per_rank:
+        state = result["state"]
+        assert state.keys() == ref.keys()
+        error = max((state[k].float() - ref[k]).abs().max().item() for k in ref)
+        assert error <= TOLERANCE, error
+    # the rank losses averaged over the world: the mean over every token of the global batch
+    for step, expected in enumerate(ref_losses):
+        got = sum(r["losses"][step] for r in per_rank) / world
+        assert got == pytest.approx(expected, rel=1e-5, abs=0), step
+    # per layer and micro-batch, forward and backward: q, k, v and the output, each rank sending (C-1)/C of
+    # its (2 rows x T/C x heads x head size) fp32 elements, keys and values at their own head count (the
+    # Llama's 2 of 4) where C divides it, else repeated to 4
+    from zeropp.costs.context_parallel import ulysses_bytes
+
+    if kind == "gpt":
+        layers, heads, kv_heads, head_size = GPT_TEST.n_layer, GPT_TEST.n_head, GPT_TEST.n_head, 16
+    else:
+        layers, heads, kv_heads, head_size = 2, 4, 2, 8
+    per_head = 2 * (GPT_TEST.block_size // cp) * head_size * 4 * (cp - 1) // cp
+    per_layer = per_head * (2 * heads + 2 * (kv_heads if kv_heads % cp == 0 else heads))
+    assert per_layer == ulysses_bytes(2, GPT_TEST.block_size, heads, kv_heads, head_size, cp, 4)
+    for result in per_rank:
+        for step in result["all_to_all"]:
+            assert step == {
+                "forward": {"intra": layers * per_layer, "inter": 0},
+                "backward": {"intra": layers * per_layer, "inter": 0},
+            }, step
+
+
+def refusals_worker() -> dict:
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.context_parallel import causal_lm_inputs
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(context_parallel_size=4))
+    messages = {}
+    for name, build in (("gpt", lambda: make_model("gpt")), ("mlp", lambda: make_model("mlp"))):
+        try:
+            ZeroEngine(build(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+        except ConfigError as error:
+            messages[name] = str(error)
+    engine = ZeroEngine(make_model("hf-llama"), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+    x, _ = rows(global_batch("hf-llama", 0, 0, 1), 0)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # a left-padded row
+    try:
+        engine(**causal_lm_inputs(topology, x), attention_mask=mask[:, :4])
+    except ConfigError as error:
+        messages["padding"] = str(error)
+    return messages
+
+
+def test_what_ulysses_cannot_do_is_refused_in_one_line_before_any_collective():
+    for messages in run_ranks(refusals_worker, 4):
+        assert messages["gpt"].startswith(
+            "topology.context_parallel_size = 4 does not divide the model's 2 attention heads (model.n_head)"
+        ), messages
+        assert messages["mlp"] == (
+            "topology.context_parallel_size = 4 is not allowed with Sequential: zeropp reaches the attention of the "
+            "embedded GPT and of Hugging Face models only; expected 1"
+        )
+        assert messages["padding"] == (
+            "an attention_mask with padding is not allowed with topology.context_parallel_size = 4; "
+            "expected unpadded (packed or equal-length) sequences"
+        )
