@@ -254,7 +254,8 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                 check_sequence_length(source.block_size, topology.tensor_parallel_size)
             if topology.context_parallel_size > 1:  # See [Note: Ulysses attention]
                 check_length(source.block_size, topology.context_parallel_size)
-                check_heads(source.n_head, topology.context_parallel_size, "the model's heads")
+                cp, tp = topology.context_parallel_size, topology.tensor_parallel_size
+                check_heads(source.n_head, cp, "the model's heads", tp)
             preflight(config)
             for flag in ("summary_json", "metrics_jsonl", "plot"):
                 if getattr(args, flag) is not None:

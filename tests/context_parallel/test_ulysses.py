@@ -28,15 +28,30 @@ def reference(kind: str, readers: int) -> tuple[dict, list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def context_parallel_worker(kind: str, cp: int, stage: int) -> dict:
-    from zeropp import ZeroConfig, ZeroEngine
+def _model(kind: str, tiles: int):
+    """make_model's, the GPT's loss in `tiles` tiles (the same initial weights: tiling adds none)."""
+    if tiles == 1:
+        return make_model(kind)
+    import dataclasses
+
+    from models import GPT_TEST
+
+    from zeropp.app.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(GPT_TEST, logit_tiles=tiles))
+
+
+def context_parallel_worker(kind: str, cp: int, stage: int, tiles: int, tp: int) -> dict:
+    from zeropp import ZeroConfig, ZeroEngine, parallelize
     from zeropp.config.sections import TopologyConfig
     from zeropp.context_parallel import causal_lm_inputs, sequence_positions, split_sequence
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(context_parallel_size=cp))
+    topology = init_topology(TopologyConfig(context_parallel_size=cp, tensor_parallel_size=tp))
     reader, readers = topology.layout.reader(topology.rank)
-    engine = ZeroEngine(make_model(kind), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
+    model = parallelize(_model(kind, tiles), topology)
+    engine = ZeroEngine(model, torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
     losses, all_to_all = [], []
     for step in range(STEPS):
         engine.comm.ledger.reset()
@@ -53,19 +68,25 @@ def context_parallel_worker(kind: str, cp: int, stage: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind,world,cp,stage",
-    [("gpt", 2, 2, 3), ("hf-llama", 2, 2, 3), ("gpt", 4, 2, 3), ("hf-llama", 4, 2, 2), ("hf-llama", 4, 4, 3)],
-    ids=["gpt-c2", "llama-c2", "gpt-c2xdp2", "llama-c2xdp2-stage2", "llama-c4-kv-repeated"],
-)
-def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage):
+    "kind,world,cp,stage,tiles,tp",
+    [
+        ("gpt", 2, 2, 3, 1, 1), ("hf-llama", 2, 2, 3, 1, 1), ("gpt", 4, 2, 3, 1, 1), ("hf-llama", 4, 2, 2, 1, 1),
+        ("hf-llama", 4, 4, 3, 1, 1), ("gpt", 2, 2, 3, 4, 1), ("hf-llama", 4, 2, 3, 1, 2),
+    ],
+    ids=[
+        "gpt-c2", "llama-c2", "gpt-c2xdp2", "llama-c2xdp2-stage2", "llama-c4-kv-repeated", "gpt-c2-tiled-logits",
+        "llama-c2xtp2",
+    ],
+)  # fmt: skip
+def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage, tiles, tp):
     from models import GPT_TEST
 
-    per_rank = run_ranks(context_parallel_worker, world, kind=kind, cp=cp, stage=stage)
-    readers = world // cp
+    per_rank = run_ranks(context_parallel_worker, world, kind=kind, cp=cp, stage=stage, tiles=tiles, tp=tp)
+    readers = world // cp // tp
     assert per_rank[0]["readers"] == readers
     ref, ref_losses = reference(kind, readers)
     for result in per_rank:
-        state = result["state"]
+        state = result["state"]  # whole tensors also under tensor parallelism
         assert state.keys() == ref.keys()
         error = max((state[k].float() - ref[k]).abs().max().item() for k in ref)
         assert error <= TOLERANCE, error
@@ -75,13 +96,13 @@ def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage):
         assert got == pytest.approx(expected, rel=1e-5, abs=0), step
     # per layer and micro-batch, forward and backward: q, k, v and the output, each rank sending (C-1)/C of
     # its (2 rows x T/C x heads x head size) fp32 elements, keys and values at their own head count (the
-    # Llama's 2 of 4) where C divides it, else repeated to 4
+    # Llama's 2 of 4) where C divides it, else repeated to one per query head
     from zeropp.costs.context_parallel import ulysses_bytes
 
     if kind == "gpt":
         layers, heads, kv_heads, head_size = GPT_TEST.n_layer, GPT_TEST.n_head, GPT_TEST.n_head, 16
     else:
-        layers, heads, kv_heads, head_size = 2, 4, 2, 8
+        layers, heads, kv_heads, head_size = 2, 4 // tp, 2 // tp, 8  # a tensor-parallel rank's heads
     per_head = 2 * (GPT_TEST.block_size // cp) * head_size * 4 * (cp - 1) // cp
     per_layer = per_head * (2 * heads + 2 * (kv_heads if kv_heads % cp == 0 else heads))
     assert per_layer == ulysses_bytes(2, GPT_TEST.block_size, heads, kv_heads, head_size, cp, 4)

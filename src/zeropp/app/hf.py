@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeropp.errors import ConfigError
+from zeropp.runtime.tiled_logits import tiled_cross_entropy
 
 INSTALL = "pip install -e '.[hf]' (or pip install transformers)"
 
@@ -111,11 +112,45 @@ def build_model(config: Any) -> nn.Module:
     return transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def causal_lm_loss(engine: Any, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def causal_lm_loss(
+    engine: Any, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None, tiled: bool = False
+) -> torch.Tensor:
     """Mean next-token cross-entropy (in fp32) of the model's logits for inputs `x` against targets `y`
-    (`positions`: the tokens' places, None for 0, 1, ...)."""
-    logits = engine(input_ids=x, position_ids=None if positions is None else positions.unsqueeze(0)).logits
+    (`positions`: the tokens' places, None for 0, 1, ...); `tiled`: by the forward :func:`tile_logits`
+    gave the model."""
+    position_ids = None if positions is None else positions.unsqueeze(0)
+    if tiled:
+        return engine(input_ids=x, position_ids=position_ids, targets=y)
+    logits = engine(input_ids=x, position_ids=position_ids).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+# model types whose logits are their output embedding applied to the last hidden state, nothing after
+# (no bias, scale or soft cap): what tiled_cross_entropy computes
+PLAIN_LOGITS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+def check_tileable(model_type: str, tiles: int) -> None:
+    if model_type not in PLAIN_LOGITS:
+        raise HFError(
+            f"model.logit_tiles = {tiles} is not allowed with model_type {model_type!r}, whose logits zeropp cannot "
+            f"tile as it computes them; expected 1, or a model of type {', '.join(PLAIN_LOGITS)}"
+        )
+
+
+def tile_logits(model: nn.Module, tiles: int) -> nn.Module:
+    """`model` whose forward, given ``targets`` (the next tokens), returns their mean cross-entropy
+    computed in `tiles` tiles (See [Note: tiled logits]) instead of logits; model types outside
+    PLAIN_LOGITS are refused in one line."""
+    check_tileable(model.config.model_type, tiles)
+    base, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None):
+        hidden = base(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        return tiled_cross_entropy(hidden, head.weight, targets, tiles)
+
+    model.forward = forward
+    return model
 
 
 def has_weights(folder: Path) -> bool:

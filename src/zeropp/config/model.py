@@ -33,9 +33,15 @@ class ModelConfig:
         None, "comma-separated names of the modules LoRA adapts (q_proj,v_proj); unset: peft's for the model type"
     )
     lora_dropout: float = setting(0.0, "dropout on LoRA's input")
+    logit_tiles: int = setting(
+        1,
+        "compute the output projection and the loss in this many tiles of the tokens, each tile's logits computed "
+        "again in backward, so the (tokens x vocabulary) logits never exist whole (ALST's tiling); 1: whole",
+    )
 
     def validate(self) -> None:
         check_choices(self, "model")
+        require(self.logit_tiles >= 1, "model.logit_tiles", self.logit_tiles, "an integer >= 1")
         if self.hf_model is not None and self.hf_config is not None:
             require(False, "model.hf_config", self.hf_config, "unset when model.hf_model is set (one model)")
         if self.lora_rank is not None:

@@ -23,16 +23,16 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     """Route every attention of `model` through Ulysses over the topology's context-parallel group (a
     no-op without one); refuses in one line a model whose attention it cannot reach, or whose head
     count the group does not divide."""
-    group = comm.topology.context_parallel
+    group, tp = comm.topology.context_parallel, comm.topology.tensor_parallel.size
     if group.size == 1:
         return
     own = [m for m in model.modules() if callable(getattr(m, "attend", None)) and hasattr(m, "n_head")]
     if own:
-        check_heads(own[0].n_head, group.size, "model.n_head")
+        check_heads(own[0].n_head, group.size, "model.n_head", tp)
         for module in own:
             module.attend = functools.partial(ulysses_attention, comm, group, attend=module.attend)
     elif hasattr(getattr(model, "config", None), "_attn_implementation"):
-        _install_hf(model, comm, group)
+        _install_hf(model, comm, group, tp)
     else:
         raise ConfigError(
             f"topology.context_parallel_size = {group.size} is not allowed with {type(model).__name__}: zeropp reaches "
@@ -41,16 +41,18 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     model.register_forward_pre_hook(functools.partial(_refuse_padding, group.size), with_kwargs=True)
 
 
-def check_heads(heads: int, size: int, key: str) -> None:
-    """Each rank attends whole heads: refuse a head count the group does not divide."""
-    if heads % size:
+def check_heads(heads: int, size: int, key: str, tensor_parallel: int = 1) -> None:
+    """Each rank attends whole heads: refuse a head count (per tensor-parallel rank) the group does not divide."""
+    local = heads // tensor_parallel
+    if local % size:
+        per_rank = f" ({local} per tensor-parallel rank)" if tensor_parallel > 1 else ""
         raise ConfigError(
-            f"topology.context_parallel_size = {size} does not divide the model's {heads} attention heads ({key}); "
-            f"allowed: a divisor of {heads} (each rank attends whole heads)"
+            f"topology.context_parallel_size = {size} does not divide the model's {heads} attention heads "
+            f"({key}){per_rank}; allowed: a divisor of {local} (each rank attends whole heads)"
         )
 
 
-def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
+def _install_hf(model: nn.Module, comm: Communicator, group: Group, tp: int) -> None:
     """A fresh implementation name for this engine in transformers' AttentionInterface, wrapping the one
     the model was built with (sdpa, eager, flash, ...). Transformers builds no mask for a name it has
     no mask function for, so the wrapped attention runs causal over the whole sequence."""
@@ -58,7 +60,7 @@ def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    check_heads(config.num_attention_heads, group.size, "num_attention_heads")
+    check_heads(config.num_attention_heads, group.size, "num_attention_heads", tp)
     wrapped = config._attn_implementation or "eager"
     if wrapped != "eager" and wrapped not in ALL_ATTENTION_FUNCTIONS:
         raise ConfigError(f"attn_implementation = {wrapped!r} is not known to transformers; expected 'sdpa' or 'eager'")

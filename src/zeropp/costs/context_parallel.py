@@ -8,8 +8,8 @@ def ulysses_bytes(
 ) -> int:
     """Bytes one rank sends per attention layer and micro-batch, in one direction (forward; backward
     sends the same): queries, keys, values and the output of its (rows x length/cp) slice, each but
-    the 1/cp it keeps. Keys and values travel at their own head count where cp divides it, else
-    repeated to one per query head."""
+    the 1/cp it keeps. `heads`, `kv_heads`: this rank's (a tensor-parallel rank's share). Keys and
+    values travel at their own head count where cp divides it, else repeated to one per query head."""
     if cp == 1:
         return 0
     kv_heads = kv_heads if kv_heads % cp == 0 else heads

@@ -11,6 +11,7 @@ from torch import nn
 
 from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
+from zeropp.runtime.tiled_logits import tiled_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 192
+    logit_tiles: int = 1  # the loss's output projection in this many tiles of the tokens (runtime.tiled_logits)
 
     @property
     def param_count(self) -> int:
@@ -115,7 +117,10 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None and self.config.logit_tiles > 1:  # See [Note: tiled logits]
+            return tiled_cross_entropy(x, self.head.weight, targets, self.config.logit_tiles)
+        logits = self.head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -8,6 +8,7 @@ tokenizer folder as an absolute path).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,14 +64,22 @@ def model_source(config: Config) -> ModelSource:
     tokenizer = config.train.tokenizer
     extra = {"hf_config": hf_config.to_dict(), "tokenizer": tokenizer and str(Path(tokenizer).expanduser().resolve())}
 
+    tiled = model.logit_tiles > 1
+    if tiled and model.lora_rank is not None:
+        raise ConfigError(f"model.logit_tiles = {model.logit_tiles} is not allowed with model.lora_rank; expected 1")
+    if tiled:
+        hf.check_tileable(hf_config.model_type, model.logit_tiles)
+
     def build() -> nn.Module:
         built = hf.build_model(hf_config)
+        if tiled:
+            return hf.tile_logits(built, model.logit_tiles)
         return built if model.lora_rank is None else lora.add_adapters(built, model)
 
     adapted = "" if model.lora_rank is None else f", LoRA rank {model.lora_rank}"
     return ModelSource(
         f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config}{adapted})",
-        build, hf.causal_lm_loss, block_size, hf_config.vocab_size,
+        build, functools.partial(hf.causal_lm_loss, tiled=tiled), block_size, hf_config.vocab_size,
         hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, extra,
         folder if folder is not None and hf.has_weights(folder) else None,
     )  # fmt: skip
