@@ -339,6 +339,10 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     attention = ulysses_bytes(micro, gpt.block_size, gpt.n_head, gpt.n_head, gpt.d_model // gpt.n_head, 2, 4)
     assert summaries["cp"]["context_parallel_bytes_per_step"] == 2 * gpt.n_layer * attention
     assert summaries["cp"]["context_parallel_size"] == 2 and dp["context_parallel_bytes_per_step"] == 0
+    priced = tmp_path / "estimate.json"
+    estimate = ("estimate", "--world", "4", "--preset", "tiny", "--stage", "2", "--context-parallel-size", "2")
+    assert run_cli(*estimate, "--json", str(priced)).returncode == 0
+    assert json.loads(priced.read_text())["context_parallel_bytes_per_step"] == 2 * gpt.n_layer * attention
     # model states: this rank's tensor-parallel share of the parameters, sharded over 2 data-parallel ranks
     assert tp["param_count"] < dp["param_count"]
     # the tensor-parallel checkpoint of step 2 resumed: step 3 as in the uninterrupted run

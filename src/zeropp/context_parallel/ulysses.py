@@ -16,7 +16,7 @@ per query head first, which costs what multi-head attention would.
 
 Bytes per layer and micro-batch, forward: (3 + 1) tensors of (batch x T/C x hidden) elements, each
 rank sending (C-1)/C of them (fewer for grouped keys and values); backward the same
-(:func:`zeropp.costs.volume.ulysses_bytes`).
+(:func:`zeropp.costs.context_parallel.ulysses_bytes`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from zeropp.comm.communicator import Communicator
 from zeropp.topology import Group
 
-LEDGER_OP = "cp.all_to_all"
+LEDGER_OP = "cp.all_to_all"  # as zeropp.costs.context_parallel prices it
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

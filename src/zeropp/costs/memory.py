@@ -264,9 +264,11 @@ class Activations:
     # (the norms' weights and biases) are whole on every rank and get partial gradients there
     sequence_parallel: bool = False
     norm_parameters: int = 0
+    # Ulysses context parallelism: each rank holds seq / context_parallel tokens of every sequence
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "seq", "batch"):
+        for key in ("layers", "hidden", "seq", "batch", "context_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"activations: {key} = {getattr(self, key)} is not allowed; expected an integer >= 1")
         if self.recomputed_all_reduces not in (0, 1, 2):
@@ -282,8 +284,8 @@ class Activations:
 
     @property
     def block_elements(self) -> int:
-        """One block's input: batch x seq x hidden."""
-        return self.batch * self.seq * self.hidden
+        """One block's input on one rank: batch x seq x hidden (seq / context_parallel of it)."""
+        return self.batch * (self.seq // self.context_parallel) * self.hidden
 
     # See [Note: Pa under sequence parallelism] (docs/design.md)
     def checkpoint_elements(self, tp: int) -> int:

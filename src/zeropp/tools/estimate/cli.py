@@ -15,6 +15,7 @@ from typing import Any
 from zeropp.app.flags import add_config_flags
 from zeropp.config.rates import RateError, parse_bandwidth
 from zeropp.config.sections import Config, load_config
+from zeropp.context_parallel import check_length
 from zeropp.costs.memory import Activations
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = cluster.add_mutually_exclusive_group()
     nodes.add_argument("--nodes", dest="topology.nodes", type=int, metavar="N", help="nodes (default 1)")
     nodes.add_argument("--ranks-per-node", type=_at_least(1), metavar="N")
-    add_config_flags(cluster, ("tensor_parallel_size", "sequence_parallel"))
+    add_config_flags(cluster, ("tensor_parallel_size", "sequence_parallel", "context_parallel_size"))
     for link in ("intra", "inter"):
         cluster.add_argument(
             f"--{link}-node-bandwidth",
@@ -235,12 +236,18 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         sequence_parallel=config.topology.sequence_parallel if sp is None else sp,
     )
     topology.validate()
-    tp = topology.tensor_parallel_size
-    activations = _activations(args, config, topology.sequence_parallel)
+    tp, cp = topology.tensor_parallel_size, topology.context_parallel_size
+    activations = _activations(args, config, topology.sequence_parallel, cp)
     if activations is not None and topology.sequence_parallel:
         from zeropp.tensor_parallel.apply import check_sequence_length
 
         check_sequence_length(activations.seq, tp)  # as zeropp train refuses it
+    if cp > 1:
+        if activations is None:
+            raise UsageError(
+                "argument --context-parallel-size: a --params model needs its shape; expected --n-layer, --d-model, --block-size too"
+            )
+        check_length(activations.seq, cp)  # as zeropp train refuses it
     model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
     est = estimate(
         model,
@@ -259,21 +266,25 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
     return result, [lambda: print_estimate(est, result)]
 
 
-def _activations(args: argparse.Namespace, config: Config, sequence_parallel: bool) -> Activations | None:
+def _activations(
+    args: argparse.Namespace, config: Config, sequence_parallel: bool, context_parallel: int = 1
+) -> Activations | None:
     """The transformer's activations: the embedded GPT's, or a --params model's from --n-layer, --d-model
     and --block-size, with the GPT's layer norms (None without them: its tensor-parallel traffic and
     checkpoints are not priced)."""
     switches = {name: getattr(args, name) for name in ZERO_R_FLAGS}
     micro = config.train.micro_batch_size
     if args.params is None:
-        return gpt_activations(config.model, micro, sequence_parallel=sequence_parallel, **switches)
+        return gpt_activations(
+            config.model, micro, sequence_parallel=sequence_parallel, context_parallel=context_parallel, **switches
+        )
     shape = {name: getattr(config.model, name) for name in SHAPE_FLAGS}
     missing = [f"--{_dashed(name)}" for name, value in shape.items() if value is None]
     if not missing:
         layers = shape["n_layer"]
         return Activations(
             layers, shape["d_model"], shape["block_size"], micro, sequence_parallel=sequence_parallel,
-            norm_parameters=gpt_norm_parameters(layers), **switches,
+            norm_parameters=gpt_norm_parameters(layers), context_parallel=context_parallel, **switches,
         )  # fmt: skip
     if len(missing) < len(shape) or any(switches.values()):
         what = "activation checkpoints" if any(switches.values()) else "the activations"

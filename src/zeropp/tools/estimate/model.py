@@ -32,6 +32,7 @@ from typing import Any
 from zeropp.comm.ledger import Ledger
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import ZeroConfig
+from zeropp.costs.context_parallel import ulysses_transfers
 from zeropp.costs.memory import (
     BYTES,
     Activations,
@@ -327,7 +328,8 @@ class Estimate:
 
     def bytes_of(self, prefix: str) -> float:
         """Bytes per rank and step of the ledger's ops named `prefix`.*: ``tp``, the tensor-parallel
-        layers' collectives; ``pa``, Pa's all-gathers of the activation checkpoints."""
+        layers' collectives; ``pa``, Pa's all-gathers of the activation checkpoints; ``cp``, Ulysses'
+        all-to-alls."""
         mean = self.ledger()
         return sum(mean.total(op=op) for op in mean.as_dict() if op.startswith(f"{prefix}."))
 
@@ -339,6 +341,7 @@ class Estimate:
             "activation_checkpoint_bytes_per_rank": self.activation_checkpoint_bytes() if known else None,
             "activation_checkpoint_host_bytes_per_rank": self.activation_checkpoint_bytes("host") if known else None,
             "tensor_parallel_bytes_per_step": self.bytes_of("tp") if known else None,
+            "context_parallel_bytes_per_step": self.bytes_of("cp") if known else None,
             "partitioned_activation_bytes_per_step": self.bytes_of("pa") if known else None,
         }
 
@@ -417,7 +420,7 @@ def estimate(
     zero.validate()
     if zero.optimizer_state_dtype == "bf16":
         optimizer_bytes //= 2
-    layout = Layout(world, nodes, tensor_parallel)
+    layout = Layout(world, nodes, tensor_parallel, activations.context_parallel if activations is not None else 1)
     diloco = runs_outer_loop(zero, nodes, "whole" if whole_parameters else "flat")  # refuses what it cannot run
     replica = layout.one_node() if diloco else layout  # the ranks that train one model
     dp = replica.data_parallel_size
@@ -451,7 +454,9 @@ def estimate(
         *step_transfers(((u.padded, u.resident) for u in units), replica, zero, hpz, activations, parameters=trainable),
         *frozen_transfers(est.gathered_frozen, replica.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
-    ]
+        *(ulysses_transfers(activations, tensor_parallel, BYTES[zero.precision], zero.gradient_accumulation_steps)
+          if activations is not None else ()),
+    ]  # fmt: skip
     sizes = [(u.padded, u.resident) for u in units]
     if diloco:  # Streaming DiLoCo's fragments: whole units holding trainable parameters, as the engine refuses
         refuse_fragments(zero, sum(1 for u in units if u.numel))
