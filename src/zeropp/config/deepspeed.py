@@ -87,6 +87,7 @@ def zero_config(
 class _Reader(OptimizerBlocks):
     def __init__(self, data: dict[str, Any], world_size: int, hidden_size: int | None, base: Config) -> None:
         self.world, self.hidden, self.base = world_size, hidden_size, base
+        self.readers = world_size  # the ranks reading different rows: the batch keys count them
         self.written: dict[str, str] = {}  # a key's path in the tables' names -> as the file wrote it
         self.data = self.canonical("", data)
         self.out = Translation(world_size=world_size)
@@ -194,7 +195,7 @@ class _Reader(OptimizerBlocks):
 
     def run(self) -> Translation:
         handlers: dict[str, Callable[[], None]] = {
-            "zero_optimization": self.zero, "fp16": self.precision, "bf16": self.precision,
+            "sequence_parallel_size": self.sequence_parallel, "zero_optimization": self.zero, "fp16": self.precision, "bf16": self.precision,
             "optimizer": self.optimizer, "scheduler": self.scheduler,
             "gradient_clipping": self.clipping, "communication_data_type": self.grad_dtype,
             "data_types": self.grad_dtype, "train_batch_size": self.batch, "train_micro_batch_size_per_gpu": self.batch,
@@ -208,6 +209,15 @@ class _Reader(OptimizerBlocks):
                 done.append(handler)
                 handler()
         return self.out
+
+    def sequence_parallel(self) -> None:
+        """DeepSpeed-Ulysses' size is zeropp's context-parallel size; its ranks share rows, so the batch
+        keys count the data-parallel world divided by it (read before them)."""
+        value = self.data["sequence_parallel_size"]
+        if value != AUTO:
+            size = self.integer("sequence_parallel_size", value, 1)
+            self.set("topology.context_parallel_size", size, "sequence_parallel_size")
+            self.readers = self.out.world_size = max(1, self.world // size)
 
     def tensor_parallel(self) -> None:
         """DeepSpeed's AutoTP block: its size is zeropp's tensor-parallel size, from transformers' plans."""
@@ -386,15 +396,15 @@ class _Reader(OptimizerBlocks):
                 steps = 1
             if micro is None or steps is None:
                 known, name = (steps, "gradient_accumulation_steps") if micro is None else (micro, "micro-batch")
-                if total % (known * self.world):
+                if total % (known * self.readers):
                     raise ConfigError(
                         f"DeepSpeed train_batch_size = {total} is not allowed; expected a multiple of "
-                        f"{name} {known} x {self.world} ranks"
+                        f"{name} {known} x {self.readers} ranks"
                     )
-                micro = micro or total // (steps * self.world)
-                steps = steps or total // (micro * self.world)
+                micro = micro or total // (steps * self.readers)
+                steps = steps or total // (micro * self.readers)
             self.out.train_batch_size = total
-            check_total(total, micro, steps, self.world)
+            check_total(total, micro, steps, self.readers)
         for key, ours, value in ((keys[1], "train.micro_batch_size", micro),
                                  (keys[2], "zero.gradient_accumulation_steps", steps)):  # fmt: skip
             if value is not None and self.data.get(key) != AUTO:

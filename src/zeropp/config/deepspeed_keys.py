@@ -18,6 +18,7 @@ AUTO = "auto"
 MAPPED = {
     "zero_optimization.stage": "zero.stage",
     "tensor_parallel.autotp_size": "topology.tensor_parallel_size (transformers' tp plans; refused where the model has none)",
+    "sequence_parallel_size": "topology.context_parallel_size (Ulysses; the batch keys count world / size ranks)",
     "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_numel (/ world size)",
     "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_numel (/ world size)",
     "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch = 0 when 0 (else noted: zeropp prefetches units)",
@@ -161,8 +162,6 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "tensor_parallel.partition_config": ("zeropp splits by transformers' tp plans, not partition configs", None),
     "tensor_parallel.preset_model": ("zeropp splits by transformers' tp plans, not DeepSpeed's presets", None),
     "tensor_parallel.replace_with_kernel_inject": ("DeepSpeed's kernel injection is not part of zeropp", False),
-    "sequence_parallel_size": ("zeropp has no Ulysses sequence parallelism (topology.sequence_parallel is "
-                               "Megatron's, inside tensor parallelism)", 1),
     "gradient_allreduce_op": ("zeropp averages gradients over the ranks", "mean"),
     "zero_optimization.mics_shard_size": ("MiCS is not implemented", -1),
     "zero_optimization.mics_hierarchical_params_gather": ("MiCS is not implemented", False),

@@ -26,7 +26,7 @@ class Translation:
     noted: list[str] = field(default_factory=list)
     resolved: dict[str, Any] = field(default_factory=dict)
     train_batch_size: int | None = None
-    world_size: int = 1
+    world_size: int = 1  # the ranks reading different rows, which the batch sizes count
 
     def note(self) -> str | None:
         """One line for the user: the keys accepted without effect and the "auto" values resolved."""

@@ -59,10 +59,15 @@ def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> l
 
 
 def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Whether `variant` constructs and trains two steps at `depth` inside the memory limit, and if
-    not why: ``out of memory`` (the cgroup's OOM killer fired), ``timeout`` or ``error: <last line>``;
-    with the cgroup's peak usage and the wall time, and for zeropp the median step time and the disk
-    tier's bytes read and written per step (rank 0)."""
+    """:func:`run_limited` for `variant` at `depth` (zeropp's runs read back from their summary)."""
+    return run_limited(command(variant, world, depth, args), world, args.timeout_s, summary=variant not in RIVALS)
+
+
+def run_limited(cmd: list[str], world: int, timeout_s: float, summary: bool = True) -> dict[str, Any]:
+    """Whether `cmd` constructs and trains two steps inside the cgroup's memory limit, and if not
+    why: ``out of memory`` (the cgroup's OOM killer fired), ``timeout`` or ``error: <last line>``;
+    with the cgroup's peak usage and the wall time, and for a ``zeropp train`` (`summary`) the median
+    step time, each rank's step peak and the disk tier's bytes read and written per step (rank 0)."""
     summary_path = Path(tempfile.mkdtemp()) / "summary.json"
     kills_before = oom_kills()
     (CGROUP / "memory.max_usage_in_bytes").write_text("0")
@@ -73,9 +78,9 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
 
     try:
         run = subprocess.run(
-            command(variant, world, depth, args) + (["--summary-json", str(summary_path)] if variant not in RIVALS else []),
+            cmd + (["--summary-json", str(summary_path)] if summary else []),
             env={**worker_env(world), "OMP_NUM_THREADS": "1"},
-            preexec_fn=enter_cgroup, capture_output=True, text=True, timeout=args.timeout_s, start_new_session=True,
+            preexec_fn=enter_cgroup, capture_output=True, text=True, timeout=timeout_s, start_new_session=True,
         )  # fmt: skip
         failure = None if run.returncode == 0 else "error: " + (run.stderr.strip().splitlines() or ["?"])[-1][:200]
     except subprocess.TimeoutExpired:
@@ -92,12 +97,19 @@ def attempt(variant: str, world: int, depth: int, args: argparse.Namespace) -> d
         summary = RunSummary.from_json(summary_path.read_text())
         result["median_step_s"] = round(summary.median_step_time_s, 2)
         result["steps_per_s"] = round(1 / summary.median_step_time_s, 3)
+        result["step_peak_mib_per_rank"] = [round(b / 2**20, 1) for b in summary.step_peak_memory_bytes_per_rank]
         if any(any(io) for io in summary.disk_bytes_per_step_per_rank):
             result["disk_read_gib_per_step"], result["disk_written_gib_per_step"] = (
                 round(b / 2**30, 3) for b in summary.disk_bytes_per_step_per_rank[0]
             )
     shutil.rmtree(summary_path.parent, ignore_errors=True)
     return result
+
+
+def limit_cgroup(limit_bytes: int) -> None:
+    """The benchmarks' memory cgroup (cgroup v1, made once), its limit set."""
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(limit_bytes))
 
 
 def oom_kills() -> int:
@@ -130,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not Path("/sys/fs/cgroup/memory").is_dir() or os.geteuid() != 0:
         print("zeropp bench largest: error: needs root and the cgroup v1 memory controller", file=sys.stderr)
         return 2
-    CGROUP.mkdir(exist_ok=True)
-    (CGROUP / "memory.limit_in_bytes").write_text(str(int(args.limit_gib * 2**30)))
+    limit_cgroup(int(args.limit_gib * 2**30))
     rows = []
     for variant in args.variants:
         largest, tried = None, []

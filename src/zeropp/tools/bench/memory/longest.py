@@ -1,0 +1,124 @@
+"""``zeropp bench longest``: the longest sequence a Hugging Face Llama trains two steps on within a memory limit per rank, by context-parallel size and tiled logits.
+
+Each variant (Ulysses context parallelism over C of the `--world` ranks, ``--context-parallel``; the
+logits whole or in ``--logit-tiles`` tiles) tries ``--lengths`` in increasing order, each a
+``zeropp train`` of 2 steps (one sequence per reader, ZeRO-3 without ZeRO++, fp32) inside a memory
+cgroup of ``--limit-gib-per-rank`` x world (cgroup v1, root), so that running out of memory kills
+the attempt and nothing else; the longest length that trains is the answer, the first failure's
+cause recorded (out of memory, timeout, the error's last line). The model: a Llama of
+``--layers`` x ``--hidden`` with grouped-query attention and a ``--vocab`` vocabulary (the logits of
+a long sequence are what tiling removes). Then, without a limit, each rank's step peak against the
+length (``--growth-lengths``) at C = 1 and the largest C, with tiled logits: the activations a rank
+holds grow with its share of the sequence. The CPU model and the date go with the results.
+
+    zeropp bench longest [--world 4] [--context-parallel 1 2 4] [--logit-tiles 16]
+                         [--lengths 512 1024 2048 4096 8192 16384] [--limit-gib-per-rank 1.0]
+                         [--out results/bench_longest.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zeropp.tools.bench.memory.largest import limit_cgroup, run_limited
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file
+from zeropp.tools.bench.speed.generate import cpu_model
+
+UNLIMITED_GIB_PER_RANK = 16.0  # the growth runs: a cgroup that never fills
+
+
+def write_config(folder: Path, args: argparse.Namespace) -> Path:
+    """The Llama's config.json, positions for the longest length tried."""
+    import transformers
+
+    longest = max(*args.lengths, *args.growth_lengths)
+    transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
+        max_position_embeddings=longest,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder / "config.json"
+
+
+def command(config: Path, length: int, cp: int, tiles: int, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "zeropp.cli", "train", "--hf-config", str(config), "--block-size", str(length),
+            "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
+            "--stage", "3", *ZEROPP_OFF_FLAGS, "--nproc-per-node", str(args.world), "--nodes", "1",
+            "--precision", "fp32", "--context-parallel-size", str(cp), "--logit-tiles", str(tiles)]  # fmt: skip
+
+
+def longest(config: Path, cp: int, tiles: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The variant's attempts in increasing length up to its first failure, and the longest that trained."""
+    best, tried = None, []
+    for length in sorted(args.lengths):
+        result = {"length": length, **run_limited(command(config, length, cp, tiles, args), args.world, args.timeout_s)}
+        tried.append(result)
+        print(f"C {cp}, logit tiles {tiles}: {length} tokens: {result['outcome']} ({result['seconds']:.0f} s, "
+              f"cgroup peak {result['peak_gib']:.2f} GiB)", flush=True)  # fmt: skip
+        if result["outcome"] != "trains":
+            break
+        best = length
+    return {"context_parallel": cp, "logit_tiles": tiles, "longest": best, "attempts": tried}
+
+
+def growth(config: Path, cp: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Each rank's step peak (the largest over ranks) at each growth length, without a limit."""
+    peaks = {}
+    for length in args.growth_lengths:
+        result = run_limited(command(config, length, cp, args.logit_tiles, args), args.world, args.timeout_s)
+        if result["outcome"] != "trains":
+            raise SystemExit(f"zeropp bench longest: error: C {cp} at {length} tokens: {result['outcome']}")
+        peaks[length] = max(result["step_peak_mib_per_rank"])
+        print(f"growth: C {cp}: {length} tokens: step peak {peaks[length]:.0f} MiB per rank", flush=True)
+    first, last = min(peaks), max(peaks)
+    return {"context_parallel": cp, "step_peak_mib": peaks, "growth_mib": peaks[last] - peaks[first]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeropp bench longest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--context-parallel", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--logit-tiles", type=int, default=16, help="the tiled variants' tiles")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--growth-lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--limit-gib-per-rank", type=float, default=1.0)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--out", type=Path, default=Path("results/bench_longest.json"))
+    args = parser.parse_args(argv)
+    args.out = output_file(parser, args.out, "bench_longest.json")
+    if not Path("/sys/fs/cgroup/memory").is_dir() or os.geteuid() != 0:
+        print("zeropp bench longest: error: needs root and the cgroup v1 memory controller", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        "cpu": cpu_model(), "date": datetime.date.today().isoformat(), "world": args.world,
+        "limit_gib_per_rank": args.limit_gib_per_rank,
+        "model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}, "rows": [], "growth": [],
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        config = write_config(Path(folder), args)
+        limit_cgroup(int(args.limit_gib_per_rank * args.world * 2**30))
+        for cp in args.context_parallel:
+            for tiles in (1, args.logit_tiles):
+                report["rows"].append(longest(config, cp, tiles, args))
+                args.out.write_text(json.dumps(report, indent=2))
+        limit_cgroup(int(UNLIMITED_GIB_PER_RANK * args.world * 2**30))
+        for cp in sorted({1, max(args.context_parallel)}):
+            report["growth"].append(growth(config, cp, args))
+            args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
