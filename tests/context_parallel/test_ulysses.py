@@ -42,7 +42,11 @@ def _model(kind: str, tiles: int):
     return GPT(dataclasses.replace(GPT_TEST, logit_tiles=tiles))
 
 
-def context_parallel_worker(kind: str, cp: int, stage: int, tiles: int, tp: int) -> dict:
+# ZeRO-R: every block recomputed in backward, its input checkpoint kept on the host (Pa+cpu)
+CHECKPOINTED = dict(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True)
+
+
+def context_parallel_worker(kind: str, cp: int, stage: int, tiles: int, tp: int, checkpointed: bool) -> dict:
     from zeropp import ZeroConfig, ZeroEngine, parallelize
     from zeropp.config.sections import TopologyConfig
     from zeropp.context_parallel import causal_lm_inputs, sequence_positions, split_sequence
@@ -51,7 +55,8 @@ def context_parallel_worker(kind: str, cp: int, stage: int, tiles: int, tp: int)
     topology = init_topology(TopologyConfig(context_parallel_size=cp, tensor_parallel_size=tp))
     reader, readers = topology.layout.reader(topology.rank)
     model = parallelize(_model(kind, tiles), topology)
-    engine = ZeroEngine(model, torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
+    extra = CHECKPOINTED if checkpointed else {}
+    engine = ZeroEngine(model, torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2, **extra), topology)
     losses, all_to_all = [], []
     for step in range(STEPS):
         engine.comm.ledger.reset()
@@ -68,20 +73,23 @@ def context_parallel_worker(kind: str, cp: int, stage: int, tiles: int, tp: int)
 
 
 @pytest.mark.parametrize(
-    "kind,world,cp,stage,tiles,tp",
+    "kind,world,cp,stage,tiles,tp,checkpointed",
     [
-        ("gpt", 2, 2, 3, 1, 1), ("hf-llama", 2, 2, 3, 1, 1), ("gpt", 4, 2, 3, 1, 1), ("hf-llama", 4, 2, 2, 1, 1),
-        ("hf-llama", 4, 4, 3, 1, 1), ("gpt", 2, 2, 3, 4, 1), ("hf-llama", 4, 2, 3, 1, 2),
+        ("gpt", 2, 2, 3, 1, 1, False), ("hf-llama", 2, 2, 3, 1, 1, False), ("gpt", 4, 2, 3, 1, 1, False),
+        ("hf-llama", 4, 2, 2, 1, 1, False), ("hf-llama", 4, 4, 3, 1, 1, False), ("gpt", 2, 2, 3, 4, 1, False),
+        ("hf-llama", 4, 2, 3, 1, 2, False), ("gpt", 4, 2, 3, 1, 1, True),
     ],
     ids=[
         "gpt-c2", "llama-c2", "gpt-c2xdp2", "llama-c2xdp2-stage2", "llama-c4-kv-repeated", "gpt-c2-tiled-logits",
-        "llama-c2xtp2",
+        "llama-c2xtp2", "gpt-c2xdp2-checkpoints-on-host",
     ],
 )  # fmt: skip
-def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage, tiles, tp):
+def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage, tiles, tp, checkpointed):
     from models import GPT_TEST
 
-    per_rank = run_ranks(context_parallel_worker, world, kind=kind, cp=cp, stage=stage, tiles=tiles, tp=tp)
+    per_rank = run_ranks(
+        context_parallel_worker, world, kind=kind, cp=cp, stage=stage, tiles=tiles, tp=tp, checkpointed=checkpointed
+    )
     readers = world // cp // tp
     assert per_rank[0]["readers"] == readers
     ref, ref_losses = reference(kind, readers)
@@ -110,7 +118,8 @@ def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage, ti
         for step in result["all_to_all"]:
             assert step == {
                 "forward": {"intra": layers * per_layer, "inter": 0},
-                "backward": {"intra": layers * per_layer, "inter": 0},
+                # activation checkpointing recomputes each block's forward, its four all-to-alls included
+                "backward": {"intra": (2 if checkpointed else 1) * layers * per_layer, "inter": 0},
             }, step
 
 
