@@ -216,3 +216,22 @@ def test_adafactor_with_the_trainers_decay_groups_equals_the_plain_trainer(tmp_p
     for state in run_ranks(_zero_adafactor, 2, start=START, out=str(tmp_path / "zero")):
         assert max_difference(state, reference) < TOLERANCE
     assert max_difference(reference, tiny_llama().state_dict()) > 1e-3  # it trained
+
+
+def _context_parallel_refusal(out: str) -> str:
+    import zeropp
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.integrations.transformers import TrainerError, ZeroTrainer
+
+    topology = zeropp.init_topology(TopologyConfig(context_parallel_size=2))
+    try:
+        ZeroTrainer(tiny_llama(), training_args(out, 2), train_dataset=rows(), topology=topology)
+    except TrainerError as error:
+        return str(error)
+    return "no error"
+
+
+def test_context_parallelism_is_refused_in_one_line_until_its_loader_shares_rows(tmp_path):
+    for message in run_ranks(_context_parallel_refusal, 2, start=START, out=str(tmp_path)):
+        assert message.startswith("topology.context_parallel_size = 2 is not allowed with ZeroTrainer yet"), message
+        assert "\n" not in message

@@ -110,6 +110,12 @@ class ZeroTrainer(transformers.Trainer):
         self.zero_source = zero_config
         self.pretrained = pretrained
         self.topology = topology or init_topology()
+        if self.topology.context_parallel.size > 1:  # the Trainer's loader would hand each rank its own rows
+            raise TrainerError(
+                f"topology.context_parallel_size = {self.topology.context_parallel.size} is not allowed with "
+                "ZeroTrainer yet (its data loader gives every rank rows of its own); expected 1, or zeropp train "
+                "--context-parallel, or ZeroEngine with zeropp.context_parallel.causal_lm_inputs"
+            )
         self.engine: ZeroEngine | None = None
         self.engine_module: EngineModule | None = None
         super().__init__(model, args, *rest, **kwargs)
