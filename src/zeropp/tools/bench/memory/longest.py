@@ -4,15 +4,16 @@ Each variant (Ulysses context parallelism over C of the `--world` ranks, ``--con
 logits whole or in ``--logit-tiles`` tiles) tries ``--lengths`` in increasing order, each a
 ``zeropp train`` of 2 steps (one sequence per reader, ZeRO-3 without ZeRO++, fp32) inside a memory
 cgroup of ``--limit-gib-per-rank`` x world (cgroup v1, root), so that running out of memory kills
-the attempt and nothing else; the longest length that trains is the answer, the first failure's
-cause recorded (out of memory, timeout, the error's last line). The model: a Llama of
+the attempt and nothing else; after the first failure, ``--refine`` halvings of the interval
+between it and the last length that trained; the longest length that trains is the answer, each
+failure's cause recorded (out of memory, timeout, the error's last line). The model: a Llama of
 ``--layers`` x ``--hidden`` with grouped-query attention and a ``--vocab`` vocabulary (the logits of
 a long sequence are what tiling removes). Then, without a limit, each rank's step peak against the
 length (``--growth-lengths``) at C = 1 and the largest C, with tiled logits: the activations a rank
 holds grow with its share of the sequence. The CPU model and the date go with the results.
 
     zeropp bench longest [--world 4] [--context-parallel 1 2 4] [--logit-tiles 16]
-                         [--lengths 512 1024 2048 4096 8192 16384] [--limit-gib-per-rank 1.0]
+                         [--lengths 1024 2048 4096 8192 16384 32768] [--limit-gib-per-rank 0.9]
                          [--out results/bench_longest.json]
 """
 
@@ -56,16 +57,32 @@ def command(config: Path, length: int, cp: int, tiles: int, args: argparse.Names
 
 
 def longest(config: Path, cp: int, tiles: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The variant's attempts in increasing length up to its first failure, and the longest that trained."""
-    best, tried = None, []
-    for length in sorted(args.lengths):
+    """The variant's attempts in increasing length up to its first failure, then ``--refine`` halvings
+    of the interval between the longest that trained and the first that did not (lengths multiples of
+    C x 64); the longest that trained."""
+    best, failed, tried = None, None, []
+
+    def attempt(length: int) -> bool:
         result = {"length": length, **run_limited(command(config, length, cp, tiles, args), args.world, args.timeout_s)}
         tried.append(result)
         print(f"C {cp}, logit tiles {tiles}: {length} tokens: {result['outcome']} ({result['seconds']:.0f} s, "
               f"cgroup peak {result['peak_gib']:.2f} GiB)", flush=True)  # fmt: skip
-        if result["outcome"] != "trains":
+        return result["outcome"] == "trains"
+
+    for length in sorted(args.lengths):
+        if not attempt(length):
+            failed = length
             break
         best = length
+    step = cp * 64
+    for _ in range(args.refine if best is not None and failed is not None else 0):
+        middle = (best + failed) // 2 // step * step
+        if middle in (best, failed):
+            break
+        if attempt(middle):
+            best = middle
+        else:
+            failed = middle
     return {"context_parallel": cp, "logit_tiles": tiles, "longest": best, "attempts": tried}
 
 
@@ -87,9 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--context-parallel", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--logit-tiles", type=int, default=16, help="the tiled variants' tiles")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--growth-lengths", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--limit-gib-per-rank", type=float, default=1.0)
+    parser.add_argument("--limit-gib-per-rank", type=float, default=0.9)
+    parser.add_argument(
+        "--refine", type=int, default=3, help="halvings between the last length that trains and the first that does not"
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
