@@ -9,6 +9,7 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()] if tasks.exists() else []
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The ranks ``zeropp train`` (process `launcher_pid`) runs: the children of its fork server."""
+    return [rank for child in children(launcher_pid) for rank in children(child)]
 
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -3,9 +3,10 @@
 zeropp train trains the embedded GPT on the embedded corpus, or a Hugging Face causal LM
 (--hf-model DIR, --hf-config FILE) on your own text (--data PATH, --tokenizer DIR); local paths only.
 
-zeropp train run by hand starts the ranks through torch.distributed.run (so it takes torchrun's
-multi-node flags) and each rank runs the same command again, recognising itself by torchrun's
-environment; started by srun or mpirun once per rank (no launcher flags), each task is a rank.
+zeropp train run by hand starts the ranks through torchrun's agent (so it takes torchrun's
+multi-node flags), forked from a server that imported zeropp once, and each rank runs the same
+command again, recognising itself by torchrun's environment; started by srun or mpirun once per rank
+(no launcher flags), each task is a rank.
 On one machine the ranks are split into 2 simulated nodes unless --nodes says
 otherwise. Every config key is a flag of its own name (--stage 3 --precision bf16).
 At stage 3 the ZeRO++ switches default to on (qwZ, hpZ over each node, qgZ); turn each off with
@@ -35,7 +36,6 @@ from zeropp.app.launch import (
     LAUNCH_FLAGS,
     LAUNCHER_PID,
     PEER_LOST_STATUS,
-    RANK_ENTRY,
     add_launch_flags,
     adopt_task,
     describe_failure,
@@ -43,7 +43,9 @@ from zeropp.app.launch import (
     is_rank,
     on_stop,
     quiet_torchrun,
+    rank_process,
     resolve,
+    start_rank_server,
     usable_cpus,
     waiting_note,
 )
@@ -305,7 +307,8 @@ def _check_adapter_out(out: Path, config: Any) -> None:
 
 def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
 
     launcher_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LAUNCH_FLAGS if k != "join_timeout_s"]
     # c10d rendezvous: each restart (--max-restarts) meets under a fresh key prefix; the static one
@@ -314,16 +317,17 @@ def _launch(args: argparse.Namespace, argv: list[str], nodes: int) -> int:
     # node 0 hosts the store even where its hostname does not resolve to master_addr
     host = ",is_host=true" if args.node_rank == 0 else ""
     launcher_argv.append(f"--rdzv-conf=join_timeout={args.join_timeout_s}{host}")
-    rank_command = ["--no-python", sys.executable, "-u", "-c", RANK_ENTRY, *argv]
-    torchrun_args = get_args_parser().parse_args([*launcher_argv, *rank_command])
+    launcher_argv.append("--start-method=forkserver")  # See [Note: forked ranks] (docs/design.md)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // args.nproc_per_node)))
+    config, _, _ = config_from_args(get_args_parser().parse_args([*launcher_argv, "zeropp"]))
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    start_rank_server()  # the ranks' environment is the server's: complete by now
     note = waiting_note(args, nodes)
     if note:
         print(note, file=sys.stderr, flush=True)
     quiet_torchrun()
     try:
-        run(torchrun_args)
+        elastic_launch(config, rank_process)(main, argv)
     except SignalException as error:  # the agent turns SIGINT / SIGTERM into this
         if error.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
@@ -383,14 +387,17 @@ def _run_rank(config: Any, args: argparse.Namespace) -> int:
         shutdown(wait_for_others=False)  # the ranks met in the barrier above, or one failed
     # Leave without running C++ static destructors: on some exits gloo's worker threads are torn down
     # after the interpreter and abort the process ("terminate called without an active exception").
+    # A rank the launcher forked returns its status to rank_process, whose process never runs them.
     sys.stdout.flush()
     sys.stderr.flush()
+    if LAUNCHER_PID in os.environ:
+        return status
     os._exit(status)
 
 
 def _record_on_signal(trace: Any) -> None:
     """A rank stopped by SIGTERM or SIGINT (its launcher stopping the run) writes its flight record first."""
-    if LAUNCHER_PID in os.environ:  # started by RANK_ENTRY: its stopping thread runs the hooks
+    if LAUNCHER_PID in os.environ:  # started by rank_process: its stopping thread runs the hooks
         on_stop(trace.write)
         return
 

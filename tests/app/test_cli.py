@@ -29,7 +29,8 @@ def test_train_runs_four_ranks_as_two_nodes_with_zeropp_and_writes_summary(tmp_p
         "train", "--preset", "tiny", "--steps", "4", "--eval-batches", "1",
         "--master-port", str(free_port()), "--summary-json", str(out),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    # nothing on stderr: the ranks, forked from the launcher's server, exit without gloo's abort too
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert SUMMARY_KEYS <= summary.keys()
     assert (summary["world_size"], summary["nodes"], summary["steps"], summary["stage"]) == (4, 2, 4, 3)

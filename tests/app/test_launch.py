@@ -11,19 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from cli_runner import run_cli
-from launcher import free_port
+from launcher import free_port, rank_pids
 
 LONG_RUN = ("train", "--preset", "tiny", "--steps", "100000", "--nproc-per-node", "2", "--eval-interval", "100000")
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
-
-
-def children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()] if tasks.exists() else []
 
 
 def alive(pid: int) -> bool:
@@ -37,7 +33,7 @@ def alive(pid: int) -> bool:
 def wait_for_ranks(launcher: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ranks = children(launcher.pid)
+        ranks = rank_pids(launcher.pid)
         if len(ranks) == n:
             time.sleep(5)  # let them reach training
             return ranks
@@ -51,18 +47,35 @@ def start(*args: str) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_ranks_die_with_a_killed_launcher():
+def test_ranks_die_with_a_killed_launcher_even_before_it_is_reaped():
+    """A launcher SIGKILLed whose parent (a shell, a scheduler) has not waited for it yet is a zombie:
+    its pid still answers. The ranks go all the same: their fork server ends once the launcher's end of
+    its pipe is closed (no rank may hold a copy), and their watchdog counts a zombie as dead."""
     launcher = start()
     ranks = wait_for_ranks(launcher, 2)
-    launcher.kill()
-    launcher.wait()
+    launcher.kill()  # not reaped until the ranks are checked
     deadline = time.monotonic() + 10
     while any(alive(r) for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [r for r in ranks if alive(r)]
     for r in left:
         os.kill(r, signal.SIGKILL)
+    launcher.wait()
     assert not left, "ranks outlived their launcher"
+
+
+def test_a_zombie_is_not_alive():
+    from zeropp.app.launch import _alive
+
+    process = subprocess.Popen(["sleep", "60"])
+    assert _alive(process.pid)
+    process.kill()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the killed process did not exit"
+        time.sleep(0.01)
+    assert not _alive(process.pid)  # exited, not reaped: its pid still answers a signal
+    process.wait()
 
 
 def test_a_killed_rank_is_named_in_one_line():
@@ -72,6 +85,47 @@ def test_a_killed_rank_is_named_in_one_line():
     _, stderr = launcher.communicate(timeout=60)
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["zeropp: error: training failed (ChildFailedError): rank 1 died (SIGKILL)"], stderr[-3000:]
+
+
+def patched(folder: Path, source: str) -> dict[str, str]:
+    """An environment in which every Python process of a run, the ranks' fork server too, runs
+    `source` as it starts (as ``sitecustomize``, which ``site`` imports)."""
+    (folder / "sitecustomize.py").write_text(source)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+# rank 1 fails in its training loop with an exception zeropp does not expect, and takes a while to end
+# after its peers saw it gone (as a rank writing its traceback or flight record would)
+FAILING_RANK = """
+import os, time
+from zeropp.app import trainer
+from zeropp.topology import shutdown
+
+run = trainer.Trainer.run
+
+def failing_run(self, *args, **kwargs):
+    if os.environ.get("RANK") == "1":
+        shutdown(wait_for_others=False)
+        time.sleep(2)
+        raise RuntimeError("an unexpected failure")
+    return run(self, *args, **kwargs)
+
+trainer.Trainer.run = failing_run
+"""
+
+
+def test_an_unexpected_error_in_a_rank_prints_its_traceback_and_the_launcher_names_that_rank(tmp_path):
+    """Neither torchrun's agent, which zeropp keeps quiet, nor rank 0, which lost its peer (exit 3)
+    before rank 1 ended, may take the failure's place."""
+    result = run_cli(
+        "train", "--preset", "tiny", "--steps", "4", "--nproc-per-node", "2", env=patched(tmp_path, FAILING_RANK)
+    )
+    lines = error_lines(result)
+    assert result.returncode == 1 and lines[0] == "Traceback (most recent call last):", result.stderr[-3000:]
+    assert lines[-2:] == [
+        "RuntimeError: an unexpected failure",
+        "zeropp: error: training failed (ChildFailedError): rank 1 exited with 1",
+    ], result.stderr[-3000:]
 
 
 def test_a_busy_port_is_named_with_the_flag_to_change_it():
@@ -160,38 +214,66 @@ def test_gloo_pair_closure_and_lost_peers_are_one_line_collective_errors():
             raise AssertionError("no error")
 
 
-def test_ctrl_c_says_interrupted_once_and_every_rank_writes_its_flight_record(tmp_path):
+# each rank's flight record takes a second to write (a slow disk): time enough for a fork server that a
+# group's signal ended to take its ranks along (PR_SET_PDEATHSIG) before they have written it
+SLOW_RECORDS = """
+import time
+from zeropp.comm import trace
+
+write = trace.CollectiveTrace.write
+
+def slow_write(self, reason):
+    time.sleep(1)
+    return write(self, reason)
+
+trace.CollectiveTrace.write = slow_write
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_run_says_so_once_and_every_rank_writes_its_flight_record(tmp_path, stop):
+    """SIGINT: a terminal's Ctrl-C; SIGTERM: a scheduler's (scancel) or ``kill -- -PGID``. Either reaches
+    the whole process group, the ranks' fork server too, which must outlive the ranks it forked."""
     records = tmp_path / "flight"
     command = [sys.executable, "-m", "zeropp.cli", *LONG_RUN, "--master-port", str(free_port())]
     metrics = tmp_path / "metrics.jsonl"
     command += ["--flight-record-dir", str(records), "--metrics-jsonl", str(metrics)]
+    env = patched(tmp_path, SLOW_RECORDS)
     launcher = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
     )
     ranks = wait_for_ranks(launcher, 2)
     deadline = time.monotonic() + 60
     while not (metrics.exists() and metrics.read_text().strip()):  # training: each rank holds its recorder
         assert launcher.poll() is None and time.monotonic() < deadline, "no step was logged"
         time.sleep(0.2)
-    os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    # well before torchrun's agent would SIGKILL ranks that ignored the SIGINT it forwards (after 30 s)
+    os.killpg(launcher.pid, stop)
+    # well before torchrun's agent would SIGKILL ranks that ignored the signal it forwards (after 30 s)
     _, stderr = launcher.communicate(timeout=20)
-    assert [line for line in stderr.splitlines() if line.strip()] == ["zeropp: interrupted"], stderr[-3000:]
-    assert launcher.returncode == 130 and not any(alive(r) for r in ranks)
+    said, status, allowed = {
+        signal.SIGINT: ("zeropp: interrupted", 130, {"SIGINT", "SIGTERM"}),
+        signal.SIGTERM: ("zeropp: error: stopped by SIGTERM", 143, {"SIGTERM"}),
+    }[stop]
+    assert [line for line in stderr.splitlines() if line.strip()] == [said], stderr[-3000:]
+    assert launcher.returncode == status and not any(alive(r) for r in ranks)
     reasons = {json.loads(path.read_text())["reason"] for path in records.glob("flight-rank*.json")}
-    assert len(list(records.glob("flight-rank*.json"))) == 2 and reasons <= {"SIGINT", "SIGTERM"}, reasons
+    assert len(list(records.glob("flight-rank*.json"))) == 2 and reasons <= allowed, reasons
 
 
 def test_a_rank_blocked_in_the_rendezvous_stops_at_its_launchers_signal():
     """The main thread of a rank waiting in C++ for a peer (here: rank 1 never comes) runs no Python
     signal handler: the rank must end at the SIGINT anyway, not at the agent's SIGKILL 30 s later."""
-    from zeropp.app.launch import RANK_ENTRY
-
     port = free_port()
     place = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": str(port)}
     env = {**os.environ, **place, "TORCHELASTIC_RUN_ID": "blocked", "MASTER_ADDR": "127.0.0.1"}
     env["ZEROPP_LAUNCHER_PID"] = str(os.getpid())
-    command = [sys.executable, "-c", RANK_ENTRY, "train", "--preset", "tiny", "--steps", "10"]
+    # as a forked rank starts: SIGINT and SIGTERM blocked (the fork server's mask), no other thread
+    entry = (
+        "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
+        "import sys; from zeropp.app.launch import rank_process; from zeropp.cli import main; "
+        "rank_process(main, sys.argv[1:])"
+    )
+    command = [sys.executable, "-c", entry, "train", "--preset", "tiny", "--steps", "10"]
     rank = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not listening(port):  # rank 0 hosts the store and waits there for rank 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_runner import run_cli
-from launcher import free_port, run_ranks
+from launcher import free_port, rank_pids, run_ranks
 from runs import PROBE, run_config, weights_of
 
 # -- exact resume ---------------------------------------------------------------------------------
@@ -259,23 +259,12 @@ def test_a_real_full_disk_or_read_only_folder_is_one_line_naming_the_folder_and_
 # -- zeropp train: a killed rank, bad inputs -------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
 def test_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path):
     from safetensors.torch import load_file
 
     from zeropp.checkpoint.dcp import export_checkpoint
 
-    run = ["train", "--preset", "tiny", "--steps", "60", "--eval-batches", "1", "--save-interval", "10"]
+    run = ["train", "--preset", "tiny", "--steps", "24", "--eval-batches", "1", "--save-interval", "4"]
     run += ["--keep-last", "0", "--resume", "auto", "--max-restarts", "1"]
     straight = run_cli(*run, "--checkpoint-dir", str(tmp_path / "a"), "--master-port", str(free_port()))
     assert straight.returncode == 0, straight.stderr[-2000:]
@@ -285,19 +274,19 @@ def test_killed_rank_restarts_resumes_and_ends_with_the_uninterrupted_weights(tm
     cmd += ["--master-port", str(free_port()), "--summary-json", str(summary)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (tmp_path / "b" / "step-00000010").exists():
-        assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint at step 10"
+    while not (tmp_path / "b" / "step-00000004").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint at step 4"
         time.sleep(0.02)
-    workers = _children(launcher.pid)
+    workers = rank_pids(launcher.pid)
     assert len(workers) == 4
     os.kill(workers[1], signal.SIGKILL)
     _, stderr = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, stderr[-3000:]
     resumed = json.loads(summary.read_text())
-    assert 10 <= resumed["start_step"] < 60, "the restarted ranks did not resume from a checkpoint"
+    assert 4 <= resumed["start_step"] < 24, "the restarted ranks did not resume from a checkpoint"
     final = {}
     for run_name in ("a", "b"):
-        export_checkpoint(tmp_path / run_name / "step-00000060", tmp_path / f"{run_name}.safetensors")
+        export_checkpoint(tmp_path / run_name / "step-00000024", tmp_path / f"{run_name}.safetensors")
         final[run_name] = load_file(str(tmp_path / f"{run_name}.safetensors"))
     a, b = final["a"], final["b"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

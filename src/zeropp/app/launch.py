@@ -1,25 +1,33 @@
 """``zeropp train``'s launcher side: torchrun's flags, the port, the environment, and what a failure says.
 
-The launcher runs torch.distributed.run in its own process (it is torchrun's agent), and each rank
-runs ``zeropp train`` again, recognising itself by torchrun's environment (``TORCHELASTIC_RUN_ID``).
+The launcher runs torchrun's agent in its own process (torch.distributed's ``elastic_launch``), and
+each rank, forked from a server that imported zeropp once (:func:`rank_process`), runs ``zeropp train``
+again, recognising itself by torchrun's environment (``TORCHELASTIC_RUN_ID``): See [Note: forked
+ranks] (docs/design.md).
 Started by srun or mpirun once per rank instead, ``zeropp train`` is the rank itself (:func:`adopt_task`).
 A rank follows its launcher: it dies with it (``PR_SET_PDEATHSIG`` on Linux, and a watchdog thread
-that polls the parent pid everywhere), so killing ``zeropp train`` never leaves ranks training.
+that polls its parent and the launcher everywhere), so killing ``zeropp train`` never leaves ranks training.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import logging
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from zeropp.config.launcher import read_launch_environment
@@ -31,35 +39,70 @@ TASK = "ZEROPP_TASK"  # set in a rank that srun or mpirun started (its launcher'
 LAUNCHER_PID = "ZEROPP_LAUNCHER_PID"  # set by the launcher for its ranks: the process they follow
 RANK_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what a rank needs from its launcher
 PR_SET_PDEATHSIG = 1
-# How the launcher starts a rank. Ctrl-C reaches every process of the terminal's group, also ranks
-# still importing torch, and torchrun's agent forwards the SIGINT it got to the ranks (then waits 30 s
-# before SIGKILL). A Python handler runs only when the main thread runs Python: a rank blocked in C++
-# (a gloo wait, the store's rendezvous) would hold it until the SIGKILL. So the rank's first line
-# blocks SIGINT and SIGTERM in every thread (threads started later inherit it; a forked child gets
-# them back) and one thread takes them with sigwait: it runs the stop hooks (the flight record,
-# see on_stop) and ends the process by SIGTERM's default action (or, where a library set a Python
-# handler for SIGTERM, by os._exit a second later), whatever the main thread is doing.
-# The launcher alone says "interrupted".
-RANK_ENTRY = """\
-import os, signal, sys, threading, time
-STOPS = {signal.SIGINT, signal.SIGTERM}
-signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
-os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
-def stop():
+# What the ranks' fork server imports once: the CLI (torch and zeropp with it), and torch._dynamo,
+# which building a model on the meta device imports (0.5 s of CPU a rank). None touches a device.
+RANK_PRELOAD = ["zeropp.cli", "torch._dynamo"]
+STOPS = {signal.SIGINT, signal.SIGTERM}  # how a launcher (or a terminal, a scheduler) stops the ranks
+PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
+LINGER_S = 10.0  # how long such a rank waits for its launcher to stop it (See [Note: forked ranks])
+_stop_hooks: list[Callable[[str], object]] = []
+# A forked rank runs the launcher's main module again as __mp_main__ (multiprocessing's preparation):
+# under ``python -m zeropp.cli`` runpy warns that the server imported it already, which tells a user nothing.
+warnings.filterwarnings("ignore", r"'zeropp\.cli' found in sys\.modules", RuntimeWarning)
+
+
+def start_rank_server() -> None:
+    """Start the fork server of this launcher's ranks (torchrun's agent forks them from it), its
+    SIGINT and SIGTERM blocked for good: See [Note: forked ranks] (docs/design.md)."""
+    multiprocessing.forkserver.set_forkserver_preload(RANK_PRELOAD)
+    multiprocessing.resource_tracker.ensure_running()  # first: starting it unblocks both signals here
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # a new process keeps its creator's mask
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def rank_process(main: Callable[[list[str]], int], argv: list[str]) -> None:
+    """A rank of ``zeropp train`` as torchrun's agent starts it, forked from the launcher's server: `main`
+    (the CLI's) on ARGV, the process's exit status its own. See [Note: forked ranks] (docs/design.md)."""
+    # The server ends once its "alive" pipe has no writer: each child inherits the launcher's end,
+    # which must stay the launcher's alone (a rank holding it would keep the server, and so itself, alive).
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # blocked already where the server forked it
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS))
+    threading.Thread(target=_stop_on_signal, name="zeropp-stop", daemon=True).start()
+    sys.stdout.reconfigure(line_buffering=True)  # as ``python -u`` would write it (stderr is line-buffered)
+    try:
+        status = main(argv)
+    except Exception:  # what an interpreter would print: torchrun's agent only logs it
+        traceback.print_exc()
+        status = 1
+    if status == PEER_LOST_STATUS:  # a consequence: let the launcher see the cause first
+        _stop_hooks.clear()  # the flight record says why already
+        time.sleep(LINGER_S)
+    sys.exit(status)  # not os._exit: torchrun's agent waits for a rank's return value
+
+
+def _stop_on_signal() -> None:
+    """A rank's stopping thread. Ctrl-C reaches every process of the terminal's group, and torchrun's
+    agent forwards the SIGINT it got to the ranks (then waits 30 s before SIGKILL). A Python handler
+    runs only when the main thread runs Python: a rank blocked in C++ (a gloo wait, the store's
+    rendezvous) would hold it until the SIGKILL. So SIGINT and SIGTERM stay blocked in every thread
+    of a rank (threads started later inherit it; a forked child gets them back) and this thread takes
+    them with sigwait: it runs the stop hooks (the flight record, see on_stop) and ends the process by
+    SIGTERM's default action (or, where a library set a Python handler for SIGTERM, by os._exit a
+    second later), whatever the main thread is doing. The launcher alone says "interrupted"."""
     name = signal.Signals(signal.sigwait(STOPS)).name
-    launch = sys.modules.get("zeropp.app.launch")
-    if launch is not None:
-        launch.run_stop_hooks(name)
+    _run_stop_hooks(name)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
     time.sleep(1)  # still here: a library set a Python handler for SIGTERM, which the main thread may never run
     os._exit(128 + signal.SIGTERM)
-threading.Thread(target=stop, name="zeropp-stop", daemon=True).start()
-from zeropp.cli import main
-sys.exit(main())
-"""
-_stop_hooks: list[Callable[[str], object]] = []
-PEER_LOST_STATUS = 3  # a rank's exit status when it stopped because another rank was gone: not a cause
+
 
 # torchrun flag -> (default, type, help); None: decided at launch (see resolve)
 LAUNCH_FLAGS: dict[str, tuple[Any, type, str]] = {
@@ -235,26 +278,43 @@ def describe_failure(error: BaseException, args: argparse.Namespace) -> str:
 
 
 def follow_launcher() -> None:
-    """In a rank: die when the process that started it (torchrun's agent) dies."""
-    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))
+    """In a rank: die when its launcher dies. A forked rank's parent is the launcher's fork server,
+    which ends with the launcher; a rank that torchrun by hand, srun or mpirun started has it as parent."""
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
+    launcher = int(os.environ.get(LAUNCHER_PID, parent))
+    if os.getppid() != parent or not _alive(launcher):  # gone before prctl took effect
         os._exit(1)
-    threading.Thread(target=_watch, args=(parent,), name="zeropp-launcher-watchdog", daemon=True).start()
+    threading.Thread(target=_watch, args=(parent, launcher), name="zeropp-launcher-watchdog", daemon=True).start()
 
 
-def _watch(parent: int) -> None:
-    while os.getppid() == parent:
+def _watch(parent: int, launcher: int) -> None:
+    while os.getppid() == parent and _alive(launcher):
         time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: not gone, nor (where /proc tells) a zombie, which has exited and
+    waits for its parent to reap it (a launcher SIGKILLed under a shell or a test that did not wait)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    with contextlib.suppress(OSError):  # no /proc here (or gone since: the next look says so)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def quiet_torchrun() -> None:
     """Silence torchrun's own warnings about failures and signals: the launcher says them once.
 
     Each of its modules' loggers has a level of its own (torch.distributed.elastic.utils.logging)."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL if ".multiprocessing" in name else logging.ERROR)
@@ -275,8 +335,8 @@ def on_stop(hook: Callable[[str], object]) -> None:
     _stop_hooks.append(hook)
 
 
-def run_stop_hooks(name: str) -> None:
-    """Called by the stopping thread of :data:`RANK_ENTRY`; a hook's failure never keeps the rank alive."""
+def _run_stop_hooks(name: str) -> None:
+    """Called by the stopping thread of a rank; a hook's failure never keeps the rank alive."""
     for hook in _stop_hooks:
         try:
             hook(name)

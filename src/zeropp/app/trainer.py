@@ -1,7 +1,7 @@
 """The main job: train a model (the embedded GPT, or a Hugging Face causal LM: zeropp.app.models.source) on
 text (the embedded corpus, or your own: zeropp.app.data.text) under any stage, report metrics and a summary.
 
-Runs inside each rank (``zeropp train`` starts the ranks through torch.distributed.run).
+Runs inside each rank (``zeropp train`` starts the ranks through torchrun's agent, forked from one server: zeropp.app.launch).
 """
 
 from __future__ import annotations
