@@ -2,10 +2,10 @@
 
 The packages, each importing only the ones before it (``tests/test_layers.py`` keeps it so):
 ``errors`` · ``config`` · ``index`` (pure rank and flat-buffer math) · ``topology`` · ``quant`` ·
-``comm`` · ``zero`` (the ZeRO core) · ``runtime`` · ``tensor_parallel`` · ``costs`` (the analytic
-models) · ``checkpoint`` · ``engine`` · ``integrations`` (``ZeroTrainer``: the
-Hugging Face Trainer; not imported here) · ``app`` (``zeropp train``) · ``tools`` (estimate, cluster,
-bench) · ``cli``.
+``comm`` · ``zero`` (the ZeRO core) · ``runtime`` · ``tensor_parallel`` · ``context_parallel``
+(Ulysses) · ``costs`` (the analytic models) · ``checkpoint`` · ``engine`` · ``integrations``
+(``ZeroTrainer``: the Hugging Face Trainer; not imported here) · ``app`` (``zeropp train``) ·
+``tools`` (estimate, cluster, bench) · ``cli``.
 """
 
 from zeropp.checkpoint.pretrained import load_pretrained
@@ -14,8 +14,10 @@ from zeropp.comm.ledger import Ledger
 from zeropp.config.deepspeed import zero_config as zero_config_from_deepspeed
 from zeropp.config.policies import ActivationCheckpointPolicy, OffloadPolicy, QuantizedGradients, QuantizedWeights
 from zeropp.config.sections import Config, TopologyConfig, ZeroConfig, load_config
+from zeropp.context_parallel import causal_lm_inputs, sequence_positions, split_sequence
 from zeropp.engine import ZeroEngine
 from zeropp.errors import ConfigError, ZeroppError
+from zeropp.runtime.tiled_logits import tiled_cross_entropy
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import Topology, init_topology, shutdown
 
@@ -33,10 +35,14 @@ __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "ZeroppError",
+    "causal_lm_inputs",
     "init_topology",
     "load_config",
     "load_pretrained",
     "parallelize",
+    "sequence_positions",
     "shutdown",
+    "split_sequence",
+    "tiled_cross_entropy",
     "zero_config_from_deepspeed",
 ]

@@ -57,7 +57,7 @@ from zeropp.checkpoint.pretrained import PretrainedError
 from zeropp.comm.communicator import CollectiveTimeout, PeerLost
 from zeropp.config.deepspeed import Translation, translate
 from zeropp.config.sections import ZEROPP_SWITCHES, load_config
-from zeropp.context_parallel import check_heads, check_length
+from zeropp.context_parallel import check_context_parallel, check_length
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
 from zeropp.tensor_parallel.apply import check_sequence_length, plan_for
@@ -247,17 +247,22 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
             source = model_source(config)
             training_text(config, source)  # model, tokenizer and data: refused here in one line
             topology = config.topology
-            if topology.tensor_parallel_size > 1 or config.model.lora_rank is not None:
+            cp, tp = topology.context_parallel_size, topology.tensor_parallel_size
+            if tp > 1 or cp > 1 or config.model.lora_rank is not None:
                 with torch.device("meta"):
                     model = source.build()  # LoRA: targets the model lacks
-                if topology.tensor_parallel_size > 1:  # a class without a plan, shapes tp ranks cannot share
-                    plan_for(model, topology.tensor_parallel_size, topology.sequence_parallel)
+                if tp > 1:  # a class without a plan, shapes tp ranks cannot share
+                    plan_for(model, tp, topology.sequence_parallel)
+                if cp > 1:  # See [Note: Ulysses attention]
+                    check_context_parallel(model, cp, tp)
+                    check_length(source.block_size, cp)
             if topology.sequence_parallel:
-                check_sequence_length(source.block_size, topology.tensor_parallel_size)
-            if topology.context_parallel_size > 1:  # See [Note: Ulysses attention]
-                check_length(source.block_size, topology.context_parallel_size)
-                cp, tp = topology.context_parallel_size, topology.tensor_parallel_size
-                check_heads(source.n_head, cp, "the model's heads", tp)
+                check_sequence_length(source.block_size, tp)
+                if config.model.logit_tiles > 1:  # the tiled loss takes the head's weight, not its gathered input
+                    raise ConfigError(
+                        f"model.logit_tiles = {config.model.logit_tiles} is not allowed with topology.sequence_parallel; "
+                        "expected 1"
+                    )
             preflight(config)
             for flag in ("summary_json", "metrics_jsonl", "plot"):
                 if getattr(args, flag) is not None:
@@ -275,7 +280,8 @@ def _read_deepspeed(path: Path, config_file: Path | None, overrides: dict[str, A
     """The DeepSpeed config's keys; its "auto" values resolved from the run's other settings and
     model. The launcher (or rank 0 under a torchrun of the user's) prints its one-line note."""
     base = load_config(config_file, overrides)
-    data_parallel = world // base.topology.tensor_parallel_size  # DeepSpeed's batch sizes count data-parallel ranks
+    # DeepSpeed's batch sizes count the ranks reading rows of their own (a context-parallel run reads one)
+    data_parallel = world // base.topology.tensor_parallel_size // base.topology.context_parallel_size
     translation = translate(path, world_size=data_parallel, hidden_size=model_source(base).d_model, base=base)
     note = translation.note()
     if note and (not is_rank() or (LAUNCHER_PID not in os.environ and os.environ.get("RANK") == "0")):

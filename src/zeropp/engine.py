@@ -295,6 +295,7 @@ class ZeroEngine:
         """Gather every unit once (the ledger's eval phase), keep them gathered for the block and
         reshard them at its exit. Costs the whole model in the compute dtype on every rank, on top of
         the shards. Collective: every rank enters and leaves the block together."""
+        self._refuse_context_parallel("engine.gathered")
         with self.comm.in_phase("eval"):
             self.runtime.gather_all()
         try:
@@ -302,9 +303,20 @@ class ZeroEngine:
         finally:
             self.runtime.release_all()
 
+    def _refuse_context_parallel(self, what: str) -> None:
+        """Generation feeds every rank the whole prompt, which Ulysses' attention would join into one
+        sequence of C copies: refused in one line."""
+        size = self.topology.context_parallel.size
+        if size > 1:
+            raise ConfigError(
+                f"{what} is not allowed with topology.context_parallel_size = {size} (attention is routed through "
+                "Ulysses, which needs every rank's slice of one sequence); expected an engine with 1"
+            )
+
     def generate(self, *args: Any, gathered: bool = True, **kwargs: Any) -> Any:
         """The model's own ``generate(*args, **kwargs)`` without gradients, in the ledger's eval phase:
         inside :meth:`gathered` (default), or unit by unit, every unit gathered for every token."""
+        self._refuse_context_parallel("engine.generate")
         if not callable(getattr(self.module, "generate", None)):
             raise ConfigError(
                 f"engine.generate: {type(self.module).__name__} has no generate method; "

@@ -144,6 +144,14 @@ def refusals_worker() -> dict:
         engine(**causal_lm_inputs(topology, x), attention_mask=mask[:, :4])
     except ConfigError as error:
         messages["padding"] = str(error)
+    try:
+        engine.generate(x[:, :4], max_new_tokens=2)
+    except ConfigError as error:
+        messages["generate"] = str(error)
+    try:
+        ZeroEngine(engine.module, torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+    except ConfigError as error:
+        messages["twice"] = str(error)
     return messages
 
 
@@ -154,9 +162,38 @@ def test_what_ulysses_cannot_do_is_refused_in_one_line_before_any_collective():
         ), messages
         assert messages["mlp"] == (
             "topology.context_parallel_size = 4 is not allowed with Sequential: zeropp reaches the attention of the "
-            "embedded GPT and of Hugging Face models only; expected 1"
+            "embedded GPT and of Hugging Face models that use transformers' attention interface only; expected 1"
         )
         assert messages["padding"] == (
             "an attention_mask with padding is not allowed with topology.context_parallel_size = 4; "
-            "expected unpadded (packed or equal-length) sequences"
+            "expected sequences of equal length without padding"
         )
+        assert messages["generate"].startswith("engine.generate is not allowed with topology.context_parallel_size = 4")
+        assert messages["twice"].startswith("topology.context_parallel_size = 4: this model's attention is routed")
+
+
+def test_the_example_trains_the_losses_of_one_process_and_the_docs_include_it():
+    import transformers
+
+    from examples import docs_include, run_example
+
+    done = run_example("long_sequences.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [float(x) for x in done.stdout.strip().splitlines()[-1].split("losses ")[1].split(", ")]
+    torch.manual_seed(0)  # the example's model, data and optimizer in one process on whole sequences
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator, expected = torch.Generator().manual_seed(0), []
+    for _ in range(3):
+        rows = torch.randint(0, 256, (1, 2, 512), generator=generator)[0]
+        optimizer.zero_grad()
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert printed == pytest.approx(expected, rel=1e-4)  # printed to 4 decimals
+    assert docs_include("long-sequences.md", "long_sequences.py")

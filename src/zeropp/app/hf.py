@@ -113,7 +113,7 @@ def build_model(config: Any) -> nn.Module:
 
 
 def causal_lm_loss(
-    engine: Any, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None, tiled: bool = False
+    engine: Any, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None, tiled: bool = False
 ) -> torch.Tensor:
     """Mean next-token cross-entropy (in fp32) of the model's logits for inputs `x` against targets `y`
     (`positions`: the tokens' places, None for 0, 1, ...); `tiled`: by the forward :func:`tile_logits`

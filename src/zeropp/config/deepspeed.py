@@ -216,8 +216,15 @@ class _Reader(OptimizerBlocks):
         value = self.data["sequence_parallel_size"]
         if value != AUTO:
             size = self.integer("sequence_parallel_size", value, 1)
+            ours = self.base.topology.context_parallel_size  # the world counted its runs already
+            if ours not in (1, size):
+                raise ConfigError(
+                    f"DeepSpeed sequence_parallel_size = {size} is not allowed with topology.context_parallel_size "
+                    f"= {ours}; expected {ours} (or leave one of them out)"
+                )
             self.set("topology.context_parallel_size", size, "sequence_parallel_size")
-            self.readers = self.out.world_size = max(1, self.world // size)
+            if ours == 1:
+                self.readers = self.out.world_size = max(1, self.world // size)
 
     def tensor_parallel(self) -> None:
         """DeepSpeed's AutoTP block: its size is zeropp's tensor-parallel size, from transformers' plans."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 from typing import Any
 
 import torch
@@ -17,28 +16,51 @@ from zeropp.errors import ConfigError
 from zeropp.topology import Group
 
 _names = itertools.count()  # one attention implementation registered per engine
+ROUTED = "_zeropp_ulysses"  # set on a model whose attention apply_context_parallel routed
+# attention implementations that attend causally without a mask (transformers builds none for ours)
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 
 
 def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     """Route every attention of `model` through Ulysses over the topology's context-parallel group (a
-    no-op without one); refuses in one line a model whose attention it cannot reach, or whose head
-    count the group does not divide."""
+    no-op without one), after :func:`check_context_parallel`."""
     group, tp = comm.topology.context_parallel, comm.topology.tensor_parallel.size
     if group.size == 1:
         return
-    own = [m for m in model.modules() if callable(getattr(m, "attend", None)) and hasattr(m, "n_head")]
+    check_context_parallel(model, group.size, tp)
+    own = _own_attention(model)
+    for module in own:
+        module.attend = functools.partial(ulysses_attention, comm, group, attend=module.attend)
+    if not own:
+        _install_hf(model, comm, group)
+    setattr(model, ROUTED, True)
+    model.register_forward_pre_hook(functools.partial(_refuse_padding, group.size), with_kwargs=True)
+
+
+def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
+    """Refuse in one line, before any collective (the launcher checks a meta-device copy), what Ulysses
+    over `size` ranks would compute differently from one process: a model whose attention it cannot
+    reach (the embedded GPT's ``attend``, or transformers' attention interface), a head count the
+    group does not divide, dropout (the ranks sharing a sequence would draw the same masks), an
+    attention implementation that needs a mask (eager, flex), sliding-window or chunked attention,
+    a model already routed."""
+    if getattr(model, ROUTED, False):
+        raise ConfigError(
+            f"topology.context_parallel_size = {size}: this model's attention is routed through Ulysses already "
+            "(a second ZeroEngine on one model); expected a model of its own for each engine"
+        )
+    own = _own_attention(model)
     if own:
-        check_heads(own[0].n_head, group.size, "model.n_head", tp)
-        for module in own:
-            module.attend = functools.partial(ulysses_attention, comm, group, attend=module.attend)
-    elif hasattr(getattr(model, "config", None), "_attn_implementation"):
-        _install_hf(model, comm, group, tp)
+        check_heads(own[0].n_head, size, "model.n_head", tp)
+    elif getattr(type(model), "_supports_attention_backend", False):  # transformers' attention interface
+        _check_hf(model.config, size, tp)
     else:
         raise ConfigError(
-            f"topology.context_parallel_size = {group.size} is not allowed with {type(model).__name__}: zeropp reaches "
-            "the attention of the embedded GPT and of Hugging Face models only; expected 1"
+            f"topology.context_parallel_size = {size} is not allowed with {type(model).__name__}: zeropp reaches "
+            "the attention of the embedded GPT and of Hugging Face models that use transformers' attention "
+            "interface only; expected 1"
         )
-    model.register_forward_pre_hook(functools.partial(_refuse_padding, group.size), with_kwargs=True)
+    _refuse_dropout(model, size)
 
 
 def check_heads(heads: int, size: int, key: str, tensor_parallel: int = 1) -> None:
@@ -52,25 +74,41 @@ def check_heads(heads: int, size: int, key: str, tensor_parallel: int = 1) -> No
         )
 
 
-def _install_hf(model: nn.Module, comm: Communicator, group: Group, tp: int) -> None:
+def _own_attention(model: nn.Module) -> list[nn.Module]:
+    """The modules exposing ``attend(q, k, v)`` and ``n_head`` (the embedded GPT's attention)."""
+    return [m for m in model.modules() if callable(getattr(m, "attend", None)) and hasattr(m, "n_head")]
+
+
+def _check_hf(config: Any, size: int, tp: int) -> None:
+    """Transformers builds no mask for an implementation name it has no mask function for (ours), so
+    the wrapped attention must be one that is causal without a mask (sdpa, flash), over the whole
+    sequence; a sliding window or chunks would be dropped with the mask."""
+    check_heads(config.num_attention_heads, size, "num_attention_heads", tp)
+    wrapped = config._attn_implementation or "eager"
+    if wrapped not in CAUSAL_WITHOUT_MASK:
+        raise ConfigError(
+            f"attn_implementation = {wrapped!r} is not allowed with topology.context_parallel_size = {size} (it "
+            f"attends by a mask Ulysses does not build); expected one of {', '.join(CAUSAL_WITHOUT_MASK)}"
+        )
+    windowed = _windowed(config)
+    if windowed:
+        raise ConfigError(
+            f"{windowed} is not allowed with topology.context_parallel_size = {size}: Ulysses attends whole "
+            "sequences causally; expected a model with full attention in every layer"
+        )
+
+
+def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
     """A fresh implementation name for this engine in transformers' AttentionInterface, wrapping the one
-    the model was built with (sdpa, eager, flash, ...). Transformers builds no mask for a name it has
-    no mask function for, so the wrapped attention runs causal over the whole sequence."""
+    the model was built with (checked by :func:`_check_hf`)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
-    check_heads(config.num_attention_heads, group.size, "num_attention_heads", tp)
-    wrapped = config._attn_implementation or "eager"
-    if wrapped != "eager" and wrapped not in ALL_ATTENTION_FUNCTIONS:
-        raise ConfigError(f"attn_implementation = {wrapped!r} is not known to transformers; expected 'sdpa' or 'eager'")
+    wrapped = config._attn_implementation
 
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
-        inner = (
-            sys.modules[type(module).__module__].eager_attention_forward
-            if wrapped == "eager"
-            else ALL_ATTENTION_FUNCTIONS[wrapped]
-        )
+        inner = ALL_ATTENTION_FUNCTIONS[wrapped]
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out, _ = inner(_Grouped(module, q.shape[1] // k.shape[1]), q, k, v, None, **kwargs)
@@ -82,6 +120,34 @@ def _install_hf(model: nn.Module, comm: Communicator, group: Group, tp: int) -> 
     name = f"zeropp_ulysses_{next(_names)}"
     AttentionInterface.register(name, attention)
     config._attn_implementation = name
+
+
+def _windowed(config: Any) -> str | None:
+    """How `config` limits attention to less than the whole causal past, as its key says it (None: it does not)."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return f"sliding_window = {window}"
+    partial = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
+    if partial:
+        return f"layer_types with {partial[0]!r}"
+    chunk = getattr(config, "attention_chunk_size", None)
+    return f"attention_chunk_size = {chunk}" if chunk else None
+
+
+def _refuse_dropout(model: nn.Module, size: int) -> None:
+    """Every rank of a context-parallel run draws the same random numbers, so a dropout mask would
+    repeat over the slices of one sequence (and attention's over the head groups): refused. Dropout
+    is a module (``nn.Dropout``), or for attention a rate the attention function reads from the config."""
+    rates = {name or "dropout": m.p for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
+    attention = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    if isinstance(attention, float) and attention > 0:
+        rates["attention_dropout"] = attention
+    if rates:
+        key, rate = next(iter(rates.items()))
+        raise ConfigError(
+            f"{key} = {rate} is not allowed with topology.context_parallel_size = {size}: the ranks sharing a "
+            "sequence would draw the same dropout masks; expected 0"
+        )
 
 
 class _Grouped:
@@ -101,5 +167,5 @@ def _refuse_padding(size: int, module: nn.Module, args: tuple, kwargs: dict) -> 
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         raise ConfigError(
             f"an attention_mask with padding is not allowed with topology.context_parallel_size = {size}; "
-            "expected unpadded (packed or equal-length) sequences"
+            "expected sequences of equal length without padding"
         )

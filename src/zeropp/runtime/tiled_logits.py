@@ -8,7 +8,8 @@ activations together. :func:`tiled_cross_entropy` takes the hidden states, the p
 the targets; forward computes one tile of logits at a time, keeps only its summed losses, and frees
 it; backward computes each tile's logits again, turns them into their gradient (softmax minus the
 one-hot target, scaled) and accumulates the hidden states' and weight's gradients from it. The peak
-is one tile's logits (and its gradient), at the cost of the projection's matmul once more. The loss
+is one tile's logits (and its gradient), at the cost of the projection's matmul once more, plus
+the weight's gradient accumulated in fp32 (vocab x hidden) where the weight is in half precision. The loss
 is the mean over the targets that are not `ignore_index` (or the sum over `num_items`), as
 ``F.cross_entropy`` computes it, summed tile by tile in fp32.
 """
@@ -41,7 +42,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        weighted = ctx.needs_input_grad[1]  # a frozen head (LoRA) needs no gradient of its own
+        grad_weight = (
+            torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if weighted else None
+        )
         scale = grad_loss / ctx.divisor
         start = 0
         for h, t in zip(hidden.chunk(ctx.tiles), targets.chunk(ctx.tiles), strict=True):
@@ -51,9 +55,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
             grad[~kept] = 0.0
             grad = (grad * scale).to(hidden.dtype)
             grad_hidden[start : start + len(h)] = grad @ weight
-            grad_weight += grad.t() @ h
+            if weighted:
+                grad_weight += grad.t() @ h
             start += len(h)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if weighted else None, None, None, None
 
 
 def tiled_cross_entropy(

@@ -36,7 +36,6 @@ class ModelSource:
     vocab_size: int
     n_layer: int
     d_model: int
-    n_head: int
     checkpoint_extra: dict[str, Any] = field(default_factory=dict)  # what `zeropp export` needs
     weights: Path | None = None  # a folder to load into the shards after construction
 
@@ -50,7 +49,7 @@ def model_source(config: Config) -> ModelSource:
         gpt = gpt_config(model)
         return ModelSource(
             "the embedded GPT", lambda: GPT(gpt), lambda engine, x, y, positions: engine(x, y, positions=positions),
-            gpt.block_size, gpt.vocab_size, gpt.n_layer, gpt.d_model, gpt.n_head,
+            gpt.block_size, gpt.vocab_size, gpt.n_layer, gpt.d_model,
         )  # fmt: skip
     for key in GPT_ONLY_KEYS:
         if getattr(model, key) is not None:
@@ -80,7 +79,7 @@ def model_source(config: Config) -> ModelSource:
     return ModelSource(
         f"{hf_config.model_type} ({'--hf-model' if folder else '--hf-config'} {model.hf_model or model.hf_config}{adapted})",
         build, functools.partial(hf.causal_lm_loss, tiled=tiled), block_size, hf_config.vocab_size,
-        hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, extra,
+        hf_config.num_hidden_layers, hf_config.hidden_size, extra,
         folder if folder is not None and hf.has_weights(folder) else None,
     )  # fmt: skip
 

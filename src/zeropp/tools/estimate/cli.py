@@ -15,7 +15,7 @@ from typing import Any
 from zeropp.app.flags import add_config_flags
 from zeropp.config.rates import RateError, parse_bandwidth
 from zeropp.config.sections import Config, load_config
-from zeropp.context_parallel import check_length
+from zeropp.context_parallel import check_heads, check_length
 from zeropp.costs.memory import Activations
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
@@ -248,6 +248,10 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
                 "argument --context-parallel-size: a --params model needs its shape; expected --n-layer, --d-model, --block-size too"
             )
         check_length(activations.seq, cp)  # as zeropp train refuses it
+        if args.params is None:
+            from zeropp.app.models.gpt import gpt_config
+
+            check_heads(gpt_config(config.model).n_head, cp, "model.n_head", tp)
     model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
     est = estimate(
         model,

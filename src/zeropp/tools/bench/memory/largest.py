@@ -134,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="zeropp's compute dtype")
     parser.add_argument("--offload-path", type=Path, default=Path("results/offload"), help="the disk tier's folder")
-    parser.add_argument("--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *RIVALS], default=[*ZEROPP_VARIANTS, *RIVALS])
+    parser.add_argument(
+        "--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *RIVALS], default=[*ZEROPP_VARIANTS, *RIVALS]
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench_largest.json"))
     args = parser.parse_args(argv)
     args.out = output_file(parser, args.out, "bench_largest.json")
