@@ -144,6 +144,16 @@ def refusals_worker() -> dict:
         engine(**causal_lm_inputs(topology, x), attention_mask=mask[:, :4])
     except ConfigError as error:
         messages["padding"] = str(error)
+    packed = causal_lm_inputs(topology, x)
+    packed["position_ids"] = torch.tensor([[0, 1, 0, 1]])  # two documents of 2 tokens in this rank's slice
+    try:
+        engine(**packed)
+    except ConfigError as error:
+        messages["packed"] = str(error)
+    try:
+        engine.module(x[:, :4], mask[:, :4])  # the mask given by position
+    except ConfigError as error:
+        messages["positional mask"] = str(error)
     try:
         engine.generate(x[:, :4], max_new_tokens=2)
     except ConfigError as error:
@@ -167,6 +177,11 @@ def test_what_ulysses_cannot_do_is_refused_in_one_line_before_any_collective():
         assert messages["padding"] == (
             "an attention_mask with padding is not allowed with topology.context_parallel_size = 4; "
             "expected sequences of equal length without padding"
+        )
+        assert messages["positional mask"] == messages["padding"]
+        assert messages["packed"] == (
+            "position_ids that restart inside a sequence (packed documents) are not allowed with "
+            "topology.context_parallel_size = 4; expected consecutive positions"
         )
         assert messages["generate"].startswith("engine.generate is not allowed with topology.context_parallel_size = 4")
         assert messages["twice"].startswith("topology.context_parallel_size = 4: this model's attention is routed")

@@ -4,6 +4,7 @@ Hugging Face model's, through transformers' attention interface. See [Note: Ulys
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from typing import Any
 
@@ -34,7 +35,7 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     if not own:
         _install_hf(model, comm, group)
     setattr(model, ROUTED, True)
-    model.register_forward_pre_hook(functools.partial(_refuse_padding, group.size), with_kwargs=True)
+    model.register_forward_pre_hook(functools.partial(_refuse_masks, group.size), with_kwargs=True)
 
 
 def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
@@ -161,11 +162,26 @@ class _Grouped:
         return getattr(self._module, name)
 
 
-def _refuse_padding(size: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Ulysses attends causally over whole sequences: a padding mask would be ignored, so it is refused."""
-    mask = kwargs.get("attention_mask")
+def _refuse_masks(size: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Ulysses attends causally over whole sequences: a padding mask, or positions that restart inside
+    a slice (packed documents, which one process would keep apart by their positions), would be ignored,
+    so they are refused. The model's inputs are read by name, as its forward binds them."""
+    try:
+        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the forward itself will say what is wrong with its arguments
+        return
+    mask, positions = given.get("attention_mask"), given.get("position_ids")
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         raise ConfigError(
             f"an attention_mask with padding is not allowed with topology.context_parallel_size = {size}; "
             "expected sequences of equal length without padding"
+        )
+    if (
+        isinstance(positions, torch.Tensor)
+        and positions.shape[-1] > 1
+        and not bool((positions.diff(dim=-1) == 1).all())
+    ):
+        raise ConfigError(
+            f"position_ids that restart inside a sequence (packed documents) are not allowed with "
+            f"topology.context_parallel_size = {size}; expected consecutive positions"
         )
