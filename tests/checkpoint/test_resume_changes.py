@@ -99,3 +99,15 @@ def test_zeropp_train_resume_names_the_stage_and_world_it_reshards_from(tmp_path
         "for this run's stage 2, world size 1, nodes 1"
     ], resumed.stdout[-2000:]
     assert "optimizer settings" not in resumed.stdout  # the schedule's lr at step 2 is the saved one
+
+
+def test_a_resume_at_another_context_parallel_size_is_named():
+    from zeropp.checkpoint.changes import resharding_line
+
+    saved = dict(world_size=4, nodes=1, tensor_parallel_size=1, context_parallel_size=2, stage=3, precision="fp32")
+    here = {**saved, "context_parallel_size": 1}
+    assert resharding_line(saved, here, "ckpt") == (
+        "zeropp: resharding checkpoint 'ckpt', saved at context parallel 2, for this run's context parallel 1"
+    )
+    older = {k: v for k, v in saved.items() if k != "context_parallel_size"}  # written before the key existed
+    assert resharding_line(older, here, "ckpt") is None

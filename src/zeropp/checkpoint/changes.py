@@ -1,6 +1,6 @@
 """What differs between a checkpoint and the run loading it, each said in one line.
 
-Resharding is a feature (any stage, world size, node count, tensor-parallel size or precision
+Resharding is a feature (any stage, world size, node count, tensor- or context-parallel size or precision
 loads any checkpoint of the same model), but it should not pass unsaid; and the optimizer
 settings the run was configured with win over the checkpoint's unless the caller asks for the
 checkpoint's (``load_checkpoint(..., optimizer_settings="checkpoint")``), with the difference named.
@@ -17,6 +17,7 @@ MESH = {  # zeropp.json key -> how it is said
     "world_size": "world size",
     "nodes": "nodes",
     "tensor_parallel_size": "tensor parallel",
+    "context_parallel_size": "context parallel",  # the shards do not depend on it; the rows each rank reads do
     "precision": "precision",
 }
 
