@@ -38,20 +38,16 @@ def test_attention_that_needs_a_mask_or_limits_the_past_is_refused():
     assert "sliding" in _refusal(transformers.Qwen2ForCausalLM(layered))
 
 
-def test_models_outside_the_attention_interface_dropout_and_heads_are_refused():
+def test_models_outside_the_attention_interface_and_heads_are_refused():
     neo = transformers.GPTNeoForCausalLM(
         transformers.GPTNeoConfig(
             vocab_size=256, hidden_size=32, num_layers=1, num_heads=4, attention_types=[[["global"], 1]]
         )
     )
     assert _refusal(neo).startswith("topology.context_parallel_size = 2 is not allowed with GPTNeoForCausalLM")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=4))
-    assert _refusal(gpt2) == (  # GPT-2's defaults drop out 10%
-        "transformer.drop = 0.1 is not allowed with topology.context_parallel_size = 2: the ranks sharing a "
-        "sequence would draw the same dropout masks; expected 0"
-    )
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_dropout=0.1))
-    assert _refusal(llama).startswith("attention_dropout = 0.1 is not allowed")
+    # dropout is taken (each rank draws its own masks: test_ulysses), not refused
+    check_context_parallel(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4)), 2)
+    check_context_parallel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_dropout=0.1)), 2)
     assert _refusal(make_model("hf-llama"), 4, 2).startswith(
         "topology.context_parallel_size = 4 does not divide the model's 4 attention heads (num_attention_heads) "
         "(2 per tensor-parallel rank)"

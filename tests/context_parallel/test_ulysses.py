@@ -212,3 +212,26 @@ def test_the_example_trains_the_losses_of_one_process_and_the_docs_include_it():
         expected.append(loss.item())
     assert printed == pytest.approx(expected, rel=1e-4)  # printed to 4 decimals
     assert docs_include("long-sequences.md", "long_sequences.py")
+
+
+def dropout_worker() -> dict:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.context_parallel import sequence_positions, split_sequence
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(context_parallel_size=2))
+    model = make_model("gpt")
+    drawn = []
+    model.blocks[0].register_forward_hook(lambda *_: drawn.append(torch.rand(4)))  # as a dropout mask would
+    engine = ZeroEngine(model, torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+    x, y = rows(global_batch("gpt", 0, 0, 1), 0)
+    engine.backward(engine(*split_sequence(topology, x, y), positions=sequence_positions(topology, x.shape[1])))
+    engine.step()
+    return dict(drawn=drawn[0], after=torch.get_rng_state())
+
+
+def test_each_rank_of_a_sequence_draws_its_own_random_numbers_and_the_default_stream_moves_alike():
+    first, second = run_ranks(dropout_worker, 2)
+    assert not torch.equal(first["drawn"], second["drawn"])  # two slices of one sequence: two masks
+    assert torch.equal(first["after"], second["after"])  # what runs outside the forward draws alike

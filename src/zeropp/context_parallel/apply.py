@@ -14,6 +14,7 @@ from torch import nn
 from zeropp.comm.communicator import Communicator
 from zeropp.context_parallel.ulysses import ulysses_attention
 from zeropp.errors import ConfigError
+from zeropp.tensor_parallel.rng import RankStream
 from zeropp.topology import Group
 
 _names = itertools.count()  # one attention implementation registered per engine
@@ -24,11 +25,17 @@ CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3", "kernel
 
 def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     """Route every attention of `model` through Ulysses over the topology's context-parallel group (a
-    no-op without one), after :func:`check_context_parallel`."""
+    no-op without one), after :func:`check_context_parallel`. Every tensor of a forward is this
+    rank's own (its slice of the sequence, its head group inside attention), so the whole forward
+    draws from a random stream of the rank's own: a dropout mask is one rank's part of the mask one
+    process would draw over the whole sequence, not the same mask repeated on every slice."""
     group, tp = comm.topology.context_parallel, comm.topology.tensor_parallel.size
     if group.size == 1:
         return
     check_context_parallel(model, group.size, tp)
+    stream = RankStream(group.rank, comm.topology.device, model)  # See tensor_parallel.rng
+    model.register_forward_pre_hook(stream.enter)
+    model.register_forward_hook(stream.exit, always_call=True)
     own = _own_attention(model)
     for module in own:
         module.attend = functools.partial(ulysses_attention, comm, group, attend=module.attend)
@@ -42,9 +49,8 @@ def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
     """Refuse in one line, before any collective (the launcher checks a meta-device copy), what Ulysses
     over `size` ranks would compute differently from one process: a model whose attention it cannot
     reach (the embedded GPT's ``attend``, or transformers' attention interface), a head count the
-    group does not divide, dropout (the ranks sharing a sequence would draw the same masks), an
-    attention implementation that needs a mask (eager, flex), sliding-window or chunked attention,
-    a model already routed."""
+    group does not divide, an attention implementation that needs a mask (eager, flex), sliding-window
+    or chunked attention, a model already routed."""
     if getattr(model, ROUTED, False):
         raise ConfigError(
             f"topology.context_parallel_size = {size}: this model's attention is routed through Ulysses already "
@@ -61,7 +67,6 @@ def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
             "the attention of the embedded GPT and of Hugging Face models that use transformers' attention "
             "interface only; expected 1"
         )
-    _refuse_dropout(model, size)
 
 
 def check_heads(heads: int, size: int, key: str, tensor_parallel: int = 1) -> None:
@@ -133,22 +138,6 @@ def _windowed(config: Any) -> str | None:
         return f"layer_types with {partial[0]!r}"
     chunk = getattr(config, "attention_chunk_size", None)
     return f"attention_chunk_size = {chunk}" if chunk else None
-
-
-def _refuse_dropout(model: nn.Module, size: int) -> None:
-    """Every rank of a context-parallel run draws the same random numbers, so a dropout mask would
-    repeat over the slices of one sequence (and attention's over the head groups): refused. Dropout
-    is a module (``nn.Dropout``), or for attention a rate the attention function reads from the config."""
-    rates = {name or "dropout": m.p for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
-    attention = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
-    if isinstance(attention, float) and attention > 0:
-        rates["attention_dropout"] = attention
-    if rates:
-        key, rate = next(iter(rates.items()))
-        raise ConfigError(
-            f"{key} = {rate} is not allowed with topology.context_parallel_size = {size}: the ranks sharing a "
-            "sequence would draw the same dropout masks; expected 0"
-        )
 
 
 class _Grouped:
