@@ -169,6 +169,10 @@ def test_cli_json(capsys):
         (["--gpus-per-node", "7", "--variant", "zero3"], "--gpus-per-node 7 does not divide --gpus 64"),
         (["--variant", "zero3", "--inter-node-bandwidth", "fast"], "argument --inter-node-bandwidth"),
         (["--variant", "zero3", "--params", "0"], "argument --params"),
+        (
+            ["--variant", "zero3", "--n-layer", "80", "--d-model", "8192"],  # Llama-3-70B's shape, 8B's --params
+            "--n-layer 80 --d-model 8192 describe blocks of 6.44e+10 parameters (12 L H^2), 805% of --params 8e+09",
+        ),
     ],
 )
 def test_bad_input_is_refused_in_one_line(capsys, argv, says):

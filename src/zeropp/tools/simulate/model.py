@@ -60,6 +60,9 @@ KERNEL_BYTES_PER_ELEMENT = 3  # a quantize or dequantize pass: 2 bytes of fp16/b
 ADAM_BYTES_PER_ELEMENT = 32  # fp32 master, two moments read and written, the gradient read, the weight written
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # one block's activations, bytes per token per d_model (Korthikanti et al. 2022)
 ASPECT = 128  # d_model / n_layer where the shape is not given (GPT-3: 12288 / 96)
+# 12 L H^2 over Ψ for a shape given with it: embeddings make it less than 1 (Llama-3-8B: 0.80, Gemma-2B: 0.36), wider
+# MLPs or grouped attention move it either way; outside these bounds the two do not describe one model
+BLOCK_SHARE = (0.2, 1.5)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,12 @@ class Shape:
         """The given shape; the missing half from Ψ = 12 n_layer d_model²; neither given: d_model =
         128 n_layer (GPT-3's proportions)."""
         given = n_layer is not None and d_model is not None
+        if given and not BLOCK_SHARE[0] <= 12 * n_layer * d_model**2 / params <= BLOCK_SHARE[1]:
+            raise ConfigError(
+                f"--n-layer {n_layer} --d-model {d_model} describe blocks of {12 * n_layer * d_model**2:.3g} parameters "
+                f"(12 L H^2), {12 * n_layer * d_model**2 / params:.0%} of --params {params:.3g}; expected a shape whose "
+                f"blocks hold {BLOCK_SHARE[0]:.0%}-{BLOCK_SHARE[1]:.0%} of them"
+            )
         if n_layer is None and d_model is None:
             n_layer = max(1, round((params / (12 * ASPECT**2)) ** (1 / 3)))
         if d_model is None:
