@@ -49,6 +49,15 @@ def test_gradcheck_in_double_and_bf16_loss_in_fp32():
     assert loss.dtype == torch.float32  # the logits of a half-precision model are taken to fp32 for the loss
 
 
+def _assert_same_loss_and_gradients(losses: list[torch.Tensor], whole: torch.nn.Module, tiled: torch.nn.Module) -> None:
+    """The two losses (whole logits, tiled) backpropagated: equal, and so is every parameter's gradient."""
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, a), b in zip(whole.named_parameters(), tiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_gpt_with_logit_tiles_trains_as_with_whole_logits():
     config = GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32)
     torch.manual_seed(0)
@@ -57,11 +66,7 @@ def test_gpt_with_logit_tiles_trains_as_with_whole_logits():
     tiled.load_state_dict(whole.state_dict())
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     losses = [model(x, y) for model in (whole, tiled)]
-    for loss in losses:
-        loss.backward()
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
-    for (name, a), b in zip(whole.named_parameters(), tiled.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_same_loss_and_gradients(losses, whole, tiled)
 
 
 def test_hf_llama_with_tiled_logits_trains_as_with_whole_logits():
@@ -76,11 +81,7 @@ def test_hf_llama_with_tiled_logits_trains_as_with_whole_logits():
     tiled.load_state_dict(whole.state_dict())
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     losses = [hf.causal_lm_loss(whole, x, y, None), hf.causal_lm_loss(tiled, x, y, None, tiled=True)]
-    for loss in losses:
-        loss.backward()
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
-    for (name, a), b in zip(whole.named_parameters(), tiled.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_same_loss_and_gradients(losses, whole, tiled)
 
 
 def test_models_whose_logits_it_cannot_tile_are_refused_in_one_line():

@@ -1,10 +1,12 @@
 """What the benchmarks share: ``zeropp train`` runs read back as a :class:`~zeropp.app.summary.RunSummary`,
-the flags that switch ZeRO++ on or off, and where a one-file benchmark writes (:func:`output_file`)."""
+the flags that switch ZeRO++ on or off, where a one-file benchmark writes (:func:`output_file`), and the
+CPU model that goes beside its numbers (:func:`cpu_model`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -56,3 +58,14 @@ def output_file(parser: argparse.ArgumentParser, out: Path, default_name: str) -
     except OSError as error:
         parser.error(f"--out {str(out)!r} cannot be written ({error.strerror}); give a folder or a .json file")
     return path
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` says it (the processor's name where lscpu is missing)."""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"

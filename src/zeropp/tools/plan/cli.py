@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.errors import ConfigError
-from zeropp.tools.estimate.cli import OneLineParser, UsageError, bandwidth_argument, count_argument
+from zeropp.tools.estimate.cli import OneLineParser, UsageError, count_argument
 from zeropp.tools.plan.model import Model, Planned, hf_model, plan, preset_model
+from zeropp.tools.simulate.cli import add_cluster_arguments
 from zeropp.tools.simulate.gpus import GPUS
 
 PRESETS = ("tiny", "small", "medium")
@@ -25,12 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpointing) simulated on a cluster (zeropp simulate), ranked by predicted tokens/s among those that fit "
         "the GPU's memory, with the zeropp train flags to run each (docs/simulate.md).",
     )
-    cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpu", choices=tuple(GPUS), help="the GPU type; cpu-gloo: the emulated cluster")
-    cluster.add_argument("--gpus", type=count_argument, metavar="N", help="GPUs in all")
-    cluster.add_argument("--gpus-per-node", type=count_argument, metavar="G", help="default: the GPU's usual node")
-    cluster.add_argument("--inter-node-bandwidth", type=bandwidth_argument, metavar="RATE", help="a node's NICs")
-    cluster.add_argument("--intra-node-bandwidth", type=bandwidth_argument, metavar="RATE", help="default: the GPU's")
+    add_cluster_arguments(parser)
     model = parser.add_argument_group("model (one of --preset, --params, --hf-config)")
     model.add_argument("--preset", choices=PRESETS, help="the embedded GPT (zeropp train --preset)")
     model.add_argument("--params", type=count_argument, metavar="P", help="parameters, e.g. 8e9")

@@ -28,12 +28,8 @@ def _fraction(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="zeropp simulate",
-        description="One training step of a GPU cluster, simulated: step time, achieved TFLOPs per GPU, peak "
-        "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP (models: docs/simulate.md).",
-    )
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster's flags, as zeropp simulate and zeropp plan take them."""
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--gpu",
@@ -48,17 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs per node (default: the GPU's DGX/HGX node, 16 or 8)",
     )
     cluster.add_argument(
-        "--inter-node-bandwidth",
-        type=bandwidth_argument,
-        metavar="RATE",
+        "--inter-node-bandwidth", type=bandwidth_argument, metavar="RATE",
         help="a node's NICs together, e.g. 100gbit, 3200gbit",
-    )
+    )  # fmt: skip
     cluster.add_argument(
-        "--intra-node-bandwidth",
-        type=bandwidth_argument,
-        metavar="RATE",
+        "--intra-node-bandwidth", type=bandwidth_argument, metavar="RATE",
         help="a GPU's NVLink, one direction (default: the GPU's)",
+    )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="zeropp simulate",
+        description="One training step of a GPU cluster, simulated: step time, achieved TFLOPs per GPU, peak "
+        "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP (models: docs/simulate.md).",
     )
+    add_cluster_arguments(parser)
     model = parser.add_argument_group("model and batch")
     model.add_argument("--params", type=count_argument, metavar="P", help="parameters, e.g. 8e9")
     model.add_argument("--n-layer", type=count_argument, metavar="L", help="blocks (default: from P, d_model = 128 L)")

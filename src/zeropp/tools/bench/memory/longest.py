@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropp.tools.bench.memory.largest import limit_cgroup, run_limited
-from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file
-from zeropp.tools.bench.speed.generate import cpu_model
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, cpu_model, output_file
 
 UNLIMITED_GIB_PER_RANK = 16.0  # the growth runs: a cgroup that never fills
 

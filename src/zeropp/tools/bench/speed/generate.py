@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from zeropp.app.launch import usable_cpus
-from zeropp.tools.bench.runs import output_file
+from zeropp.tools.bench.runs import cpu_model, output_file
 from zeropp.topology import free_port
 
 VARIANTS = ("unit by unit", "gathered", "plain model")
@@ -118,16 +117,6 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{row['bytes'][name]:,} | {'yes' if row['same'][name] else 'NO'} |"
             )
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    return next(
-        (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

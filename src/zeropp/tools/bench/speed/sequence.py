@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 import timeit
 from collections.abc import Sequence
@@ -31,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from zeropp.comm.trace import CollectiveTrace, Entry
-from zeropp.tools.bench.runs import output_file
+from zeropp.tools.bench.runs import cpu_model, output_file
 
 VARIANTS = {
     "stage 3": {"stage": 3},
@@ -92,16 +90,6 @@ def issue_seconds() -> float:
     trace = CollectiveTrace(0, 4)
     n = 20000
     return timeit.timeit(lambda: trace.issue("all_gather", "forward", 1 << 20, "data_parallel"), number=n) / n
-
-
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
