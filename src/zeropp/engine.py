@@ -33,7 +33,7 @@ from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import Ledger
 from zeropp.comm.sequence import check_sequences
 from zeropp.config.sections import ZeroConfig
-from zeropp.context_parallel import apply_context_parallel
+from zeropp.context_parallel import apply_context_parallel, refuse_whole_prompts
 from zeropp.costs.memory import distinct_storage_bytes
 from zeropp.errors import ConfigError
 from zeropp.quant import scratch
@@ -48,6 +48,7 @@ from zeropp.runtime.activation_checkpointing import (
     kv_cache_off,
 )
 from zeropp.runtime.compiled import compile_units
+from zeropp.tensor_parallel.apply import check_split
 from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
@@ -65,7 +66,6 @@ from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hp
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.unit import FlatUnit
-from zeropp.zero.weights.dtensor_params import is_split
 
 
 class ZeroEngine:
@@ -120,7 +120,7 @@ class ZeroEngine:
             self.topology.device, pinned=False, contiguous=self.config.contiguous_memory_optimization
         )
         self.last_gradient_allocations = 0
-        self._check_tensor_parallel(model)
+        check_split(model, self.topology.tensor_parallel.size)
         apply_context_parallel(model, self.comm)  # See [Note: Ulysses attention]
         refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
@@ -156,17 +156,6 @@ class ZeroEngine:
         self.measured_model_state_bytes = 0
 
     # -- construction ----------------------------------------------------------------------------
-
-    def _check_tensor_parallel(self, model: nn.Module) -> None:
-        """A tensor-parallel topology needs a model split by zeropp.parallelize, and only it (one line)."""
-        tp, split = self.topology.tensor_parallel.size, any(is_split(p) for p in model.parameters())
-        if tp > 1 and not split:
-            raise ConfigError(
-                f"topology.tensor_parallel_size = {tp} but no parameter of the model is split; "
-                "call zeropp.parallelize(model, topology) before the engine"
-            )
-        if split and tp == 1:
-            raise ConfigError("the model has DTensor-split parameters but topology.tensor_parallel_size = 1")
 
     def _build_activation_checkpointing(self) -> ActivationCheckpointing | None:
         config = self.config
@@ -295,7 +284,7 @@ class ZeroEngine:
         """Gather every unit once (the ledger's eval phase), keep them gathered for the block and
         reshard them at its exit. Costs the whole model in the compute dtype on every rank, on top of
         the shards. Collective: every rank enters and leaves the block together."""
-        self._refuse_context_parallel("engine.gathered")
+        refuse_whole_prompts(self.topology, "engine.gathered")
         with self.comm.in_phase("eval"):
             self.runtime.gather_all()
         try:
@@ -303,20 +292,10 @@ class ZeroEngine:
         finally:
             self.runtime.release_all()
 
-    def _refuse_context_parallel(self, what: str) -> None:
-        """Generation feeds every rank the whole prompt, which Ulysses' attention would join into one
-        sequence of C copies: refused in one line."""
-        size = self.topology.context_parallel.size
-        if size > 1:
-            raise ConfigError(
-                f"{what} is not allowed with topology.context_parallel_size = {size} (attention is routed through "
-                "Ulysses, which needs every rank's slice of one sequence); expected an engine with 1"
-            )
-
     def generate(self, *args: Any, gathered: bool = True, **kwargs: Any) -> Any:
         """The model's own ``generate(*args, **kwargs)`` without gradients, in the ledger's eval phase:
         inside :meth:`gathered` (default), or unit by unit, every unit gathered for every token."""
-        self._refuse_context_parallel("engine.generate")
+        refuse_whole_prompts(self.topology, "engine.generate")
         if not callable(getattr(self.module, "generate", None)):
             raise ConfigError(
                 f"engine.generate: {type(self.module).__name__} has no generate method; "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from zeropp.costs.context_parallel import LEDGER_OP, ulysses_bytes, ulysses_transfers
+from zeropp.costs.context_parallel import LEDGER_OP, ulysses_bytes
 from zeropp.costs.memory import Activations
+from zeropp.costs.volume import ulysses_transfers
 
 
 def test_ulysses_bytes_closed_form_with_grouped_keys_and_values():

@@ -33,7 +33,7 @@ from zeropp.checkpoint.dcp import (
     verify_files,
 )
 from zeropp.checkpoint.pretrained import load_pretrained
-from zeropp.comm.ledger import PA_GATHER
+from zeropp.comm.ledger import PA_GATHER, bytes_under
 from zeropp.config.sections import Config
 from zeropp.context_parallel import sequence_positions, split_sequence
 from zeropp.context_parallel.ulysses import LEDGER_OP as ULYSSES_OP
@@ -52,13 +52,6 @@ from zeropp.zero.options import frozen_quant
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
 LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), ULYSSES_OP, PA_GATHER, *OWNER_OPS)
-
-
-def _bytes_of(ledger: dict[str, dict[str, dict[str, float]]], prefix: str) -> float:
-    """The bytes per step of the ledger's ops named `prefix`..., every phase and link."""
-    return sum(
-        sum(links.values()) for op, phases in ledger.items() if op.startswith(prefix) for links in phases.values()
-    )
 
 
 OPTIMIZERS = {
@@ -169,8 +162,7 @@ class Trainer:
         self.init_peak_memory = self.memory.peak()
         self.step_peak_memory = self.last_step_peak_memory = 0
         self.qgz_residual_bytes = 0  # the most qgZ's error-feedback residuals held on this rank
-        # the tensor-parallel ranks of one data-parallel rank read the same rows, and so do the context-parallel
-        # ranks of one reader (each keeping its slice of the sequence)
+        # the tensor- and context-parallel ranks of one reader read the same rows (Layout.reader)
         reader, readers = self.topology.layout.reader(self.topology.rank)
         args = (self.source.block_size, config.train.micro_batch_size, readers, reader, config.train.seed)
         self.train_batches = Batches("train", *args, tokens=None if text is None else text[0])
@@ -319,13 +311,12 @@ class Trainer:
         return self.mean_over_ranks(torch.stack(losses).mean())
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The model's loss on this rank's rows; with context parallelism, on its slice of them (equal
-        slices of whole sequences: the slices' mean over the group is the sequences' mean)."""
+        """The loss on this rank's rows, or its slice of them (equal slices: their mean is the sequences')."""
         x, y = (t.to(self.topology.device) for t in batch)
         if self.topology.context_parallel.size == 1:
             return self.source.loss(self.engine, x, y, None)
-        positions = sequence_positions(self.topology, x.shape[1], x.device)
-        return self.source.loss(self.engine, *split_sequence(self.topology, x, y), positions)
+        split, positions = split_sequence(self.topology, x, y), sequence_positions(self.topology, x.shape[1], x.device)
+        return self.source.loss(self.engine, *split, positions)
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         with self.engine.comm.ledger.in_phase("other"):
@@ -483,9 +474,9 @@ class Trainer:
             zero3_inter_node_bytes_per_step=sum(zero3[p]["inter"] for p in STEP_PHASES),
             tensor_parallel_size=topo.tensor_parallel.size,
             sequence_parallel=topo.sequence_parallel,
-            tensor_parallel_bytes_per_step=_bytes_of(mean_ledger, "tp."),
+            tensor_parallel_bytes_per_step=bytes_under(mean_ledger, "tp"),
             context_parallel_size=topo.context_parallel.size,
-            context_parallel_bytes_per_step=_bytes_of(mean_ledger, "cp."),
+            context_parallel_bytes_per_step=bytes_under(mean_ledger, "cp"),
             activation_checkpoint_bytes_per_rank=stored.device_peak_bytes if stored else 0,
             activation_checkpoint_host_bytes_per_rank=stored.host_peak_bytes if stored else 0,
             zeropp=ZeroppSwitches(zero.qwz.enabled, engine.hpz_group_size, zero.qgz.enabled),

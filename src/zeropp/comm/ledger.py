@@ -77,6 +77,14 @@ class Ledger:
         return out
 
 
+def bytes_under(ledger: dict[str, dict[str, dict[str, float]]], prefix: str) -> float:
+    """Bytes of the ops of a ledger's :meth:`Ledger.as_dict` named ``prefix.*`` (``tp``, ``cp``, ``pa``),
+    every phase and link."""
+    return sum(
+        sum(links.values()) for op, phases in ledger.items() if op.startswith(f"{prefix}.") for links in phases.values()
+    )
+
+
 def ring_bytes(buffer_bytes: int, group_size: int, passes: int = 1) -> int:
     """Bytes one rank sends in `passes` ring passes (all-gather / reduce-scatter: 1, all-reduce: 2)."""
     return passes * buffer_bytes * (group_size - 1) // group_size

@@ -15,7 +15,7 @@ from zeropp.comm.communicator import Communicator
 from zeropp.context_parallel.ulysses import ulysses_attention
 from zeropp.errors import ConfigError
 from zeropp.tensor_parallel.rng import RankStream
-from zeropp.topology import Group
+from zeropp.topology import Group, Topology
 
 _names = itertools.count()  # one attention implementation registered per engine
 ROUTED = "_zeropp_ulysses"  # set on a model whose attention apply_context_parallel routed
@@ -66,6 +66,17 @@ def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
             f"topology.context_parallel_size = {size} is not allowed with {type(model).__name__}: zeropp reaches "
             "the attention of the embedded GPT and of Hugging Face models that use transformers' attention "
             "interface only; expected 1"
+        )
+
+
+def refuse_whole_prompts(topology: Topology, what: str) -> None:
+    """Generation feeds every rank the whole prompt, which Ulysses' attention would join into one
+    sequence of C copies: refused in one line."""
+    size = topology.context_parallel.size
+    if size > 1:
+        raise ConfigError(
+            f"{what} is not allowed with topology.context_parallel_size = {size} (attention is routed through "
+            "Ulysses, which needs every rank's slice of one sequence); expected an engine with 1"
         )
 
 

@@ -28,7 +28,7 @@ import torch
 from zeropp.comm.communicator import Communicator
 from zeropp.topology import Group
 
-LEDGER_OP = "cp.all_to_all"  # as zeropp.costs.context_parallel prices it
+LEDGER_OP = "cp.all_to_all"  # the ledger's name of these all-to-alls (zeropp.costs prices them under it)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

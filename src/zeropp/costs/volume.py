@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 from zeropp.comm.ledger import PA_GATHER, ring_bytes
 from zeropp.config.sections import ZeroConfig
+from zeropp.costs.context_parallel import LEDGER_OP as ULYSSES_OP
+from zeropp.costs.context_parallel import ulysses_bytes
 from zeropp.costs.memory import BYTES, Activations
 from zeropp.index.flat import FlatLayout, node_chunk_numel, outer_fragments, qgz_column_chunks
 from zeropp.index.ranks import Layout
@@ -175,8 +177,8 @@ def step_transfers(
     parameters: int = 0,
 ) -> Iterator[Transfer]:
     """The engine's collectives in one step on the (data-parallel x tensor-parallel) `layout`:
-    :func:`unit_transfers` over a data-parallel group, the tensor-parallel traffic of `activations`
-    (:func:`activation_transfers`; None: no tensor-parallel traffic is priced), then the step's
+    :func:`unit_transfers` over a data-parallel group, the tensor- and context-parallel traffic of
+    `activations` (:func:`activation_transfers`, :func:`ulysses_transfers`; None: neither is priced), then the step's
     scalars (the gradient norm, and fp16's overflow check: one fp32 all-reduce each, over the ranks
     whose masters differ: the world once the optimizer state is sharded, else the tensor-parallel group)
     and, unless the optimizer steps flat shards, which of the `parameters` trainable parameters got a
@@ -187,6 +189,7 @@ def step_transfers(
     if activations is not None:
         micro = zero.gradient_accumulation_steps
         yield from activation_transfers(activations, tp, BYTES[zero.precision], micro)
+        yield from ulysses_transfers(activations, tp, BYTES[zero.precision], micro)
         grad_bytes, reductions = BYTES[zero.grad_dtype or zero.precision], micro if zero.stage >= 2 else 1
         yield from norm_gradient_transfers(activations, tp, grad_bytes, reductions)
     if zero.stage >= 1 or tp > 1:
@@ -284,6 +287,23 @@ def activation_transfers(activations: Activations, tp: int, element_bytes: int, 
             yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
             if activations.partition_activations:
                 yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
+
+
+def ulysses_transfers(activations: Activations, tp: int, element_bytes: int, micro: int) -> Iterator[Transfer]:
+    """Every all-to-all of one step's attention layers, as multi-head attention over the hidden width
+    (a tensor-parallel rank's 1/tp of it): per block and micro-batch, q, k, v and the output forward,
+    their gradients backward, and with activation checkpointing the forward's four again in backward
+    (the recomputation); inside one node (the context-parallel group is)."""
+    cp = activations.context_parallel
+    if cp == 1:
+        return
+    width = activations.hidden // tp
+    per_tensor = ulysses_bytes(activations.batch, activations.seq, 1, 1, width, cp, element_bytes) // 4
+    backward = 8 if activations.activation_checkpointing else 4
+    for _ in range(micro * activations.layers):
+        for phase, calls in (("forward", 4), ("backward", backward)):
+            for _ in range(calls):
+                yield Transfer(ULYSSES_OP, phase, per_tensor, 0.0)
 
 
 def unit_transfers(

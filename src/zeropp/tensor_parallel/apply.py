@@ -112,6 +112,18 @@ def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) 
     return model
 
 
+def check_split(model: nn.Module, tp: int) -> None:
+    """A tensor-parallel topology needs a model split by :func:`parallelize`, and only it (one line)."""
+    split = any(is_split(p) for p in model.parameters())
+    if tp > 1 and not split:
+        raise ConfigError(
+            f"topology.tensor_parallel_size = {tp} but no parameter of the model is split; "
+            "call zeropp.parallelize(model, topology) before the engine"
+        )
+    if split and tp == 1:
+        raise ConfigError("the model has DTensor-split parameters but topology.tensor_parallel_size = 1")
+
+
 def check_sequence_length(length: int, tp: int) -> None:
     """Sequence parallelism cuts the sequence into tp equal slices: refuse one that does not split evenly."""
     if length % tp:

@@ -29,10 +29,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zeropp.comm.ledger import Ledger
+from zeropp.comm.ledger import Ledger, bytes_under
 from zeropp.config.model import ModelConfig
 from zeropp.config.sections import ZeroConfig
-from zeropp.costs.context_parallel import ulysses_transfers
 from zeropp.costs.memory import (
     BYTES,
     Activations,
@@ -330,8 +329,7 @@ class Estimate:
         """Bytes per rank and step of the ledger's ops named `prefix`.*: ``tp``, the tensor-parallel
         layers' collectives; ``pa``, Pa's all-gathers of the activation checkpoints; ``cp``, Ulysses'
         all-to-alls."""
-        mean = self.ledger()
-        return sum(mean.total(op=op) for op in mean.as_dict() if op.startswith(f"{prefix}."))
+        return bytes_under(self.ledger().as_dict(), prefix)
 
     def _activation_fields(self) -> dict[str, Any]:
         """What depends on the activations: None each where they are unknown (not priced)."""
@@ -454,8 +452,6 @@ def estimate(
         *step_transfers(((u.padded, u.resident) for u in units), replica, zero, hpz, activations, parameters=trainable),
         *frozen_transfers(est.gathered_frozen, replica.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
-        *(ulysses_transfers(activations, tensor_parallel, BYTES[zero.precision], zero.gradient_accumulation_steps)
-          if activations is not None else ()),
     ]  # fmt: skip
     sizes = [(u.padded, u.resident) for u in units]
     if diloco:  # Streaming DiLoCo's fragments: whole units holding trainable parameters, as the engine refuses
