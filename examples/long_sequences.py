@@ -23,7 +23,7 @@ def train(topology: zeropp.Topology) -> list[float]:
     losses = []
     for _ in range(3):
         rows = torch.randint(0, 256, (readers, 2, 512), generator=generator)[reader]  # 2 sequences of 512 tokens
-        inputs = zeropp.causal_lm_inputs(topology, rows)  # this rank's 256 tokens of each, positions, shifted labels
+        inputs = zeropp.causal_lm_inputs(topology, rows)  # this rank's 256 tokens of each, shifted labels
         loss = engine(**inputs).loss
         engine.backward(loss)
         engine.step()

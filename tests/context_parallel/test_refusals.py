@@ -23,10 +23,13 @@ def _refusal(model, size: int = 2, tp: int = 1) -> str:
 
 
 def test_attention_that_needs_a_mask_or_limits_the_past_is_refused():
-    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="eager"))
-    assert _refusal(eager).startswith(
-        "attn_implementation = 'eager' is not allowed with topology.context_parallel_size = 2 (it attends by a mask"
+    flex = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="flex_attention"))
+    assert _refusal(flex).startswith(
+        "attn_implementation = 'flex_attention' is not allowed with topology.context_parallel_size = 2 (its mask is "
+        "not built for whole sequences); expected one of sdpa, eager,"
     )
+    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="eager"))
+    check_context_parallel(eager, 2)  # given the whole sequence's mask (test_masks)
     windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL))  # its default: 4096
     assert _refusal(windowed) == (
         "sliding_window = 4096 is not allowed with topology.context_parallel_size = 2: Ulysses attends whole "

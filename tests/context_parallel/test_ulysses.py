@@ -126,7 +126,6 @@ def test_trains_the_weights_and_losses_of_one_process(kind, world, cp, stage, ti
 def refusals_worker() -> dict:
     from zeropp import ConfigError, ZeroConfig, ZeroEngine
     from zeropp.config.sections import TopologyConfig
-    from zeropp.context_parallel import causal_lm_inputs
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(context_parallel_size=4))
@@ -138,22 +137,6 @@ def refusals_worker() -> dict:
             messages[name] = str(error)
     engine = ZeroEngine(make_model("hf-llama"), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
     x, _ = rows(global_batch("hf-llama", 0, 0, 1), 0)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0  # a left-padded row
-    try:
-        engine(**causal_lm_inputs(topology, x), attention_mask=mask[:, :4])
-    except ConfigError as error:
-        messages["padding"] = str(error)
-    packed = causal_lm_inputs(topology, x)
-    packed["position_ids"] = torch.tensor([[0, 1, 0, 1]])  # two documents of 2 tokens in this rank's slice
-    try:
-        engine(**packed)
-    except ConfigError as error:
-        messages["packed"] = str(error)
-    try:
-        engine.module(x[:, :4], mask[:, :4])  # the mask given by position
-    except ConfigError as error:
-        messages["positional mask"] = str(error)
     try:
         engine.generate(x[:, :4], max_new_tokens=2)
     except ConfigError as error:
@@ -173,15 +156,6 @@ def test_what_ulysses_cannot_do_is_refused_in_one_line_before_any_collective():
         assert messages["mlp"] == (
             "topology.context_parallel_size = 4 is not allowed with Sequential: zeropp reaches the attention of the "
             "embedded GPT and of Hugging Face models that use transformers' attention interface only; expected 1"
-        )
-        assert messages["padding"] == (
-            "an attention_mask with padding is not allowed with topology.context_parallel_size = 4; "
-            "expected sequences of equal length without padding"
-        )
-        assert messages["positional mask"] == messages["padding"]
-        assert messages["packed"] == (
-            "position_ids that restart inside a sequence (packed documents) are not allowed with "
-            "topology.context_parallel_size = 4; expected consecutive positions"
         )
         assert messages["generate"].startswith("engine.generate is not allowed with topology.context_parallel_size = 4")
         assert messages["twice"].startswith("topology.context_parallel_size = 4: this model's attention is routed")

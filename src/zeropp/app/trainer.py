@@ -35,7 +35,7 @@ from zeropp.checkpoint.dcp import (
 from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.comm.ledger import PA_GATHER, bytes_under
 from zeropp.config.sections import Config
-from zeropp.context_parallel import sequence_positions, split_sequence
+from zeropp.context_parallel import split_sequence
 from zeropp.context_parallel.ulysses import LEDGER_OP as ULYSSES_OP
 from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, flat_numels, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
@@ -311,12 +311,10 @@ class Trainer:
         return self.mean_over_ranks(torch.stack(losses).mean())
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The loss on this rank's rows, or its slice of them (equal slices: their mean is the sequences')."""
+        """The loss on this rank's rows, or its slice of them (equal slices: their mean is the sequences';
+        the model's context-parallel hook gives the slice its positions)."""
         x, y = (t.to(self.topology.device) for t in batch)
-        if self.topology.context_parallel.size == 1:
-            return self.source.loss(self.engine, x, y, None)
-        split, positions = split_sequence(self.topology, x, y), sequence_positions(self.topology, x.shape[1], x.device)
-        return self.source.loss(self.engine, *split, positions)
+        return self.source.loss(self.engine, *split_sequence(self.topology, x, y), None)
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         with self.engine.comm.ledger.in_phase("other"):

@@ -4,14 +4,15 @@ Hugging Face model's, through transformers' attention interface. See [Note: Ulys
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
 from zeropp.comm.communicator import Communicator
+from zeropp.context_parallel.masks import SequenceInputs
 from zeropp.context_parallel.ulysses import ulysses_attention
 from zeropp.errors import ConfigError
 from zeropp.tensor_parallel.rng import RankStream
@@ -19,8 +20,9 @@ from zeropp.topology import Group, Topology
 
 _names = itertools.count()  # one attention implementation registered per engine
 ROUTED = "_zeropp_ulysses"  # set on a model whose attention apply_context_parallel routed
-# attention implementations that attend causally without a mask (transformers builds none for ours)
-CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+# attention implementations Ulysses wraps: given the whole sequence's mask (See [Note: masks of split
+# sequences]), or causal by themselves (flash)
+WRAPPED = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 
 
 def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
@@ -37,19 +39,20 @@ def apply_context_parallel(model: nn.Module, comm: Communicator) -> None:
     model.register_forward_pre_hook(stream.enter)
     model.register_forward_hook(stream.exit, always_call=True)
     own = _own_attention(model)
+    inputs = SequenceInputs(comm, group, None if own else model.config._attn_implementation)
     for module in own:
         module.attend = functools.partial(ulysses_attention, comm, group, attend=module.attend)
     if not own:
-        _install_hf(model, comm, group)
+        _install_hf(model, comm, group, inputs)
     setattr(model, ROUTED, True)
-    model.register_forward_pre_hook(functools.partial(_refuse_masks, group.size), with_kwargs=True)
+    model.register_forward_pre_hook(inputs.take, with_kwargs=True)
 
 
 def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
     """Refuse in one line, before any collective (the launcher checks a meta-device copy), what Ulysses
     over `size` ranks would compute differently from one process: a model whose attention it cannot
     reach (the embedded GPT's ``attend``, or transformers' attention interface), a head count the
-    group does not divide, an attention implementation that needs a mask (eager, flex), sliding-window
+    group does not divide, an attention implementation it does not wrap (flex, others), sliding-window
     or chunked attention, a model already routed."""
     if getattr(model, ROUTED, False):
         raise ConfigError(
@@ -60,7 +63,7 @@ def check_context_parallel(model: nn.Module, size: int, tp: int = 1) -> None:
     if own:
         check_heads(own[0].n_head, size, "model.n_head", tp)
     elif getattr(type(model), "_supports_attention_backend", False):  # transformers' attention interface
-        _check_hf(model.config, size, tp)
+        _check_hf(model, size, tp)
     else:
         raise ConfigError(
             f"topology.context_parallel_size = {size} is not allowed with {type(model).__name__}: zeropp reaches "
@@ -96,16 +99,21 @@ def _own_attention(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, "attend", None)) and hasattr(m, "n_head")]
 
 
-def _check_hf(config: Any, size: int, tp: int) -> None:
-    """Transformers builds no mask for an implementation name it has no mask function for (ours), so
-    the wrapped attention must be one that is causal without a mask (sdpa, flash), over the whole
-    sequence; a sliding window or chunks would be dropped with the mask."""
+def _check_hf(model: nn.Module, size: int, tp: int) -> None:
+    """The wrapped attention gets the whole sequence's causal mask (with padding and packed documents)
+    or is causal by itself; a sliding window or chunks are not in that mask."""
+    config = model.config
     check_heads(config.num_attention_heads, size, "num_attention_heads", tp)
     wrapped = config._attn_implementation or "eager"
-    if wrapped not in CAUSAL_WITHOUT_MASK:
+    if wrapped not in WRAPPED:
         raise ConfigError(
-            f"attn_implementation = {wrapped!r} is not allowed with topology.context_parallel_size = {size} (it "
-            f"attends by a mask Ulysses does not build); expected one of {', '.join(CAUSAL_WITHOUT_MASK)}"
+            f"attn_implementation = {wrapped!r} is not allowed with topology.context_parallel_size = {size} (its "
+            f"mask is not built for whole sequences); expected one of {', '.join(WRAPPED)}"
+        )
+    if wrapped == "eager" and _eager(model) is None:
+        raise ConfigError(
+            f"attn_implementation = 'eager' of {type(model).__name__} is not allowed with topology.context_parallel_size "
+            f"= {size} (its modeling file has no eager_attention_forward to wrap); expected sdpa"
         )
     windowed = _windowed(config)
     if windowed:
@@ -115,9 +123,10 @@ def _check_hf(config: Any, size: int, tp: int) -> None:
         )
 
 
-def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
+def _install_hf(model: nn.Module, comm: Communicator, group: Group, inputs: SequenceInputs) -> None:
     """A fresh implementation name for this engine in transformers' AttentionInterface, wrapping the one
-    the model was built with (checked by :func:`_check_hf`)."""
+    the model was built with (checked by :func:`_check_hf`), given the whole sequences' mask (transformers
+    builds none for a name it has no mask function for)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -125,10 +134,11 @@ def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
     wrapped = config._attn_implementation
 
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
-        inner = ALL_ATTENTION_FUNCTIONS[wrapped]
+        inner = (_eager(module) or _eager(model)) if wrapped == "eager" else ALL_ATTENTION_FUNCTIONS[wrapped]
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out, _ = inner(_Grouped(module, q.shape[1] // k.shape[1]), q, k, v, None, **kwargs)
+            mask = inputs.mask(config, wrapped, q)
+            out, _ = inner(_Grouped(module, q.shape[1] // k.shape[1]), q, k, v, mask, **kwargs)
             return out.transpose(1, 2)  # transformers' (batch, T, heads, d) back to (batch, heads, T, d)
 
         out = ulysses_attention(comm, group, query, key, value, attend)
@@ -137,6 +147,12 @@ def _install_hf(model: nn.Module, comm: Communicator, group: Group) -> None:
     name = f"zeropp_ulysses_{next(_names)}"
     AttentionInterface.register(name, attention)
     config._attn_implementation = name
+
+
+def _eager(module: nn.Module) -> Any:
+    """The eager attention of `module`'s modeling file: transformers keeps one per model family, outside
+    its attention interface."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
 def _windowed(config: Any) -> str | None:
@@ -160,28 +176,3 @@ class _Grouped:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
-
-
-def _refuse_masks(size: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Ulysses attends causally over whole sequences: a padding mask, or positions that restart inside
-    a slice (packed documents, which one process would keep apart by their positions), would be ignored,
-    so they are refused. The model's inputs are read by name, as its forward binds them."""
-    try:
-        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    except TypeError:  # the forward itself will say what is wrong with its arguments
-        return
-    mask, positions = given.get("attention_mask"), given.get("position_ids")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ConfigError(
-            f"an attention_mask with padding is not allowed with topology.context_parallel_size = {size}; "
-            "expected sequences of equal length without padding"
-        )
-    if (
-        isinstance(positions, torch.Tensor)
-        and positions.shape[-1] > 1
-        and not bool((positions.diff(dim=-1) == 1).all())
-    ):
-        raise ConfigError(
-            f"position_ids that restart inside a sequence (packed documents) are not allowed with "
-            f"topology.context_parallel_size = {size}; expected consecutive positions"
-        )

@@ -41,21 +41,26 @@ def sequence_positions(topology: Topology, length: int, device: torch.device | N
 
 
 def causal_lm_inputs(
-    topology: Topology, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    topology: Topology,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | float]:
-    """A Hugging Face causal language model's keyword arguments for this rank's slice: input_ids,
-    position_ids, the labels shifted by one over the whole sequence before the cut (``shift_labels``),
+    """A Hugging Face causal language model's keyword arguments for this rank's slice of whole
+    sequences: input_ids (and `attention_mask`, the padding mask, where given), the labels shifted by
+    one over the whole sequence before the cut (``shift_labels``; `labels` default to the input ids),
     and ``num_items_in_batch`` so that the rank's loss is its summed token losses over the rows'
     counted tokens / C: averaged over the data-parallel group (ZeRO's gradient mean), the mean over
-    every token. Without context parallelism: the model's own loss, unchanged."""
+    every token. The slice's positions are filled in by the model's context-parallel hook (See [Note:
+    masks of split sequences]). Without context parallelism: the model's own loss, unchanged."""
     labels = input_ids if labels is None else labels
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     counted = int((shifted != IGNORE_INDEX).sum())
     part = sequence_slice(topology, input_ids.shape[1])
-    return dict(
-        input_ids=input_ids[:, part].contiguous(),
-        position_ids=sequence_positions(topology, input_ids.shape[1], input_ids.device).unsqueeze(0),
-        labels=labels[:, part].contiguous(),
-        shift_labels=shifted[:, part].contiguous(),
-        num_items_in_batch=counted / topology.context_parallel.size,
-    )
+    sliced = dict(input_ids=input_ids, labels=labels, shift_labels=shifted)
+    if attention_mask is not None:
+        sliced["attention_mask"] = attention_mask
+    return {
+        **{name: tensor[:, part].contiguous() for name, tensor in sliced.items()},
+        "num_items_in_batch": counted / topology.context_parallel.size,
+    }
