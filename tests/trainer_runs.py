@@ -11,8 +11,8 @@ TOLERANCE = 1e-5
 PROBE = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
 
 
-def rows(n: int = 48, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(0))
+def rows(n: int = 48, length: int = 16, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(seed))
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 

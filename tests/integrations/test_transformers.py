@@ -218,20 +218,38 @@ def test_adafactor_with_the_trainers_decay_groups_equals_the_plain_trainer(tmp_p
     assert max_difference(reference, tiny_llama().state_dict()) > 1e-3  # it trained
 
 
-def _context_parallel_refusal(out: str) -> str:
+def _context_parallel_run(out: str) -> dict:
     import zeropp
     from zeropp.config.sections import TopologyConfig
-    from zeropp.integrations.transformers import TrainerError, ZeroTrainer
+    from zeropp.integrations.transformers import ZeroTrainer
 
     topology = zeropp.init_topology(TopologyConfig(context_parallel_size=2))
-    try:
-        ZeroTrainer(tiny_llama(), training_args(out, 2), train_dataset=rows(), topology=topology)
-    except TrainerError as error:
-        return str(error)
-    return "no error"
+    trainer = ZeroTrainer(
+        tiny_llama(), training_args(out, 2, per_device_eval_batch_size=2), train_dataset=rows(),
+        eval_dataset=rows(8, seed=1), zero_config=zeropp.ZeroConfig(stage=3), topology=topology,
+    )  # fmt: skip
+    trainer.train()
+    gathered = trainer.engine.comm.ledger.as_dict().get("cp.all_gather", {})
+    return {
+        "state": trainer.engine.full_state_dict(),
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "gathered": gathered,
+    }
 
 
-def test_context_parallelism_is_refused_in_one_line_until_its_loader_shares_rows(tmp_path):
-    for message in run_ranks(_context_parallel_refusal, 2, start=START, out=str(tmp_path)):
-        assert message.startswith("topology.context_parallel_size = 2 is not allowed with ZeroTrainer yet"), message
-        assert "\n" not in message
+def test_context_parallelism_shares_the_loaders_rows_and_trains_world_ones_weights(world_one, tmp_path):
+    """C 2 at world 2: each rank's loader rows shared over the run, each rank keeping half of every
+    token row; the weights and losses of world 1 with the same global batch, and an evaluation loss
+    that is the mean of each evaluation batch's loss (as the data-parallel Trainer reports it)."""
+    results = run_ranks(_context_parallel_run, 2, start=START, out=str(tmp_path))
+    model = tiny_llama()
+    model.load_state_dict(results[0]["state"])
+    held_out = torch.stack([row["input_ids"] for row in rows(8, seed=1)])
+    with torch.no_grad():
+        expected = sum(model(input_ids=b, labels=b).loss.item() for b in held_out.split(2)) / 4
+    for result in results:
+        assert max_difference(result["state"], world_one["state"]) < TOLERANCE
+        assert result["losses"] == pytest.approx(world_one["losses"], abs=TOLERANCE)
+        assert result["eval_loss"] == pytest.approx(expected, rel=1e-5)
+        assert sum(sum(links.values()) for links in result["gathered"].values()) > 0  # shared rows: on the ledger

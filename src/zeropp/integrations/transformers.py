@@ -12,6 +12,8 @@ overrides, each small:
   ``param_groups`` are the engine optimizer's (so the Trainer's scheduler sets the engine's rate);
 - ``_wrap_model`` returns :class:`EngineModule` (forward through the engine, nothing for accelerate to wrap);
 - ``training_step`` calls ``engine.backward``; ``_clip_grad_norm`` leaves clipping to the engine;
+- context parallelism: ``training_step`` and ``prediction_step`` share each run's rows, each rank
+  keeping its slice of all of them (See [Note: shared rows]); evaluation gives the loss only;
 - ``_build_accelerator_args``: no autocast or GradScaler from accelerate (precision is the engine's);
 - fp16: a step the engine skipped leaves the scheduler unstepped (:class:`SkippedSteps`); ``log``
   adds the loss scale and the skipped steps;
@@ -35,6 +37,7 @@ from torch import nn
 
 from zeropp.checkpoint.pretrained import load_pretrained
 from zeropp.config.sections import ZeroConfig
+from zeropp.context_parallel.batches import own_rows_loss, share_rows
 from zeropp.engine import ZeroEngine
 from zeropp.integrations import settings
 from zeropp.integrations.loop import EngineModule, EngineOptimizer, load_engine_state, save_engine_state
@@ -110,12 +113,6 @@ class ZeroTrainer(transformers.Trainer):
         self.zero_source = zero_config
         self.pretrained = pretrained
         self.topology = topology or init_topology()
-        if self.topology.context_parallel.size > 1:  # the Trainer's loader would hand each rank its own rows
-            raise TrainerError(
-                f"topology.context_parallel_size = {self.topology.context_parallel.size} is not allowed with "
-                "ZeroTrainer yet (its data loader gives every rank rows of its own); expected 1, or zeropp train "
-                "--context-parallel, or ZeroEngine with zeropp.context_parallel.causal_lm_inputs"
-            )
         self.engine: ZeroEngine | None = None
         self.engine_module: EngineModule | None = None
         super().__init__(model, args, *rest, **kwargs)
@@ -128,6 +125,23 @@ class ZeroTrainer(transformers.Trainer):
         if self.args.n_gpu > 1:
             raise TrainerError(
                 f"ZeroTrainer runs one device per process ({self.args.n_gpu} GPUs seen): launch with torchrun"
+            )
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """Context parallelism shares each run's rows (See [Note: shared rows]): the loss must be the sum
+        of token losses over the tokens counted across ranks, which the Trainer passes to the model."""
+        size = self.topology.context_parallel.size
+        if size > 1 and not self.args.average_tokens_across_devices:
+            raise TrainerError(
+                f"average_tokens_across_devices = False is not allowed with topology.context_parallel_size = {size} "
+                "(each rank holds slices of its run's rows); expected True"
+            )
+        if size > 1 and not self.model_accepts_loss_kwargs:
+            raise TrainerError(
+                f"a model whose forward takes no num_items_in_batch is not allowed with "
+                f"topology.context_parallel_size = {size} (a slice's loss is its share of the tokens counted across "
+                "ranks); expected a model that accepts the Trainer's loss keywords"
             )
 
     # -- the engine where Trainer would wrap the model ---------------------------------------------
@@ -189,6 +203,8 @@ class ZeroTrainer(transformers.Trainer):
         DDP averages) times the accumulation steps, which the engine divides by again."""
         model.train()
         inputs = self._prepare_inputs(inputs)
+        if self.topology.context_parallel.size > 1:
+            inputs = share_rows(self.engine.comm, self.topology, inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
@@ -201,6 +217,25 @@ class ZeroTrainer(transformers.Trainer):
             loss = loss / self.current_gradient_accumulation_steps
         self.engine.backward(loss * self.args.gradient_accumulation_steps)
         return loss.detach()
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Under context parallelism: the loss of this rank's own rows, from the slices of its run's shared
+        rows (logits are sequence slices, so only the loss is evaluated)."""
+        size = self.topology.context_parallel.size
+        if size == 1:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only or "labels" not in inputs:
+            raise TrainerError(
+                f"evaluating predictions or without labels is not allowed with topology.context_parallel_size = "
+                f"{size} (each rank holds slices of the sequences); expected prediction_loss_only with labels"
+            )
+        with torch.no_grad():
+            loss = own_rows_loss(
+                self.engine.comm, self.topology, lambda given: model(**given).logits, self._prepare_inputs(inputs)
+            )
+        return loss.detach(), None, None
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         """The engine clips (max_grad_norm) at its step; the norm is logged from ``engine.last_grad_norm``."""
