@@ -219,15 +219,17 @@ def test_adafactor_with_the_trainers_decay_groups_equals_the_plain_trainer(tmp_p
 
 
 def _context_parallel_run(out: str) -> dict:
+    from accelerate import ParallelismConfig
+
     import zeropp
-    from zeropp.config.sections import TopologyConfig
     from zeropp.integrations.transformers import ZeroTrainer
 
-    topology = zeropp.init_topology(TopologyConfig(context_parallel_size=2))
+    # transformers' own switch for DeepSpeed's Ulysses: read as topology.context_parallel_size
+    args = training_args(out, 2, per_device_eval_batch_size=2, parallelism_config=ParallelismConfig(sp_size=2))
     trainer = ZeroTrainer(
-        tiny_llama(), training_args(out, 2, per_device_eval_batch_size=2), train_dataset=rows(),
-        eval_dataset=rows(8, seed=1), zero_config=zeropp.ZeroConfig(stage=3), topology=topology,
-    )  # fmt: skip
+        tiny_llama(), args, train_dataset=rows(), eval_dataset=rows(8, seed=1), zero_config=zeropp.ZeroConfig(stage=3)
+    )
+    assert trainer.topology.context_parallel.size == 2 and trainer.args.parallelism_config is None
     trainer.train()
     gathered = trainer.engine.comm.ledger.as_dict().get("cp.all_gather", {})
     return {
@@ -236,6 +238,20 @@ def _context_parallel_run(out: str) -> dict:
         "eval_loss": trainer.evaluate()["eval_loss"],
         "gathered": gathered,
     }
+
+
+@pytest.mark.unit
+def test_a_parallelism_config_is_read_as_the_context_parallel_size_or_refused_in_one_line():
+    from accelerate import ParallelismConfig
+
+    from zeropp.integrations.transformers import TrainerError, context_parallel_size
+
+    assert context_parallel_size(ParallelismConfig(sp_size=4)) == 4
+    assert context_parallel_size(ParallelismConfig(cp_size=2, dp_shard_size=2)) == 2
+    with pytest.raises(
+        TrainerError, match=r"^parallelism_config tp_size = 2 is not allowed with ZeroTrainer; expected 1"
+    ):
+        context_parallel_size(ParallelismConfig(tp_size=2))
 
 
 def test_context_parallelism_shares_the_loaders_rows_and_trains_world_ones_weights(world_one, tmp_path):

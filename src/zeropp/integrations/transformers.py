@@ -36,7 +36,7 @@ import transformers
 from torch import nn
 
 from zeropp.checkpoint.pretrained import load_pretrained
-from zeropp.config.sections import ZeroConfig
+from zeropp.config.sections import TopologyConfig, ZeroConfig
 from zeropp.context_parallel.batches import own_rows_loss, share_rows
 from zeropp.engine import ZeroEngine
 from zeropp.integrations import settings
@@ -68,6 +68,20 @@ def resolve_zero_config(
     )  # fmt: skip
 
 
+def context_parallel_size(config: Any) -> int:
+    """The context-parallel size of accelerate's ``ParallelismConfig`` (TrainingArguments'
+    ``parallelism_config``): its ``sp_size`` (Ulysses) or ``cp_size`` (ring attention; zeropp splits
+    the sequences the same way and attends by Ulysses). Its data-parallel sizes need nothing (ZeRO
+    shards over every data-parallel rank); tensor parallelism from the arguments is refused."""
+    sp, cp = config.sp_size or 1, config.cp_size or 1
+    if (config.tp_size or 1) > 1:
+        raise TrainerError(
+            f"parallelism_config tp_size = {config.tp_size} is not allowed with ZeroTrainer; expected 1 "
+            "(tensor parallelism: zeropp.parallelize with a topology's tensor_parallel_size)"
+        )
+    return max(sp, cp)  # accelerate refuses both at once
+
+
 class SkippedSteps(transformers.TrainerCallback):
     """After each optimizer step: a step the engine skipped (fp16 overflow) is reported to accelerate's
     optimizer wrapper as skipped, as accelerate's DeepSpeed wrapper reports DeepSpeed's, so the Trainer
@@ -90,7 +104,8 @@ class ZeroTrainer(transformers.Trainer):
     `zero_config`: a :class:`zeropp.ZeroConfig`, a dict of zeropp ``zero`` keys, or a DeepSpeed JSON
     path or dict (read by :func:`zeropp.config.deepspeed.translate`); None reads ``args.deepspeed``
     when set, else zeropp's defaults. `topology`: the ranks (default :func:`zeropp.init_topology`,
-    which adopts a process group accelerate already started). `pretrained`: a safetensors file or a
+    which adopts a process group accelerate already started; ``args.parallelism_config``'s sequence
+    size, where set, is its context-parallel size: :func:`context_parallel_size`). `pretrained`: a safetensors file or a
     Hugging Face folder whose weights are read straight into the shards
     (:func:`zeropp.load_pretrained`: each rank reads its slices), typically for a model built on the
     meta device, which the engine materializes unit by unit: no rank holds the whole model."""
@@ -110,6 +125,15 @@ class ZeroTrainer(transformers.Trainer):
         ):  # DeepSpeed's file, read by zeropp; the Trainer must not start DeepSpeed
             zero_config = args.deepspeed if zero_config is None else zero_config
             args = dataclasses.replace(args, deepspeed=None)
+        if args is not None and getattr(args, "parallelism_config", None) is not None:  # zeropp's, not accelerate's
+            size = context_parallel_size(args.parallelism_config)
+            topology = topology or init_topology(TopologyConfig(context_parallel_size=size))
+            if topology.context_parallel.size != size:
+                raise TrainerError(
+                    f"parallelism_config asks for {size} sequence ranks but the topology has context_parallel_size = "
+                    f"{topology.context_parallel.size}; expected one of them, or the same size"
+                )
+            args = dataclasses.replace(args, parallelism_config=None)
         self.zero_source = zero_config
         self.pretrained = pretrained
         self.topology = topology or init_topology()
