@@ -218,7 +218,7 @@ def test_zero_r_with_sequence_parallelism_keeps_each_ranks_slice_and_trains_to_t
     them and hold units x b x s/2 x h, on the host with Pa+cpu; recomputation repeats attention's
     all-gather and reduce-scatter and the MLP's all-gather."""
     from zeropp.comm.ledger import ring_bytes
-    from zeropp.tools.estimate.model import gpt_norm_parameters
+    from zeropp.tools.estimate.gpt import gpt_norm_parameters
 
     units, b, s, h, fp32 = GPT_TEST.n_layer, PER_RANK, GPT_TEST.block_size, GPT_TEST.d_model, 4
     piece = b * s * h * fp32 // TP  # one block's input on this rank

@@ -210,7 +210,7 @@ def test_sequence_parallel_ledger_is_the_documented_formula(kind):
     gradient: the exactness test fails). GPT-2's final norm is outside the region (its gradient is whole)."""
     from zeropp.comm.ledger import ring_bytes
     from zeropp.costs.tensor_parallel import megatron_bytes_per_block
-    from zeropp.tools.estimate.model import gpt_norm_parameters
+    from zeropp.tools.estimate.gpt import gpt_norm_parameters
 
     if kind == "hf-gpt2":
         pytest.importorskip("transformers")
@@ -268,7 +268,7 @@ def test_norm_gradients_are_summed_once_per_unit_and_gradient_reduction(stage):
     from zeropp.comm.ledger import ring_bytes
     from zeropp.costs.memory import Activations
     from zeropp.costs.volume import norm_gradient_transfers
-    from zeropp.tools.estimate.model import gpt_norm_parameters
+    from zeropp.tools.estimate.gpt import gpt_norm_parameters
 
     layers, hidden, accumulation = GPT_TEST.n_layer, GPT_TEST.d_model, 2
     reductions = accumulation if stage >= 2 else 1
@@ -322,7 +322,7 @@ def test_zeropp_train_with_tensor_parallel_sees_the_batches_of_the_same_data_par
     from zeropp.comm.ledger import ring_bytes
     from zeropp.config.sections import load_config
     from zeropp.costs.tensor_parallel import megatron_bytes_per_block
-    from zeropp.tools.estimate.model import gpt_norm_parameters
+    from zeropp.tools.estimate.gpt import gpt_norm_parameters
 
     gpt, micro = PRESETS["tiny"], load_config().train.micro_batch_size
     per_block = megatron_bytes_per_block(micro, gpt.block_size, gpt.d_model, tp=2, element_bytes=4)

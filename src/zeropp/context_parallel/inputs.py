@@ -30,8 +30,9 @@ def sequence_slice(topology: Topology, length: int) -> slice:
 
 
 def split_sequence(topology: Topology, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each (batch, T, ...) tensor cut to this rank's slice of T."""
-    return tuple(t[:, sequence_slice(topology, t.shape[1])] for t in tensors)
+    """Each (batch, T, ...) tensor cut to this rank's slice of T (a copy: the whole batch is not kept
+    alive by a view of it)."""
+    return tuple(t[:, sequence_slice(topology, t.shape[1])].contiguous() for t in tensors)
 
 
 def sequence_positions(topology: Topology, length: int, device: torch.device | None = None) -> torch.Tensor:

@@ -266,6 +266,11 @@ class Activations:
     norm_parameters: int = 0
     # Ulysses context parallelism: each rank holds seq / context_parallel tokens of every sequence
     context_parallel: int = 1
+    # the embedded GPT's attention heads, vocabulary and logit tiles, for what its forward saves
+    # (:meth:`saved_bytes`; 0: not known, not priced)
+    heads: int = 0
+    vocab: int = 0
+    logit_tiles: int = 1
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "seq", "batch", "context_parallel"):
@@ -300,6 +305,31 @@ class Activations:
         if not self.activation_checkpointing or (where == "host") != self.cpu_checkpointing:
             return 0
         return self.layers * self.checkpoint_elements(tp) * element_bytes
+
+    # [Note: the GPT's saved activations]
+    # What the embedded GPT's forward saves for backward, per token of a rank (e: the activations' bytes),
+    # counted from the tensors autograd saves (tests/costs/test_saved_activations.py): per block, the
+    # first norm's input and output (2d), the q, k, v projection (3d), attention's output (d; the output
+    # projection reads it as it is, sdpa's output being laid out token-major) and its log-sum-exp (4
+    # bytes a head), the second norm's input and output (2d), the MLP's hidden before and after GELU
+    # (8d), four norm statistics (e each on the CPU; 4 bytes on a GPU): 16d e + 4 heads + 4e. Under
+    # Ulysses the heads traded back are a fresh tensor the projection reads through a copy (+d e). Then
+    # the token ids and targets (8 each), the final norm (2d e + 2e), the positions (8 per position)
+    # and with whole logits log-softmax's fp32 output (4 vocab) and the loss.
+    def saved_bytes(self, element_bytes: int, tp: int = 1) -> int | None:
+        """What the embedded GPT's forward saves for backward on one rank, at its end: the activations'
+        high-water mark before backward (None where the heads or vocabulary are unknown, or with
+        activation checkpointing or tensor parallelism: not modeled). See [Note: the GPT's saved
+        activations]."""
+        if not (self.heads and self.vocab) or tp > 1 or self.activation_checkpointing:
+            return None
+        positions = self.seq // self.context_parallel
+        tokens, e = self.batch * positions, element_bytes
+        block = 16 * self.hidden * e + 4 * self.heads + 4 * e
+        if self.context_parallel > 1:
+            block += self.hidden * e
+        logits = 4 * tokens * self.vocab + 4 if self.logit_tiles == 1 else 0
+        return self.layers * tokens * block + tokens * (2 * self.hidden * e + 2 * e + 16) + 8 * positions + logits
 
 
 class PeakMeter:

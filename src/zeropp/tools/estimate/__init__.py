@@ -27,7 +27,8 @@ from zeropp.config.rates import parse_bandwidth
 from zeropp.config.sections import ZEROPP_SWITCHES
 from zeropp.costs.volume import Transfer, ring_crossing
 from zeropp.tools.estimate.cli import build_parser, main
-from zeropp.tools.estimate.model import Estimate, Unit, estimate, gpt_activations, gpt_unit_numels
+from zeropp.tools.estimate.gpt import gpt_activations, gpt_unit_numels
+from zeropp.tools.estimate.model import Estimate, Unit, estimate
 from zeropp.tools.estimate.papers import (
     ZERO_TABLE_DP,
     hpz_example,

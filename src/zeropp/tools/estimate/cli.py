@@ -19,7 +19,8 @@ from zeropp.context_parallel import check_heads, check_length
 from zeropp.costs.memory import Activations
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
-from zeropp.tools.estimate.model import estimate, gpt_activations, gpt_norm_parameters, gpt_unit_numels
+from zeropp.tools.estimate.gpt import gpt_activations, gpt_norm_parameters, gpt_unit_numels
+from zeropp.tools.estimate.model import estimate
 from zeropp.tools.estimate.papers import (
     hpz_example,
     max_model_table,
@@ -45,7 +46,7 @@ ZERO_FLAGS = (
     "offload_optimizer", "offload_params", "offload_path", "offload_buffer_count",
     "outer_sync_every", "outer_bits", "outer_block_size", "outer_fragments",
 )  # fmt: skip
-MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size")
+MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size", "logit_tiles")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
 ZERO_R_FLAGS = ("activation_checkpointing", "partition_activations", "cpu_checkpointing")  # zero.* keys of train
 TP_KEY = "topology.tensor_parallel_size"

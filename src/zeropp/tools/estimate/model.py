@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeropp.comm.ledger import Ledger, bytes_under
-from zeropp.config.model import ModelConfig
 from zeropp.config.sections import ZeroConfig
 from zeropp.costs.memory import (
     BYTES,
@@ -205,6 +204,14 @@ class Estimate:
             prefetch=zero.prefetch,
         )
 
+    def activation_bytes(self) -> int | None:
+        """Per rank, what the forward saves for backward (the embedded GPT's; None: not modeled)."""
+        return (
+            None
+            if self.activations is None
+            else self.activations.saved_bytes(BYTES[self.zero.precision], self.layout.tensor_parallel_size)
+        )
+
     def activation_checkpoint_bytes(self, where: str = "device") -> int:
         """Per rank, held from forward to backward (ZeRO-R: /tp with Pa, on the host with Pa+cpu)."""
         if self.activations is None:
@@ -336,6 +343,7 @@ class Estimate:
         known = self.activations is not None
         return {
             "activations": dataclasses.asdict(self.activations) if known else None,
+            "activation_bytes_per_rank": self.activation_bytes(),
             "activation_checkpoint_bytes_per_rank": self.activation_checkpoint_bytes() if known else None,
             "activation_checkpoint_host_bytes_per_rank": self.activation_checkpoint_bytes("host") if known else None,
             "tensor_parallel_bytes_per_step": self.bytes_of("tp") if known else None,
@@ -458,42 +466,3 @@ def estimate(
         refuse_fragments(zero, sum(1 for u in units if u.numel))
     sync = [tuple(outer_transfers(sizes, layout, zero, f)) for f in range(zero.outer.fragments)] if diloco else []
     return dataclasses.replace(est, transfers=tuple(transfers), sync_transfers=tuple(sync))
-
-
-def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[list[int]]:
-    """The parameters' numels of every unit the engine makes of the embedded GPT (its blocks, then the
-    root), on one tensor-parallel rank: the shipped plan's split weights count their local shard."""
-    import torch
-
-    from zeropp.app.models.gpt import GPT, gpt_config
-    from zeropp.costs.tensor_parallel import local_numels
-    from zeropp.tensor_parallel.plans import gpt_plan
-    from zeropp.zero.grouping import group_parameters, repeated_blocks
-
-    with torch.device("meta"):
-        gpt = GPT(gpt_config(model))
-    local = local_numels(gpt, gpt_plan(gpt, tensor_parallel), tensor_parallel)
-    return [[local[name] for name, _ in params] for _, params in group_parameters(gpt, repeated_blocks(gpt))]
-
-
-def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:
-    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model
-    and its layer norms' weights and biases; `switches`: the other fields of
-    :class:`~zeropp.costs.memory.Activations` (ZeRO-R's, sequence parallelism, the recomputed all-reduces)."""
-    from zeropp.app.models.gpt import gpt_config
-
-    gpt = gpt_config(model)
-    return Activations(
-        gpt.n_layer,
-        gpt.d_model,
-        gpt.block_size,
-        micro_batch,
-        norm_parameters=gpt_norm_parameters(gpt.n_layer),
-        **switches,
-    )
-
-
-def gpt_norm_parameters(layers: int) -> int:
-    """Vectors of d_model in the embedded GPT's layer norms (two per block and the final one, a weight and
-    a bias each): what sequence parallelism all-reduces the partial gradients of."""
-    return 2 * (2 * layers + 1)

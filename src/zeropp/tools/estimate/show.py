@@ -142,12 +142,17 @@ def _outer_rows(head: Any, est: Estimate, outer: dict[str, Any]) -> None:
 
 
 def _activation_rows(head: Any, est: Estimate) -> None:
-    """Activation checkpoints and tensor-parallel traffic, where the activations are known."""
+    """Saved activations, checkpoints and tensor-parallel traffic, where the activations are known."""
     acts, tp = est.activations, est.layout.tensor_parallel_size
     if acts is None:
         if tp > 1:
             head.add_row("tensor-parallel traffic", "not priced: give --n-layer, --d-model and --block-size")
         return
+    saved = est.activation_bytes()
+    if saved is not None:
+        tokens = f"{acts.batch} x {acts.seq // acts.context_parallel} tokens"
+        logits = "whole logits" if acts.logit_tiles == 1 else f"logits in {acts.logit_tiles} tiles"
+        head.add_row("activations per rank", f"{si(saved)} saved by forward ({tokens}, {logits})")
     if acts.activation_checkpointing:
         kind = "Pa+cpu" if acts.cpu_checkpointing else "Pa" if acts.partition_activations else None
         split = f"1/{tp} of the sequence" if acts.sequence_parallel and tp > 1 else "whole on every tp rank"

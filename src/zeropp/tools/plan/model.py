@@ -39,7 +39,7 @@ class Model:
 def preset_model(preset: str) -> Model:
     """The embedded GPT (``zeropp train --preset``), with its own units and sequence."""
     from zeropp.app.models.gpt import gpt_config
-    from zeropp.tools.estimate.model import gpt_unit_numels
+    from zeropp.tools.estimate.gpt import gpt_unit_numels
 
     gpt = gpt_config(ModelConfig(preset=preset))  # type: ignore[arg-type]
     units = tuple(tuple(u) for u in gpt_unit_numels(ModelConfig(preset=preset)))  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def stored_rows(data: Any, configs: dict[str, dict[str, Any]] | None = None) -> 
 
 @functools.lru_cache(maxsize=4)
 def _units(preset: str) -> tuple[tuple[int, ...], ...]:
-    from zeropp.tools.estimate.model import gpt_unit_numels
+    from zeropp.tools.estimate.gpt import gpt_unit_numels
 
     return tuple(tuple(u) for u in gpt_unit_numels(ModelConfig(preset=preset)))
 

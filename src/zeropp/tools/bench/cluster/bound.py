@@ -36,7 +36,8 @@ from typing import Any
 from zeropp.config.rates import parse_bandwidth
 from zeropp.config.sections import load_config
 from zeropp.costs.step_time import step_seconds
-from zeropp.tools.estimate.model import estimate, gpt_unit_numels
+from zeropp.tools.estimate.gpt import gpt_unit_numels
+from zeropp.tools.estimate.model import estimate
 
 UNSHAPED = "none"
 

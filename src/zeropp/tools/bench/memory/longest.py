@@ -4,9 +4,10 @@ Each variant (Ulysses context parallelism over C of the `--world` ranks, ``--con
 logits whole or in ``--logit-tiles`` tiles) tries ``--lengths`` in increasing order, each a
 ``zeropp train`` of 2 steps (one sequence per reader, ZeRO-3 without ZeRO++, fp32) inside a memory
 cgroup of ``--limit-gib-per-rank`` x world (cgroup v1, root), so that running out of memory kills
-the attempt and nothing else; after the first failure, ``--refine`` halvings of the interval
-between it and the last length that trained; the longest length that trains is the answer, each
-failure's cause recorded (out of memory, timeout, the error's last line). The model: a Llama of
+the attempt and nothing else; after the first failure, the interval between it and the last length
+that trained is halved until it is at most ``--resolution`` of that length (or one step of C x 64
+tokens; at most ``--refine`` halvings); the longest length that trains is the answer, each failure's
+cause recorded (out of memory, timeout, the error's last line). The model: a Llama of
 ``--layers`` x ``--hidden`` with grouped-query attention and a ``--vocab`` vocabulary (the logits of
 a long sequence are what tiling removes). Then, without a limit, each rank's step peak against the
 length (``--growth-lengths``) at C = 1 and the largest C, with tiled logits: the activations a rank
@@ -14,7 +15,7 @@ holds grow with its share of the sequence. The CPU model and the date go with th
 
     zeropp bench longest [--world 4] [--context-parallel 1 2 4] [--logit-tiles 16]
                          [--lengths 1024 2048 4096 8192 16384 32768] [--limit-gib-per-rank 0.9]
-                         [--out results/bench_longest.json]
+                         [--resolution 0.03] [--refine 6] [--out results/bench_longest.json]
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def command(config: Path, length: int, cp: int, tiles: int, args: argparse.Names
 
 
 def longest(config: Path, cp: int, tiles: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The variant's attempts in increasing length up to its first failure, then ``--refine`` halvings
-    of the interval between the longest that trained and the first that did not (lengths multiples of
-    C x 64); the longest that trained."""
+    """The variant's attempts in increasing length up to its first failure, then halvings of the
+    interval between the longest that trained and the shortest that did not (lengths multiples of
+    C x 64) until it is within ``--resolution`` of the longest (at most ``--refine`` of them); the
+    longest that trained, and the interval's relative width (``bracket``: the true limit lies below
+    ``longest`` x (1 + bracket))."""
     best, failed, tried = None, None, []
 
     def attempt(length: int) -> bool:
@@ -75,6 +78,8 @@ def longest(config: Path, cp: int, tiles: int, args: argparse.Namespace) -> dict
         best = length
     step = cp * 64
     for _ in range(args.refine if best is not None and failed is not None else 0):
+        if failed - best <= max(step, args.resolution * best):
+            break
         middle = (best + failed) // 2 // step * step
         if middle in (best, failed):
             break
@@ -82,7 +87,8 @@ def longest(config: Path, cp: int, tiles: int, args: argparse.Namespace) -> dict
             best = middle
         else:
             failed = middle
-    return {"context_parallel": cp, "logit_tiles": tiles, "longest": best, "attempts": tried}
+    bracket = None if best is None or failed is None else round((failed - best) / best, 4)
+    return {"context_parallel": cp, "logit_tiles": tiles, "longest": best, "bracket": bracket, "attempts": tried}
 
 
 def growth(config: Path, cp: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,8 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--growth-lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--limit-gib-per-rank", type=float, default=0.9)
     parser.add_argument(
-        "--refine", type=int, default=3, help="halvings between the last length that trains and the first that does not"
-    )
+        "--resolution", type=float, default=0.03,
+        help="halve the interval between the longest length that trains and the shortest that does not until it "
+        "is at most this fraction of the longest",
+    )  # fmt: skip
+    parser.add_argument("--refine", type=int, default=6, help="the most halvings of that interval")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)

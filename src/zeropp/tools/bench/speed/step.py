@@ -265,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant in variants[shift:] + variants[:shift]:
                 record = run_job(variant, world, args)
                 records[world][variant].append(record)
-                args.out.write_text(json.dumps({"partial": True, "worlds": records}, indent=2))  # kept if a later job dies
+                args.out.write_text(
+                    json.dumps({"partial": True, "worlds": records}, indent=2)
+                )  # kept if a later job dies
                 print(f"rep {rep} world {world} {variant}: {record.get('failed') or record['times']}", flush=True)
     results = {
         "machine": f"{usable_cpus()} CPU cores ({platform.processor() or platform.machine()}), torch {torch.__version__}, gloo",

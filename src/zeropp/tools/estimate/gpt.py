@@ -1,0 +1,43 @@
+"""The embedded GPT as the estimator sees it: its units' parameter numels, its activations' shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeropp.config.model import ModelConfig
+from zeropp.costs.memory import Activations
+
+
+def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[list[int]]:
+    """The parameters' numels of every unit the engine makes of the embedded GPT (its blocks, then the
+    root), on one tensor-parallel rank: the shipped plan's split weights count their local shard."""
+    import torch
+
+    from zeropp.app.models.gpt import GPT, gpt_config
+    from zeropp.costs.tensor_parallel import local_numels
+    from zeropp.tensor_parallel.plans import gpt_plan
+    from zeropp.zero.grouping import group_parameters, repeated_blocks
+
+    with torch.device("meta"):
+        gpt = GPT(gpt_config(model))
+    local = local_numels(gpt, gpt_plan(gpt, tensor_parallel), tensor_parallel)
+    return [[local[name] for name, _ in params] for _, params in group_parameters(gpt, repeated_blocks(gpt))]
+
+
+def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:
+    """The embedded GPT's activations per micro-batch: n_layer blocks of micro_batch x block_size x d_model
+    and its layer norms' weights and biases; `switches`: the other fields of
+    :class:`~zeropp.costs.memory.Activations` (ZeRO-R's, sequence parallelism, the recomputed all-reduces)."""
+    from zeropp.app.models.gpt import gpt_config
+
+    gpt = gpt_config(model)
+    return Activations(
+        gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, norm_parameters=gpt_norm_parameters(gpt.n_layer),
+        heads=gpt.n_head, vocab=gpt.vocab_size, logit_tiles=gpt.logit_tiles, **switches,
+    )  # fmt: skip
+
+
+def gpt_norm_parameters(layers: int) -> int:
+    """Vectors of d_model in the embedded GPT's layer norms (two per block and the final one, a weight and
+    a bias each): what sequence parallelism all-reduces the partial gradients of."""
+    return 2 * (2 * layers + 1)
