@@ -14,7 +14,7 @@ PACKAGE = Path(
 ).parent  # found, not imported: a broken import still fails here
 LAYERS = (
     "errors", "config", "index", "topology", "quant", "comm", "zero", "runtime", "tensor_parallel", "context_parallel",
-    "costs", "checkpoint", "engine", "integrations", "app", "tools", "cli",
+    "expert_parallel", "costs", "checkpoint", "engine", "integrations", "app", "tools", "cli",
 )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ from zeropp.config.deepspeed import Translation, translate
 from zeropp.config.sections import ZEROPP_SWITCHES, load_config
 from zeropp.context_parallel import check_context_parallel, check_length
 from zeropp.errors import ConfigError
+from zeropp.expert_parallel import check_expert_parallel
 from zeropp.index.ranks import Layout
 from zeropp.tensor_parallel.apply import check_sequence_length, plan_for
 from zeropp.tools.bench import available
@@ -68,6 +69,7 @@ from zeropp.zero.materialize import MaterializeError
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.items()}
+QGZ_KEY = "zero.quantized_gradients"
 
 # commands with argument parsers of their own: module zeropp.<name>, main(argv) -> exit code
 SUBPROGRAMS = {
@@ -230,11 +232,14 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         overrides = {**deepspeed.overrides, **overrides}  # the flags win
     with deepspeed.worded() if deepspeed is not None else contextlib.nullcontext():  # errors in the file's keys
         config = load_config(args.config, overrides)
-        if config.zero.stage == 3:
-            config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
+        if config.zero.stage == 3:  # ZeRO++ on; qgZ not with expert parallelism (not composed yet)
+            experts = config.topology.expert_parallel_size > 1
+            defaults = {k: v for k, v in ZEROPP_TRAIN_DEFAULTS.items() if not (experts and k == QGZ_KEY)}
+            config = load_config(args.config, overrides, defaults=defaults)
         if deepspeed is not None:
             deepspeed.check_batch(config)
-        mesh = (config.topology.tensor_parallel_size, config.topology.context_parallel_size)
+        topology = config.topology
+        mesh = (topology.tensor_parallel_size, topology.context_parallel_size, topology.expert_parallel_size)
         if is_rank():
             Layout(int(os.environ["WORLD_SIZE"]), config.topology.nodes or 1, *mesh)
         else:
@@ -246,9 +251,8 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
             resolve_backend(config.topology)
             source = model_source(config)
             training_text(config, source)  # model, tokenizer and data: refused here in one line
-            topology = config.topology
-            cp, tp = topology.context_parallel_size, topology.tensor_parallel_size
-            if tp > 1 or cp > 1 or config.model.lora_rank is not None:
+            cp, tp, ep = topology.context_parallel_size, topology.tensor_parallel_size, topology.expert_parallel_size
+            if tp > 1 or cp > 1 or ep > 1 or config.model.lora_rank is not None:
                 with torch.device("meta"):
                     model = source.build()  # LoRA: targets the model lacks
                 if tp > 1:  # a class without a plan, shapes tp ranks cannot share
@@ -256,6 +260,7 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                 if cp > 1:  # See [Note: Ulysses attention]
                     check_context_parallel(model, cp, tp)
                     check_length(source.block_size, cp)
+                check_expert_parallel(model, ep)  # See [Note: expert dispatch]
             if topology.sequence_parallel:
                 check_sequence_length(source.block_size, tp)
                 if config.model.logit_tiles > 1:  # the tiled loss takes the head's weight, not its gathered input

@@ -36,6 +36,7 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.context_parallel import apply_context_parallel, refuse_whole_prompts
 from zeropp.costs.memory import distinct_storage_bytes
 from zeropp.errors import ConfigError
+from zeropp.expert_parallel import split_experts
 from zeropp.quant import scratch
 from zeropp.quant.backends import kernels_for
 from zeropp.quant.spec import QuantSpec
@@ -124,9 +125,9 @@ class ZeroEngine:
         apply_context_parallel(model, self.comm)  # See [Note: Ulysses attention]
         refuse_expert_units(model, units or [])
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
-        unit_modules = repeated_blocks(model) if unit_modules is None else unit_modules
+        self.expert_units, self.expert_groups = split_experts(model, self.comm, self.config, self.groups)
+        unit_modules = [*(repeated_blocks(model) if unit_modules is None else unit_modules), *self.expert_units]
         shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
-        # offload_optimizer / offload_params = "nvme"
         self.disk, self.param_disk = disk_tiers_for(self.config, self.topology.rank, model, shard_ranks)
         for tier in (t for t in (self.disk, self.param_disk) if t is not None):
             weakref.finalize(self, tier.close)
@@ -243,7 +244,7 @@ class ZeroEngine:
                     module,
                     params,
                     self.comm,
-                    self.groups,
+                    self.expert_groups if module in self.expert_units else self.groups,
                     self.policy,
                     options,
                     broadcast_initial=not meta,

@@ -94,6 +94,7 @@ class Topology:
     data_parallel: Group
     tensor_parallel: Group
     context_parallel: Group  # the ranks sharing sequences, each holding a slice (zeropp.context_parallel)
+    expert_parallel: Group  # the ranks splitting each layer's experts (zeropp.expert_parallel)
     timeout: datetime.timedelta | None = None  # of every group built here (None: torch's default)
     sequence_parallel: bool = False  # activations between the split layers sharded over the sequence (tensor_parallel)
     _built: dict[str, Group] = field(default_factory=dict)
@@ -169,6 +170,17 @@ class Topology:
             secondary = self.intra_node if same_as_node else self.subgroups(f"hpz{size}", self.layout.hpz_groups(size))
         return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
 
+    def expert_shard_groups(self) -> ShardGroups:
+        """The groups expert units shard over: the ranks holding the same experts, with their intra- and
+        inter-node parts (built on first use; collective then); hpZ's secondary partition is not built
+        for experts."""
+        layout = self.layout
+        return ShardGroups(
+            self.subgroups("expert_data_parallel", layout.expert_data_parallel_groups()),
+            self.subgroups("expert_intra_node", layout.expert_intra_node_groups()),
+            self.subgroups("expert_inter_node", layout.expert_inter_node_groups()),
+        )
+
     def alone(self) -> Group:
         """This rank alone, with a process group (a DeviceMesh needs one; built on first use by this rank
         only, not collective)."""
@@ -189,8 +201,9 @@ def init_topology(config: TopologyConfig | None = None) -> Topology:
     launch = read_launch_environment(os.environ)  # torchrun's, Open MPI's, PMI's or Slurm's variables
     rank, world_size = launch.rank, launch.world_size
     layout = Layout(
-        world_size, config.nodes or launch.nodes or 1, config.tensor_parallel_size, config.context_parallel_size
-    )
+        world_size, config.nodes or launch.nodes or 1, config.tensor_parallel_size, config.context_parallel_size,
+        config.expert_parallel_size,
+    )  # fmt: skip
     backend = resolve_backend(config)
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
@@ -244,19 +257,20 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 def build_topology(
     layout: Layout, rank: int, device: torch.device, timeout: datetime.timedelta | None = None
 ) -> Topology:
-    """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node, context-parallel (collective:
-    every rank calls it identically)."""
+    """Build the mesh's groups: data-parallel, tensor-parallel, intra-node, inter-node, context- and
+    expert-parallel (collective: every rank calls it identically)."""
     # An exit without shutdown() must not leave gloo's threads to the C++ runtime, also where another
     # library (accelerate under the Trainer, Lightning) started the process group: none destroys it.
     atexit.unregister(shutdown)
     atexit.register(shutdown, wait_for_others=False)
     world = Group(_register(dist.group.WORLD), tuple(range(layout.world_size)), rank)
-    topo = Topology(layout, rank, device, world, world, world, world, world, world, timeout)
+    topo = Topology(layout, rank, device, world, world, world, world, world, world, world, timeout)
     topo.data_parallel = topo.subgroups("data_parallel", layout.data_parallel_groups())
     topo.tensor_parallel = topo.subgroups("tensor_parallel", layout.tensor_parallel_groups())
     topo.intra_node = topo.subgroups("intra_node", layout.intra_node_groups())
     topo.inter_node = topo.subgroups("inter_node", layout.inter_node_groups())
     topo.context_parallel = topo.subgroups("context_parallel", layout.context_parallel_groups())
+    topo.expert_parallel = topo.subgroups("expert_parallel", layout.expert_parallel_groups())
     return topo
 
 

@@ -69,7 +69,7 @@ def _unit(policy: StagePolicy) -> FlatUnit:
     layout = Layout(1, 1)
     world = Group(None, (0,), 0)
     topology = Topology(
-        layout, 0, torch.device("cpu"), world, world, world, world, world, world, datetime.timedelta(seconds=5)
+        layout, 0, torch.device("cpu"), world, world, world, world, world, world, world, datetime.timedelta(seconds=5)
     )
     module = nn.Linear(3, 2)
     options = UnitOptions(torch.device("cpu"), torch.float32, torch.float32, 1, 0, 1 << 20, 1 << 20)

@@ -37,6 +37,7 @@ from zeropp.comm.ledger import PA_GATHER, bytes_under
 from zeropp.config.sections import Config
 from zeropp.context_parallel import split_sequence
 from zeropp.context_parallel.ulysses import LEDGER_OP as ULYSSES_OP
+from zeropp.expert_parallel.dispatch import EXPERT_OPS
 from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, flat_numels, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.engine import ZeroEngine
@@ -51,8 +52,7 @@ from zeropp.zero.options import frozen_quant
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")
 # tp.*: on the tensor-parallel group; pa.all_gather: ZeRO-R's partitioned activation checkpoints (on it too)
-LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), ULYSSES_OP, PA_GATHER, *OWNER_OPS)
-
+LEDGER_OPS = (*COLLECTIVES, *(f"tp.{op}" for op in COLLECTIVES), ULYSSES_OP, PA_GATHER, *OWNER_OPS, *EXPERT_OPS)
 
 OPTIMIZERS = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor
@@ -262,8 +262,7 @@ class Trainer:
 
     @property
     def error_feedback(self) -> bool:
-        zero = self.config.zero
-        return zero.stage == 3 and zero.qgz.feedback
+        return self.config.zero.stage == 3 and self.config.zero.qgz.feedback
 
     @property
     def residuals_freed_at_step(self) -> int | None:
@@ -304,9 +303,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.engine.eval()
-        losses = []
-        for i in range(self.config.train.eval_batches):
-            losses.append(self.loss(self.val_batches.local_batch(i)).float())
+        losses = [self.loss(self.val_batches.local_batch(i)).float() for i in range(self.config.train.eval_batches)]
         self.engine.train()
         return self.mean_over_ranks(torch.stack(losses).mean())
 
@@ -419,6 +416,10 @@ class Trainer:
         n = len(rows)
         zero = self.config.zero
         trained, frozen_numel = flat_numels(engine.units, engine.module)
+        split = engine.expert_groups is not engine.groups  # experts sharded over the ranks holding them (no hpZ)
+        experts = sum(u.layout.padded_numel for u in engine.units if split and u.module in engine.expert_units)
+        optimizer_bytes = 4 if zero.optimizer_state_dtype == "bf16" else 8
+        experts_state = analytic_model_state_bytes(experts, engine.expert_groups.shard.size, zero.stage, zero.precision, zero.grad_dtype, optimizer_bytes=optimizer_bytes, master_dtype=zero.master_dtype)  # fmt: skip
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints
         frozen = [u.frozen.layout.padded_numel for u in engine.units if u.frozen is not None and not u.resident]
@@ -440,12 +441,12 @@ class Trainer:
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r.model_state_bytes) for r in rows],
             analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
-                trained,  # this rank's tensor-parallel share as laid out, sharded over its data-parallel group
+                trained - experts,  # this rank's tensor-parallel share as laid out, over its data-parallel group
                 engine.groups.shard.size,  # one node's data-parallel ranks under DiLoCo
                 zero.stage,
                 zero.precision,
                 zero.grad_dtype,
-                optimizer_bytes=4 if zero.optimizer_state_dtype == "bf16" else 8,
+                optimizer_bytes=optimizer_bytes,
                 hpz_group_size=engine.hpz_group_size,
                 qwd_reference=zero.qwz.delta,
                 offload_optimizer=zero.offload.optimizer != "none",
@@ -460,7 +461,8 @@ class Trainer:
                 outer=(zero.outer, topo.nodes, [u.master.numel() for u in engine.units])
                 if engine.outer is not None
                 else None,
-            ),
+            )
+            + experts_state,
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,
             peak_memory_bytes_per_rank=[int(r.peak_memory_bytes) for r in rows],

@@ -37,10 +37,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zeropp.comm.communicator import Communicator
 from zeropp.errors import ZeroppError
+from zeropp.expert_parallel import expert_group
 from zeropp.index.flat import chunk_range
 from zeropp.zero.unit import FlatUnit
 from zeropp.zero.weights.dtensor_params import Slices, blocks
+
+EXPERTS_OP = "ep.all_gather"  # an expert-parallel parameter's experts gathered whole
 
 if TYPE_CHECKING:
     from zeropp.topology import Group, Topology
@@ -299,7 +303,7 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
     for unit in units:
         flat = unit.gather_flat(unit.master.data)
         for p, view in zip(unit.params, unit.layout.split(flat), strict=True):
-            full[id(p)] = _whole(p, view).to("cpu", torch.float32, copy=True)  # a bf16 master too
+            full[id(p)] = _whole(p, view, unit.comm).to("cpu", torch.float32, copy=True)  # a bf16 master too
     for unit in units:  # frozen parameters of units (stage 3): gathered whole, in fp32
         if unit.frozen is not None:
             for p, value in zip(unit.frozen.params, unit.frozen.whole(), strict=True):
@@ -314,9 +318,15 @@ def full_state_dict(units: list[FlatUnit], module: nn.Module) -> dict[str, torch
     return state
 
 
-def _whole(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+def _whole(param: nn.Parameter, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """A parameter's whole value from this rank's piece: a tensor-parallel DTensor parameter's pieces
-    gathered over its mesh (collective), any other as it is."""
+    gathered over its mesh, an expert-parallel one's experts over its group (collective), any other
+    as it is."""
+    experts = expert_group(param)
+    if experts is not None:
+        every = local.new_empty((experts.size, *local.shape))
+        comm.all_gather(every, local.contiguous(), experts, bucket_numel=local.numel(), label=EXPERTS_OP)
+        return every.flatten(0, 1)
     if not isinstance(param, DTensor):
         return local
     mesh, placements = param.device_mesh, param.placements

@@ -19,6 +19,10 @@ class ModelConfig:
     block_size: int | None = setting(
         None, "context length in tokens; unset: the preset's (a Hugging Face model's: 128, or its positions if fewer)"
     )
+    n_experts: int | None = setting(
+        None, "make each block's MLP a mixture of this many experts, each token routed to its top_k; unset: dense"
+    )
+    top_k: int | None = setting(None, "with n_experts: the experts each token goes to; unset: 2")
     hf_model: str | None = setting(
         None, "train this Hugging Face causal LM instead: a local folder with config.json (and safetensors weights)"
     )
@@ -57,7 +61,7 @@ class ModelConfig:
         if self.lora_alpha is not None:
             require(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "a number > 0, or unset")
         require(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "a number in [0, 1)")
-        for key in ("n_layer", "n_head", "d_model", "block_size"):
+        for key in ("n_layer", "n_head", "d_model", "block_size", "n_experts", "top_k"):
             value = getattr(self, key)
             if value is not None:
                 require(value >= 1, f"model.{key}", value, "an integer >= 1, or unset for the preset's value")

@@ -236,6 +236,7 @@ class TopologyConfig:
         "tensor_model_parallel_size": "tensor_parallel_size",
         "model_parallel_size": "tensor_parallel_size",
         "context_parallel": "context_parallel_size",
+        "expert_parallel": "expert_parallel_size",
     }
 
     nodes: int | None = setting(
@@ -251,6 +252,11 @@ class TopologyConfig:
     tensor_parallel_size: int = setting(
         1,
         "split weight matrices over this many consecutive ranks of a node (Megatron-style, DTensor); ZeRO shards over the rest",
+    )
+    expert_parallel_size: int = setting(
+        1,
+        "split each mixture-of-experts layer's experts over this many consecutive data-parallel ranks of a node, "
+        "tokens sent to their experts by all-to-all; each expert sharded over the ranks holding it",
     )
     sequence_parallel: bool = setting(
         False,
@@ -274,6 +280,20 @@ class TopologyConfig:
             self.context_parallel_size,
             "an integer >= 1",
         )
+        require(
+            self.expert_parallel_size >= 1,
+            "topology.expert_parallel_size",
+            self.expert_parallel_size,
+            "an integer >= 1",
+        )
+        if self.expert_parallel_size > 1:
+            for key in ("tensor_parallel_size", "context_parallel_size"):
+                require(
+                    getattr(self, key) == 1,
+                    "topology.expert_parallel_size",
+                    self.expert_parallel_size,
+                    f"1 with topology.{key} = {getattr(self, key)} (not composed yet)",
+                )
         if self.sequence_parallel:
             require(
                 self.tensor_parallel_size > 1,

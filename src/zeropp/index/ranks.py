@@ -12,6 +12,13 @@ of ``context_parallel_size`` consecutive members, inside one node, read the same
 one slice of each; ZeRO still shards over the whole data-parallel group (DeepSpeed's layout), so
 model states per rank shrink with it. The groups reading different data are the data-parallel
 group's members divided by the context-parallel size (:meth:`Layout.reader`).
+
+Expert parallelism is a cut of each data-parallel group too: runs of ``expert_parallel_size``
+consecutive members, inside one node, split each mixture-of-experts layer's experts between them
+and send tokens to them by all-to-all; they read different data. The members holding the same
+experts (every E-th member of a data-parallel group: the expert-data-parallel group) shard those
+experts ZeRO's way, while dense parameters shard over the whole data-parallel group (DeepSpeed-MoE's
+and torchtitan's layout).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class Layout:
     nodes: int
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.nodes < 1 or self.world_size % self.nodes:
@@ -48,6 +56,13 @@ class Layout:
         if cp < 1 or dp_per_node % cp:
             raise ConfigError(
                 f"topology.context_parallel_size = {cp} does not divide the {dp_per_node} data-parallel ranks per "
+                f"node ({self.world_size} ranks on {self.nodes} node(s), tensor parallel {tp}); allowed: a divisor "
+                f"of {dp_per_node} (its all-to-alls stay inside a node)"
+            )
+        ep = self.expert_parallel_size
+        if ep < 1 or dp_per_node % ep:
+            raise ConfigError(
+                f"topology.expert_parallel_size = {ep} does not divide the {dp_per_node} data-parallel ranks per "
                 f"node ({self.world_size} ranks on {self.nodes} node(s), tensor parallel {tp}); allowed: a divisor "
                 f"of {dp_per_node} (its all-to-alls stay inside a node)"
             )
@@ -80,6 +95,30 @@ class Layout:
         cp = self.context_parallel_size
         return [ranks[i : i + cp] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), cp)]
 
+    def expert_parallel_groups(self) -> RankGroups:
+        """Every data-parallel group cut into runs of expert_parallel_size consecutive members (inside one
+        node): the ranks splitting each layer's experts between them."""
+        ep = self.expert_parallel_size
+        return [ranks[i : i + ep] for ranks in self.data_parallel_groups() for i in range(0, len(ranks), ep)]
+
+    def expert_data_parallel_groups(self) -> RankGroups:
+        """Every E-th member of each data-parallel group: the ranks holding the same experts, which shard them."""
+        ep = self.expert_parallel_size
+        return [ranks[i::ep] for ranks in self.data_parallel_groups() for i in range(ep)]
+
+    def expert_intra_node_groups(self) -> RankGroups:
+        """The expert-data-parallel groups cut by node (qgZ's first hop over experts)."""
+        return [
+            tuple(r for r in ranks if self.node_of(r) == node)
+            for ranks in self.expert_data_parallel_groups()
+            for node in range(self.nodes)
+        ]
+
+    def expert_inter_node_groups(self) -> RankGroups:
+        """The expert-data-parallel groups cut by position inside the node: one rank per node."""
+        per_node = self.data_parallel_per_node // self.expert_parallel_size
+        return [ranks[i::per_node] for ranks in self.expert_data_parallel_groups() for i in range(per_node)]
+
     def reader(self, rank: int) -> tuple[int, int]:
         """(which of the data-parallel group's readers `rank` is, how many readers there are): the
         members of one context-parallel group read the same rows, each its own slice of them."""
@@ -95,7 +134,9 @@ class Layout:
     def one_node(self) -> Layout:
         """One node as a world of its own (the same tensor-parallel size): what each of DiLoCo's replicas
         trains on (See [Note: the outer loop])."""
-        return Layout(self.ranks_per_node, 1, self.tensor_parallel_size, self.context_parallel_size)
+        return Layout(
+            self.ranks_per_node, 1, self.tensor_parallel_size, self.context_parallel_size, self.expert_parallel_size
+        )
 
     @property
     def data_parallel_size(self) -> int:

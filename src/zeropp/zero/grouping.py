@@ -2,8 +2,10 @@
 
 Default grouping: every child of a repeated container (an ``nn.ModuleList`` / ``nn.Sequential``
 whose children include at least two modules of one class, e.g. the transformer layers) is a unit;
-one root unit holds everything else. A parameter reachable from two units (a tied weight between
-a layer and the root, say) goes to the root unit, which stays gathered for the whole forward.
+one root unit holds everything else. A unit inside another (expert parallelism's experts container
+inside its block) takes its own parameters; a parameter reachable from two units not nested (a
+tied weight between a layer and the root, say) goes to the root unit, which stays gathered for the
+whole forward.
 
 A mixture-of-experts layer calls only the experts its tokens are routed to, and routing differs from
 rank to rank: an expert that is a unit of its own would be gathered (and its gradient reduced) on some
@@ -61,11 +63,14 @@ def group_parameters(
             if grouped_here(p):
                 claims.setdefault(id(p), []).append(index)
     grouped: list[list[tuple[str, nn.Parameter]]] = [[] for _ in unit_modules] + [[]]
+    inside = {i: {id(m) for m in module.modules()} for i, module in enumerate(unit_modules)}
     for name, p in model.named_parameters(remove_duplicate=True):
         if not grouped_here(p):
             continue
         owners = claims.get(id(p), [])
-        grouped[owners[0] if len(owners) == 1 else -1].append((name, p))
+        # nested units (an experts container inside its block): the innermost; others (tied): the root
+        innermost = [i for i in owners if all(id(unit_modules[i]) in inside[j] for j in owners)]
+        grouped[innermost[0] if innermost else -1].append((name, p))
     modules = [*unit_modules, model]
     return [(m, params) for m, params in zip(modules, grouped, strict=True) if params]
 

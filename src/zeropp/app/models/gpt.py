@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeropp.app.models.moe import MixtureOfExperts
 from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
 from zeropp.runtime.tiled_logits import tiled_cross_entropy
@@ -22,11 +23,15 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 192
     logit_tiles: int = 1  # the loss's output projection in this many tiles of the tokens (runtime.tiled_logits)
+    n_experts: int = 0  # > 0: each block's MLP a mixture of this many experts (zeropp.app.models.moe)
+    top_k: int = 2  # the experts each token goes to
 
     @property
     def param_count(self) -> int:
         d, L = self.d_model, self.n_layer
-        per_block = 12 * d * d + 13 * d  # attention 4d^2+4d, mlp 8d^2+5d, two layer norms 4d
+        mlp = 8 * d * d + 5 * d  # 4d hidden: weights 8d^2, biases 5d
+        mlps = self.n_experts * (mlp + d) if self.n_experts else mlp  # + each expert's router row
+        per_block = 4 * d * d + 4 * d + mlps + 4 * d  # attention 4d^2+4d, the MLP(s), two layer norms 4d
         return self.vocab_size * d + self.block_size * d + L * per_block + 2 * d
 
 
@@ -42,6 +47,11 @@ def gpt_config(model: ModelConfig) -> GPTConfig:
     keys = {f.name for f in dataclasses.fields(GPTConfig)}
     overrides = {k: v for k, v in dataclasses.asdict(model).items() if k in keys and v is not None}
     config = dataclasses.replace(PRESETS[model.preset], **overrides)
+    if config.n_experts and not 1 <= config.top_k <= config.n_experts:
+        raise ConfigError(
+            f"model.top_k = {config.top_k} is not allowed with model.n_experts = {config.n_experts}; expected 1 to "
+            f"{config.n_experts}"
+        )
     if config.d_model % config.n_head:
         raise ConfigError(
             f"model.n_head = {config.n_head} is not allowed with model.d_model = {config.d_model}; "
@@ -79,8 +89,12 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        self.mlp = (
+            MixtureOfExperts(config.d_model, config.n_experts, config.top_k)
+            if config.n_experts
+            else nn.Sequential(
+                nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+            )
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

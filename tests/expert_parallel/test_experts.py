@@ -1,0 +1,185 @@
+"""Expert parallelism trains exactly as one process (fp32): the embedded GPT with 4 experts, top 2,
+at world 2 (E 2) and world 4 (E 2 x data parallel 2) at stages 1-3; each rank holds 1/E of the
+experts' model states; a rank whose tokens all go to another rank's experts, and an expert no token
+chooses, train without a hang and exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import ADAM_EPS, GPT_TEST, TOLERANCE, global_batch, rows
+
+STEPS = 3
+OPTIM = dict(lr=1e-2, eps=ADAM_EPS, weight_decay=0.01)
+MOE = dataclasses.replace(GPT_TEST, n_experts=4, top_k=2)
+
+
+def moe_model(routing: str = "learned"):
+    """The MoE GPT; `routing` "skewed": embedding dimension 0 marks a token's vocabulary half (+-10),
+    dimension 1 is 10 for every token, and every router scores expert j by a_j x dim 0 + b_j x dim 1
+    with a = (-2, -1, 1, 0), b = (0, 0, 0, -100): tokens of the lower half go to experts 2 and 1, of the
+    upper half to experts 0 and 1 (both held by expert-parallel rank 0 at E 2), and no token to
+    expert 3 (:func:`test_the_skewed_routing_is_what_it_says`)."""
+    from zeropp.app.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(MOE)
+    if routing == "skewed":
+        with torch.no_grad():
+            model.wte.weight[:, 0] = torch.where(torch.arange(256) < 128, 10.0, -10.0)
+            model.wte.weight[:, 1] = 10.0
+            for block in model.blocks:
+                router = block.mlp.router.weight
+                router.zero_()
+                router[:, 0] = torch.tensor([-2.0, -1.0, 1.0, 0.0])
+                router[:, 1] = torch.tensor([0.0, 0.0, 0.0, -100.0])
+    return model
+
+
+def batch(step: int, readers: int, routing: str):
+    x, y = global_batch("gpt", step, 0, readers)
+    if routing == "skewed":  # the first reader's rows from the lower vocabulary half, the others' from the upper
+        half = x.shape[0] // readers
+        x = torch.cat([x[:half] % 128, x[half:] % 128 + 128])
+    return x, y
+
+
+def reference(readers: int, routing: str) -> tuple[dict, list[float]]:
+    model = moe_model(routing)
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(*batch(step, readers, routing))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def expert_worker(ep: int, stage: int, routing: str) -> dict:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(expert_parallel_size=ep))
+    rank, readers = topology.rank, topology.world_size
+    engine = ZeroEngine(moe_model(routing), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*rows(batch(step, readers, routing), rank))
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+    experts = [u for u in engine.units if u.module in engine.expert_units]
+    return dict(
+        state=engine.full_state_dict(), losses=losses,
+        expert_numel=sum(u.layout.numel for u in experts), expert_shard=sum(u.master.numel() for u in experts),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world,ep,stage,routing",
+    [(2, 2, 3, "learned"), (4, 2, 3, "learned"), (4, 2, 1, "learned"), (4, 2, 2, "skewed"), (2, 2, 3, "skewed")],
+    ids=["e2", "e2xdp2", "e2xdp2-stage1", "e2xdp2-stage2-skewed", "e2-skewed"],
+)
+def test_trains_the_weights_and_losses_of_one_process(world, ep, stage, routing):
+    per_rank = run_ranks(expert_worker, world, ep=ep, stage=stage, routing=routing)
+    ref, ref_losses = reference(world, routing)
+    for result in per_rank:
+        error = max((result["state"][k].float() - ref[k]).abs().max().item() for k in ref)
+        assert error <= TOLERANCE, error
+    for step, expected in enumerate(ref_losses):
+        assert sum(r["losses"][step] for r in per_rank) / world == pytest.approx(expected, rel=1e-5, abs=0)
+    # each rank: its 1/E of the 4 experts (2 layers x 2 experts x (2 x 32 x 128 + 128 + 32)), sharded over world/E
+    per_layer = (4 // ep) * (2 * 32 * 128 + 128 + 32)
+    for result in per_rank:
+        assert result["expert_numel"] == 2 * per_layer
+        assert result["expert_shard"] * (world // ep) >= result["expert_numel"]
+
+
+def test_the_skewed_routing_is_what_it_says():
+    model, chosen = moe_model("skewed"), []
+    for block in model.blocks:
+        block.mlp.router.register_forward_hook(lambda m, args, out: chosen.append(out.topk(2, dim=-1).indices))
+    x, y = batch(0, 2, "skewed")
+    model(x, y)
+    for layer in chosen:  # (tokens, 2), the first reader's rows first
+        lower, upper = layer.view(2, -1, 2)
+        assert set(lower.unique().tolist()) == {1, 2} and set(upper.unique().tolist()) == {0, 1}
+
+
+def _summary(tmp_path, ep: int) -> dict:
+    import json
+
+    from cli_runner import run_cli
+    from launcher import free_port
+
+    out = tmp_path / f"ep{ep}.json"
+    done = run_cli(
+        "train", "--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel", str(ep), "--steps", "2",
+        "--eval-batches", "1", "--master-port", str(free_port()), "--summary-json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_memory(tmp_path):
+    """At world 4 on 2 simulated nodes, stage 3 with qwZ and hpZ (qgZ is off with expert parallelism):
+    E 2 trains the losses of E 1 (the same initialization: experts are units of their own either way;
+    within qwZ's rounding, whose int8 blocks fall on other shards), each rank holding fewer
+    model-state bytes, as the summary's formula says."""
+    one, two = _summary(tmp_path, 1), _summary(tmp_path, 2)
+    assert two["train_losses"][0] == one["train_losses"][0]  # the same weights before the first step
+    assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-4)
+    assert two["zeropp"] == {"quantized_weights": True, "hpz_group_size": 2, "quantized_gradients": False}
+    for summary in (one, two):
+        assert summary["model_state_bytes_per_rank"] == [summary["analytic_model_state_bytes_per_rank"]] * 4
+    assert two["model_state_bytes_per_rank"][0] < one["model_state_bytes_per_rank"][0]
+    assert "ep.all_to_all" in two["ledger"] and "ep.all_to_all" not in one["ledger"]
+
+
+@pytest.mark.unit
+def test_what_expert_parallelism_cannot_do_is_refused_in_one_line():
+    from zeropp.app.models.gpt import GPT, GPTConfig, gpt_config
+    from zeropp.config.model import ModelConfig
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.errors import ConfigError
+    from zeropp.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"^topology.expert_parallel_size = 3 does not divide the model's 4 experts"):
+        check_expert_parallel(moe_model(), 3)
+    with pytest.raises(ConfigError, match=r"^topology.expert_parallel_size = 2 is not allowed with GPT: it has no"):
+        check_expert_parallel(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)), 2)
+    with pytest.raises(ConfigError, match=r"^topology.expert_parallel_size = 2 is not allowed; expected 1 with"):
+        TopologyConfig(expert_parallel_size=2, context_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match=r"^model.top_k = 5 is not allowed with model.n_experts = 4"):
+        gpt_config(ModelConfig(n_experts=4, top_k=5))
+
+
+def refusal_worker() -> dict:
+    from zeropp import ConfigError, ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(expert_parallel_size=2))
+    messages = {}
+    for name, config in (("stage0", ZeroConfig(stage=0)), ("qgz", ZeroConfig(stage=3, quantized_gradients=True))):
+        try:
+            ZeroEngine(moe_model(), torch.optim.AdamW, OPTIM, config, topology)
+        except ConfigError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def test_stage_0_and_qgz_are_refused_before_any_collective():
+    for messages in run_ranks(refusal_worker, 2):
+        assert messages["stage0"] == (
+            "topology.expert_parallel_size = 2 is not allowed with zero.stage = 0; expected a stage of 1 to 3"
+        )
+        assert messages["qgz"].startswith(
+            "topology.expert_parallel_size = 2 is not allowed with zero.quantized_gradients"
+        )
