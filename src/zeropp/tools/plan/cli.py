@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="zeropp plan",
         description="The configurations of a training run (ZeRO stage, hpZ, qwZ/qgZ bits, micro-batch, activation "
-        "checkpointing) simulated on a cluster (zeropp simulate), ranked by predicted tokens/s among those that fit "
-        "the GPU's memory, with the zeropp train flags to run each (docs/simulate.md).",
+        "checkpointing; ZeRO-Offload where a configuration fits only with it) simulated on a cluster (zeropp "
+        "simulate), ranked by predicted tokens/s among those that fit the GPU's memory, with the zeropp train flags "
+        "to run each (docs/simulate.md).",
     )
     add_cluster_arguments(parser)
     model = parser.add_argument_group("model (one of --preset, --params, --hf-config)")
@@ -83,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranked, dropped = plan(
             args.gpu, args.gpus, per_node, args.inter_node_bandwidth, model, sequence=args.sequence_length,
             micro_batches=args.micro_batch_sizes, tokens_per_gpu=args.tokens_per_gpu, checkpointing=checkpointing,
-            intra_bits_per_s=args.intra_node_bandwidth,
+            intra_bits_per_s=args.intra_node_bandwidth, pcie_bits_per_s=args.pcie_bandwidth,
+            host_bits_per_s=args.host_memory_bandwidth,
         )  # fmt: skip
     except (UsageError, ConfigError) as error:
         print(f"zeropp plan: error: {error}", file=sys.stderr)

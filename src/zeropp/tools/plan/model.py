@@ -3,11 +3,15 @@ do not fit a GPU's memory dropped, the rest ranked by predicted throughput (toke
 
 Enumerated: DDP, ZeRO-1, ZeRO-2, and ZeRO-3 with hpZ (off, or over each node), qwZ (off, 8 or 4 bits) and
 qgZ (off, 4 or 8 bits) in every combination; each micro-batch size; activation checkpointing on and
-off. Not enumerated: offload and tensor parallelism (the simulator does not price them yet).
+off. ZeRO-Offload (``offload_optimizer = "cpu"``) where it is needed: a ZeRO-1/2/3 configuration that
+does not fit the GPU's memory is simulated again with it, and ranked so (slower) if it then fits; one
+that fits is never offloaded (on the host the step is slower). Not enumerated: tensor parallelism (the
+simulator does not price it yet).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
@@ -20,6 +24,8 @@ from zeropp.config.model import ModelConfig
 from zeropp.errors import ConfigError
 from zeropp.tools.bench.runs import ZEROPP_OFF
 from zeropp.tools.simulate.model import Simulation, gpu_named, simulate
+
+OFFLOAD = {"offload_optimizer": "cpu"}
 
 GATED_ACTIVATIONS = ("silu", "swish", "swiglu")  # Llama, Mistral, Qwen: three MLP matrices
 
@@ -80,6 +86,14 @@ class Candidate:
     zero: dict[str, Any]
     micro_batch: int
     activation_checkpointing: bool
+
+    @property
+    def offloaded(self) -> bool:
+        return self.zero.get("offload_optimizer", "none") != "none"
+
+    def with_offload(self) -> Candidate:
+        """The same with ZeRO-Offload."""
+        return dataclasses.replace(self, name=f"{self.name} + offload", zero={**self.zero, **OFFLOAD})
 
     def flags(self, precision: str) -> list[str]:
         """``zeropp train``'s flags for it (stage 3's ZeRO++ switches always spelled: its defaults are on)."""
@@ -152,32 +166,54 @@ def plan(
     tokens_per_gpu: int | None = None,
     checkpointing: Sequence[bool] = (False, True),
     intra_bits_per_s: float | None = None,
+    pcie_bits_per_s: float | None = None,
+    host_bits_per_s: float | None = None,
 ) -> tuple[list[Planned], list[Planned]]:
-    """The ranked configurations (fastest first) and the dropped ones (with why). `tokens_per_gpu`
-    fixes the tokens (one micro-batch size: 1); else each micro-batch of `sequence` tokens (the model's)."""
-    gpu_named(gpu)
+    """The ranked configurations (fastest first) and the dropped ones (with why), one entry per
+    candidate: a ZeRO-1/2/3 one that fits only with ZeRO-Offload is ranked (or dropped) with it.
+    `tokens_per_gpu` fixes the tokens (one micro-batch size: 1); else each micro-batch of `sequence`
+    tokens (the model's)."""
+    kind = gpu_named(gpu)
     if per_node < 1 or gpus % per_node:
         raise ConfigError(f"--gpus-per-node {per_node} does not divide --gpus {gpus}")
     sequence = sequence or model.sequence
     if tokens_per_gpu is None and sequence is None:
         raise ConfigError("--sequence-length is needed (or --tokens-per-gpu): the model does not give one")
     batches = [1] if tokens_per_gpu else list(micro_batches)
+    cluster = dict(
+        gpu=gpu, gpus=gpus, ranks_per_node=per_node, inter_bits_per_s=inter_bits_per_s, params=model.params,
+        intra_bits_per_s=intra_bits_per_s, n_layer=model.n_layer, d_model=model.d_model, units=model.units,
+        pcie_bits_per_s=pcie_bits_per_s, host_bits_per_s=host_bits_per_s,
+    )  # fmt: skip
     ranked, dropped = [], []
     for c in candidates(gpus // per_node, per_node, batches, checkpointing):
         tokens = tokens_per_gpu or c.micro_batch * sequence  # type: ignore[operator]
-        try:
-            sim = simulate(
-                gpu, gpus, per_node, inter_bits_per_s, model.params, tokens, c.variant,
-                intra_bits_per_s=intra_bits_per_s, n_layer=model.n_layer, d_model=model.d_model,
-                activation_checkpointing=c.activation_checkpointing, zero=c.zero, units=model.units,
+        planned = _planned(c, tokens, cluster)
+        if planned.dropped and planned.simulation and c.variant != "ddp" and kind.pcie_bytes_per_s:
+            offloaded = _planned(c.with_offload(), tokens, cluster)
+            planned = offloaded if not offloaded.dropped else dataclasses.replace(
+                planned, dropped=f"{planned.dropped}; with offload: {offloaded.dropped}"
             )  # fmt: skip
-        except ConfigError as error:
-            dropped.append(Planned(c, None, tokens, f"not allowed: {error}"))
-            continue
-        if not sim.fits:
-            why = f"needs {sim.memory_bytes / 1e9:.3g} GB per GPU of {sim.memory_capacity / 1e9:.3g} GB"
-            dropped.append(Planned(c, sim, tokens, why))
-            continue
-        ranked.append(Planned(c, sim, tokens))
+        (dropped if planned.dropped else ranked).append(planned)
     ranked.sort(key=lambda p: -p.tokens_per_s)
     return ranked, dropped
+
+
+def _planned(c: Candidate, tokens: int, cluster: dict[str, Any]) -> Planned:
+    """`c` simulated on `cluster` (:func:`simulate`'s keywords): to rank, or dropped with why."""
+    try:
+        sim = simulate(
+            **cluster, tokens_per_gpu=tokens, variant=c.variant, activation_checkpointing=c.activation_checkpointing,
+            zero=c.zero,
+        )  # fmt: skip
+    except ConfigError as error:
+        return Planned(c, None, tokens, f"not allowed: {error}")
+    return Planned(c, sim, tokens, None if sim.fits else _too_big(sim))
+
+
+def _too_big(sim: Simulation) -> str:
+    """Why `sim` does not fit: its GPU's memory, or its node's host memory (offload)."""
+    if sim.memory_bytes > sim.memory_capacity:
+        return f"needs {sim.memory_bytes / 1e9:.3g} GB per GPU of {sim.memory_capacity / 1e9:.3g} GB"
+    host = sim.host_memory_bytes * sim.ranks_per_node
+    return f"needs {host / 1e9:.3g} GB of host memory per node of {(sim.gpu.host_memory_bytes or 0) / 1e9:.3g} GB"

@@ -51,13 +51,22 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--intra-node-bandwidth", type=bandwidth_argument, metavar="RATE",
         help="a GPU's NVLink, one direction (default: the GPU's)",
     )  # fmt: skip
+    cluster.add_argument(
+        "--pcie-bandwidth", type=bandwidth_argument, metavar="RATE",
+        help="offload: a GPU's PCIe link to its host, one direction, e.g. 64GB/s (default: the GPU's)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--host-memory-bandwidth", type=bandwidth_argument, metavar="RATE",
+        help="offload: a node's host memory, all channels, e.g. 614GB/s (default: the GPU's DGX host)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="zeropp simulate",
         description="One training step of a GPU cluster, simulated: step time, achieved TFLOPs per GPU, peak "
-        "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP (models: docs/simulate.md).",
+        "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP, optionally with "
+        "ZeRO-Offload (models: docs/simulate.md).",
     )
     add_cluster_arguments(parser)
     model = parser.add_argument_group("model and batch")
@@ -72,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute each block's forward in backward (default: on, as the ZeRO++ paper's runs)",
     )  # fmt: skip
     model.add_argument("--variant", choices=tuple(VARIANTS), help="zero3 (= FSDP2), zeropp, qwz, hpz, qgz, ddp, hsdp")
+    model.add_argument(
+        "--offload-optimizer", choices=("none", "cpu"), default="none",
+        help="cpu: ZeRO-Offload, the fp32 masters and Adam's moments on the host, stepped there (default: none)",
+    )  # fmt: skip
     knobs = parser.add_argument_group("assumptions (defaults calibrated on the ZeRO++ paper: docs/simulate.md)")
     knobs.add_argument("--compute-efficiency", type=_fraction, metavar="F", help="achieved matmul share of the peak")
     knobs.add_argument("--nic-efficiency", type=_fraction, metavar="F", help="NCCL's bus bandwidth over the NICs' rate")
@@ -101,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gpu, args.gpus, per_node, args.inter_node_bandwidth, args.params, args.tokens_per_gpu, args.variant,
             intra_bits_per_s=args.intra_node_bandwidth, n_layer=args.n_layer, d_model=args.d_model,
             activation_checkpointing=args.activation_checkpointing, assumptions=assumptions,
+            zero={"offload_optimizer": "cpu"} if args.offload_optimizer == "cpu" else None,
+            pcie_bits_per_s=args.pcie_bandwidth, host_bits_per_s=args.host_memory_bandwidth,
         )  # fmt: skip
     except (UsageError, ConfigError) as error:
         print(f"zeropp simulate: error: {error}", file=sys.stderr)

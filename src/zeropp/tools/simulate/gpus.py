@@ -1,5 +1,6 @@
 """The GPUs ``zeropp simulate`` knows, from NVIDIA's datasheets: dense tensor-core peak in the
-precision they train in, memory, memory bandwidth and NVLink bandwidth per GPU (one direction); and
+precision they train in, memory, memory bandwidth, NVLink and PCIe bandwidth per GPU (one direction),
+and their DGX node's host (its CPUs' memory channels at their rated speed, its memory); and
 ``cpu-gloo``, the emulated cluster's "GPU" (``zeropp bench cluster``: CPU ranks on gloo sharing one
 host), calibrated on its stored unshaped steps (:mod:`zeropp.tools.simulate.emulated`)."""
 
@@ -19,6 +20,9 @@ class Gpu:
     ranks_per_node: int  # the usual node (DGX / HGX)
     backend: str = "nccl"
     shared_host: bool = False  # every rank on one host: its FLOP/s, memory bandwidth and memory shared by all
+    pcie_bytes_per_s: float | None = None  # the GPU's link to its host, one direction (None: it is the host)
+    host_bytes_per_s: float | None = None  # the node's host memory bandwidth, all channels
+    host_memory_bytes: float | None = None  # the node's host memory
 
 
 # the emulated cluster's host (2 cores): the step's achieved FLOP/s and the quantization kernels' effective
@@ -27,15 +31,20 @@ class Gpu:
 CPU_FLOPS, CPU_KERNEL_BYTES_PER_S = 42.6e9, 5.13e9
 
 
+# the DGX nodes' hosts: their CPUs' memory channels at the rated speed (bytes/s), their memory
+DGX2_HOST = {"host_bytes_per_s": 2 * 6 * 21.33e9, "host_memory_bytes": 1536 * 10**9}  # 2 Xeon 8168, DDR4-2666
+DGXA100_HOST = {"host_bytes_per_s": 2 * 8 * 25.6e9, "host_memory_bytes": 2048 * 10**9}  # 2 EPYC 7742, DDR4-3200
+DGXH100_HOST = {"host_bytes_per_s": 2 * 8 * 38.4e9, "host_memory_bytes": 2048 * 10**9}  # 2 Xeon 8480C, DDR5-4800
+
 GPUS = {
-    # V100 SXM3 32 GB (DGX-2: 16 GPUs on NVSwitch, 6 NVLink2 x 25 GB/s)
-    "v100": Gpu("V100", 125e12, "fp16", 32 * 10**9, 900e9, 1200e9, 16),
-    # A100 SXM 80 GB (12 NVLink3 x 25 GB/s)
-    "a100": Gpu("A100", 312e12, "bf16", 80 * 10**9, 2039e9, 2400e9, 8),
-    # H100 SXM 80 GB (18 NVLink4: 450 GB/s each way)
-    "h100": Gpu("H100", 989e12, "bf16", 80 * 10**9, 3350e9, 3600e9, 8),
-    # H200 SXM 141 GB: the H100's compute and NVLink, more and faster memory
-    "h200": Gpu("H200", 989e12, "bf16", 141 * 10**9, 4800e9, 3600e9, 8),
+    # V100 SXM3 32 GB (DGX-2: 16 GPUs on NVSwitch, 6 NVLink2 x 25 GB/s; PCIe Gen3 x16: 32 GB/s both ways)
+    "v100": Gpu("V100", 125e12, "fp16", 32 * 10**9, 900e9, 1200e9, 16, pcie_bytes_per_s=16e9, **DGX2_HOST),
+    # A100 SXM 80 GB (12 NVLink3 x 25 GB/s; PCIe Gen4 x16: 64 GB/s both ways; DGX A100 640GB)
+    "a100": Gpu("A100", 312e12, "bf16", 80 * 10**9, 2039e9, 2400e9, 8, pcie_bytes_per_s=32e9, **DGXA100_HOST),
+    # H100 SXM 80 GB (18 NVLink4: 450 GB/s each way; PCIe Gen5 x16: 128 GB/s both ways; DGX H100)
+    "h100": Gpu("H100", 989e12, "bf16", 80 * 10**9, 3350e9, 3600e9, 8, pcie_bytes_per_s=64e9, **DGXH100_HOST),
+    # H200 SXM 141 GB: the H100's compute, NVLink, PCIe and DGX host, more and faster memory
+    "h200": Gpu("H200", 989e12, "bf16", 141 * 10**9, 4800e9, 3600e9, 8, pcie_bytes_per_s=64e9, **DGXH100_HOST),
     # the emulated cluster: fp32 CPU ranks on gloo, 2 a node, loopback inside a node (its cost in the
     # compute, as bound.py counts it), 23 GiB of memory for all of them
     "cpu-gloo": Gpu("CPU (gloo)", CPU_FLOPS, "fp32", 23 * 2**30, CPU_KERNEL_BYTES_PER_S, 1e15, 2, "gloo", True),

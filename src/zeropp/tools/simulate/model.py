@@ -14,7 +14,9 @@ FLOPs over the step's time (the papers' TFLOPs, recomputation included), ``peak_
 share of the datasheet peak. The quantization kernels (qwZ's dequantization of every gathered unit,
 qgZ's two quantize / dequantize hops over the gradient) stream about 3 bytes per element through
 memory and run on the GPU beside the matmuls: their time adds to the pass's compute. The optimizer
-step (Adam on the rank's fp32 shard, about 32 bytes moved per element) follows the backward pass.
+step (Adam on the rank's fp32 shard, about 32 bytes moved per element) follows the backward pass; with
+ZeRO-Offload (``offload_optimizer = "cpu"`` among the ZeRO keys) it is :mod:`~zeropp.tools.simulate.offload`'s
+step on the host instead, the memory per GPU the estimator's device bytes.
 
 Variants: ZeRO-3 (FSDP2's full sharding sends the same), ZeRO++ and each of its parts alone, DDP
 (stage 0: its bucketed all-reduce overlaps backward, priced like stage 3's reductions over the same
@@ -46,6 +48,7 @@ from zeropp.costs.volume import STEP_PHASES, Transfer
 from zeropp.errors import ConfigError
 from zeropp.tools.estimate.model import Estimate, estimate
 from zeropp.tools.simulate.gpus import GPUS, Gpu
+from zeropp.tools.simulate.offload import OffloadStep, offload_step
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
@@ -77,6 +80,8 @@ class Assumptions:
     inter_latency_s: float = 8e-6  # α of one ring step between nodes
     kernel_efficiency: float = 0.5  # quantization kernels: their share of the memory bandwidth
     overlap: float = 0.5  # share of a pass's communication prefetch can hide (1: the flow shop; 0: none)
+    pcie_efficiency: float = 0.8  # ZeRO-Offload: pinned copies' rate over the PCIe link's
+    host_memory_efficiency: float = 0.7  # ZeRO-Offload: the host step's bytes/s over the channels' rated rate
 
 
 # the emulated cluster as bound.py prices it: nominal link rate, no latency (gloo's per-call cost is in the
@@ -145,6 +150,7 @@ class Simulation:
     memory: dict[str, float]  # bytes per GPU
     units: int  # what stage 3's overlap pipelines over
     zero: tuple[tuple[str, Any], ...] = ()  # ZeRO keys over the variant's
+    offload: OffloadStep | None = None  # ZeRO-Offload's step (optimizer_s is its makespan)
 
     @property
     def flops(self) -> float:
@@ -189,8 +195,17 @@ class Simulation:
         return self.gpu.memory_bytes / (self.gpus if self.gpu.shared_host else 1)
 
     @property
+    def host_memory_bytes(self) -> float:
+        """Host memory one GPU's offloaded states take (0 without offload)."""
+        return self.offload.host_memory_bytes if self.offload else 0.0
+
+    @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.memory_capacity
+        """Within the GPU's memory, and its node's offloaded states within the host's."""
+        host = self.gpu.host_memory_bytes
+        return self.memory_bytes <= self.memory_capacity and (
+            host is None or self.host_memory_bytes * self.ranks_per_node <= host
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -205,6 +220,7 @@ class Simulation:
             "flops_per_gpu": self.flops, "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
             "memory_bytes_per_gpu": self.memory_bytes, "memory_bytes_per_gpu_by_kind": self.memory,
             "gpu_memory_bytes": self.memory_capacity, "fits": self.fits,
+            "offload": self.offload.as_dict() if self.offload else None,
         }  # fmt: skip
 
 
@@ -284,12 +300,15 @@ def simulate(
     assumptions: Assumptions | None = None,
     zero: Mapping[str, Any] | None = None,
     units: Sequence[int | Sequence[int]] | None = None,
+    pcie_bits_per_s: float | None = None,
+    host_bits_per_s: float | None = None,
 ) -> Simulation:
     """One step of `params` parameters on `gpus` GPUs of kind `gpu`, `ranks_per_node` per node joined by
     `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`)
     with the ZeRO keys `zero` over its own; `units`: the model's units as the engine wraps them (numels,
-    or their parameters' numels; default: one per block). Raises ConfigError for what it does not know
-    or cannot lay out."""
+    or their parameters' numels; default: one per block). With ``offload_optimizer = "cpu"`` in `zero`:
+    `pcie_bits_per_s` (a GPU's link, one direction) and `host_bits_per_s` (a node's host memory)
+    override the GPU's datasheet. Raises ConfigError for what it does not know or cannot lay out."""
     kind, a = gpu_named(gpu), assumptions or default_assumptions(gpu)
     if variant not in VARIANTS:
         raise ConfigError(f"variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
@@ -297,8 +316,10 @@ def simulate(
         raise ConfigError(f"--gpus-per-node {ranks_per_node} does not divide --gpus {gpus}")
     if min(params, tokens_per_gpu, gpus) < 1:
         raise ConfigError("--params, --tokens-per-gpu and --gpus must be >= 1")
-    if min(a.compute_efficiency, a.nic_efficiency, a.nvlink_efficiency, a.kernel_efficiency) <= 0:
+    efficiencies = (a.compute_efficiency, a.nic_efficiency, a.nvlink_efficiency, a.kernel_efficiency)
+    if min(*efficiencies, a.pcie_efficiency, a.host_memory_efficiency) <= 0:
         raise ConfigError("the efficiencies must be > 0")
+    _refuse_unmodelled_offload(zero or {})
     nodes, shape = gpus // ranks_per_node, Shape.of(params, n_layer, d_model)
     if units is None:
         block = params // shape.n_layer
@@ -308,7 +329,9 @@ def simulate(
     est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes, keys)
     fabric = fabric_for(kind, ranks_per_node, inter_bits_per_s, intra_bits_per_s, a)
     sharing = gpus if kind.shared_host else 1  # ranks sharing one host's compute and memory bandwidth
+    offload = offload_of(est, kind, ranks_per_node, a, pcie_bits_per_s, host_bits_per_s)
     rate = kind.peak_flops * a.compute_efficiency / sharing
+    adam_s = est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s
     forward = 2 * params * tokens_per_gpu / rate
     total = (8 if activation_checkpointing else 6) * params * tokens_per_gpu / rate
     return Simulation(
@@ -316,10 +339,40 @@ def simulate(
         comm_s=_comm_seconds(units, variant, kind.precision, gpus, nodes, fabric, keys, kind.backend),
         kernel_s={p: s * sharing for p, s in kernel_seconds(est, kind, a).items()},
         compute_s={"forward": forward, "backward": total - forward},
-        optimizer_s=est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s * sharing,
+        optimizer_s=offload.seconds if offload else adam_s * sharing,
         memory=memory_bytes(est, shape, tokens_per_gpu, activation_checkpointing),
-        units=len(units), zero=keys,
+        units=len(units), zero=keys, offload=offload,
     )  # fmt: skip
+
+
+def _refuse_unmodelled_offload(zero: Mapping[str, Any]) -> None:
+    """ZeRO-Offload of the optimizer to the host is the one offload priced; refuse the others in one line."""
+    optimizer, params = zero.get("offload_optimizer", "none"), zero.get("offload_params", "none")
+    if optimizer not in ("none", "cpu") or params != "none":
+        raise ConfigError(
+            f"offload_optimizer {optimizer!r}, offload_params {params!r} is not modelled; expected offload_optimizer "
+            "'none' or 'cpu' and offload_params 'none'"
+        )
+
+
+def offload_of(
+    est: Estimate,
+    gpu: Gpu,
+    ranks_per_node: int,
+    a: Assumptions,
+    pcie_bits_per_s: float | None = None,
+    host_bits_per_s: float | None = None,
+) -> OffloadStep | None:
+    """ZeRO-Offload's step where `est` offloads the optimizer (else None): the GPU's PCIe link and its
+    node's host memory (the given rates, else the datasheet's) at the assumed efficiencies, the host's
+    shared by the node's `ranks_per_node` GPUs."""
+    if est.zero.offload.optimizer == "none":
+        return None
+    if gpu.pcie_bytes_per_s is None or gpu.host_bytes_per_s is None:
+        raise ConfigError(f"offload_optimizer 'cpu' on {gpu.name}: its ranks are the host already; expected a GPU")
+    pcie = (pcie_bits_per_s / 8 if pcie_bits_per_s else gpu.pcie_bytes_per_s) * a.pcie_efficiency
+    host = (host_bits_per_s / 8 if host_bits_per_s else gpu.host_bytes_per_s) * a.host_memory_efficiency
+    return offload_step(est, pcie, host / ranks_per_node)
 
 
 @functools.lru_cache(maxsize=256)
@@ -350,13 +403,13 @@ def _comm_seconds(
 
 
 def memory_bytes(est: Estimate, shape: Shape, tokens: int, checkpointing: bool) -> dict[str, float]:
-    """Per GPU: the estimator's model states and stage 3's transient buffers, the activation checkpoints
+    """Per GPU: the estimator's model states on the device and stage 3's transient buffers, the activation checkpoints
     (one block input per block) and the activations of the blocks held whole (one, recomputed, with
     checkpointing; all without)."""
     element = BYTES[est.zero.precision]
     block = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * shape.d_model
     return {
-        "model_states": est.model_state_bytes,
+        "model_states": est.model_state_bytes_on("device"),
         "stage3_transient": sum((est.transient_bytes() or {}).values()),
         "activation_checkpoints": shape.n_layer * tokens * shape.d_model * element if checkpointing else 0,
         "activations": block * (1 if checkpointing else shape.n_layer),

@@ -41,6 +41,24 @@ def print_simulation(sim: Simulation, inter_bits_per_s: float, intra_bits_per_s:
     parts = ", ".join(f"{k.replace('_', ' ')} {si(v)}" for k, v in sim.memory.items())
     fits = "fits" if sim.fits else "does NOT fit"
     print(f"memory per GPU: {si(sim.memory_bytes)} of {si(sim.memory_capacity)}, {fits} ({parts})")
+    if sim.offload:
+        print_offload(sim)
+
+
+def print_offload(sim: Simulation) -> None:
+    """ZeRO-Offload's step: PCIe each way, the host step, the host memory of a node."""
+    o, host = sim.offload, sim.gpu.host_memory_bytes
+    assert o is not None
+    print(
+        f"offload (after backward, not overlapping it): {o.seconds:.3g} s = gradients to the host "
+        f"{si(o.to_host_bytes)} in {o.to_host_s:.3g} s, then the host step ({si(o.host_bytes)} through host memory, "
+        f"{o.host_s:.3g} s) pipelined with the parameters back ({si(o.to_device_bytes)}, {o.to_device_s:.3g} s)"
+    )
+    print(
+        f"host memory per node: {si(o.host_memory_bytes * sim.ranks_per_node)}"
+        + (f" of {si(host)}" if host else "")
+        + f" ({si(o.host_memory_bytes)} per GPU: masters, moments and the step's gradient copies)"
+    )
 
 
 def paper_markdown(rows: list[dict[str, Any]]) -> str:
