@@ -52,7 +52,7 @@ from zeropp.app.launch import (
 from zeropp.app.metrics import require_matplotlib
 from zeropp.app.models.source import model_source, training_text
 from zeropp.app.trainer import TrainingStopped, preflight
-from zeropp.checkpoint.dcp import CheckpointError, refuse_expert_parallel
+from zeropp.checkpoint.dcp import CheckpointError
 from zeropp.checkpoint.pretrained import PretrainedError
 from zeropp.comm.communicator import CollectiveTimeout, PeerLost
 from zeropp.config.deepspeed import Translation, translate
@@ -261,8 +261,6 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                     check_context_parallel(model, cp, tp)
                     check_length(source.block_size, cp)
                 check_expert_parallel(model, ep)  # See [Note: expert dispatch]
-                if ep > 1 and config.checkpoint.checkpoint_dir is not None:
-                    refuse_expert_parallel(ep)  # before the run, not at its first save
             if topology.sequence_parallel:
                 check_sequence_length(source.block_size, tp)
                 if config.model.logit_tiles > 1:  # the tiled loss takes the head's weight, not its gathered input

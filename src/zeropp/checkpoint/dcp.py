@@ -134,15 +134,6 @@ def check_writable(directory: str | Path) -> None:
 # -- saving ---------------------------------------------------------------------------------------
 
 
-def refuse_expert_parallel(size: int) -> None:
-    """Sharded checkpoints do not place each rank's experts in the whole stacked weights yet: refused."""
-    if size > 1:
-        raise CheckpointError(
-            f"a sharded checkpoint is not allowed with topology.expert_parallel_size = {size} yet; expected 1 "
-            "(engine.full_state_dict() gathers every expert)"
-        )
-
-
 def save_checkpoint(
     engine: ZeroEngine,
     directory: str | Path,
@@ -157,7 +148,6 @@ def save_checkpoint(
     Collective: every rank calls it. keep_last = 0 keeps every checkpoint. `frozen_base`: the frozen
     parameters' source (a safetensors file or folder), referenced instead of saved.
     """
-    refuse_expert_parallel(engine.topology.expert_parallel.size)
     directory = Path(directory)
     final = directory / checkpoint_name(step)
     partial = directory / f".{final.name}.partial"
@@ -277,7 +267,6 @@ def load_checkpoint(
     is "checkpoint"; either way rank 0 names the settings that differ in one line, and a checkpoint
     saved at another stage, world size, node count, tensor-parallel size or precision in another.
     """
-    refuse_expert_parallel(engine.topology.expert_parallel.size)
     meta = read_meta(path)
     if meta["format"] == FLAT_FORMAT:
         raise CheckpointError(

@@ -105,7 +105,7 @@ class CheckpointMesh:
         a DTensor of the parameter's whole shape."""
         tp = param.placements[0] if isinstance(param, DTensor) else Replicate()
         placements = [tp if dim == "tp" else Shard(0) for dim in self.dims]
-        shape = tuple(param.shape) or (1,)
+        shape = whole_shape(param)
         rest = local_shape[1:]
         row = math.prod(rest)
         block = (local.numel() // row if row else 0, *rest) if local_shape else (local.numel(),)
@@ -113,10 +113,24 @@ class CheckpointMesh:
         piece = DTensor.from_local(
             local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride
         )
-        if len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
-            start, _ = chunk_range(local_shape[0], self.data_parallel.size, self.data_parallel.rank)
+        experts, dp = expert_group(param), self.data_parallel
+        if experts is not None:  # rows of this rank's experts, sharded over the ranks holding them (dp[i::E])
+            start, _ = chunk_range(local_shape[0], dp.size // experts.size, dp.rank // experts.size)
+            start += experts.rank * local_shape[0]
+            whole = (slice(start, start + block[0]), *(slice(0, n) for n in rest))
+            _written_as_blocks(piece, [(tuple(slice(0, n) for n in block), whole)])
+        elif len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
+            start, _ = chunk_range(local_shape[0], dp.size, dp.rank)
             _written_as_blocks(piece, blocks(param, (start, start + block[0])))
         return piece
+
+
+def whole_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape in the model one process trains (a DTensor's global shape; an expert-parallel
+    piece's experts times the group), at least one dimension."""
+    experts = expert_group(param)
+    shape = tuple(param.shape) if experts is None else (param.shape[0] * experts.size, *param.shape[1:])
+    return shape or (1,)
 
 
 def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> None:
@@ -368,7 +382,7 @@ def fixed_shapes(units: list[FlatUnit], module: nn.Module) -> dict[str, list[int
 
 
 def parameter_shapes(units: list[FlatUnit]) -> dict[str, list[int]]:
-    return {name: list(p.shape) for name, p in _managed(units)}
+    return {name: list(whole_shape(p)) if p.dim() else [] for name, p in _managed(units)}
 
 
 def tied_aliases(units: list[FlatUnit], module: nn.Module) -> dict[str, str]:

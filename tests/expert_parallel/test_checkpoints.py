@@ -1,0 +1,42 @@
+"""Checkpoints of an expert-parallel run keep each rank's experts sharded and place them in the whole
+stacked weights, so a run saved at E 2 resumes at E 1 and at E 4 (world 2 and 4) and trains on to
+the weights of the run that went straight on (the same global batch of 4 rows each step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import TOLERANCE, global_batch, rows
+from test_experts import OPTIM, moe_model
+
+SAVED_AT, STEPS = 2, 3
+
+
+def run_worker(folder: str, ep: int, resume: bool) -> dict:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.checkpoint.dcp import find_latest, load_checkpoint, save_checkpoint
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(expert_parallel_size=ep, nodes=1))
+    rank, world = topology.rank, topology.world_size
+    engine = ZeroEngine(moe_model(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+    start = 0
+    if resume:
+        load_checkpoint(engine, find_latest(folder))
+        start = SAVED_AT
+    for step in range(start, STEPS):
+        engine.backward(engine(*rows(global_batch("gpt", step, 0, 2), rank, 4 // world)))
+        engine.step()
+        if not resume and step + 1 == SAVED_AT:
+            save_checkpoint(engine, folder, SAVED_AT)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("world,ep", [(2, 1), (4, 4), (4, 2)], ids=["to-e1", "to-e4-world4", "to-e2-world4"])
+def test_a_checkpoint_saved_at_e2_resumes_at_another_expert_parallel_size(tmp_path, world, ep):
+    straight = run_ranks(run_worker, 2, folder=str(tmp_path), ep=2, resume=False)[0]
+    for resumed in run_ranks(run_worker, world, folder=str(tmp_path), ep=ep, resume=True):
+        error = max((resumed[k] - straight[k]).abs().max().item() for k in straight)
+        assert error <= TOLERANCE, error
