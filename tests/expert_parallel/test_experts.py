@@ -121,14 +121,16 @@ def _summary(tmp_path, ep: int) -> dict:
     out = tmp_path / f"ep{ep}.json"
     done = run_cli(
         "train", "--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel", str(ep), "--steps", "2",
-        "--eval-batches", "1", "--master-port", str(free_port()), "--summary-json", str(out),
+        "--eval-batches", "1", "--no-quantized-gradients", "--master-port", str(free_port()), "--summary-json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_memory(tmp_path):
-    """At world 4 on 2 simulated nodes, stage 3 with qwZ and hpZ (qgZ is off with expert parallelism):
+    import json
+
+    """At world 4 on 2 simulated nodes, stage 3 with qwZ and hpZ (qgZ off: not with expert parallelism):
     E 2 trains the losses of E 1 (the same initialization: experts are units of their own either way;
     within qwZ's rounding, whose int8 blocks fall on other shards), each rank holding fewer
     model-state bytes, as the summary's formula says."""
@@ -140,6 +142,19 @@ def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_mem
         assert summary["model_state_bytes_per_rank"] == [summary["analytic_model_state_bytes_per_rank"]] * 4
     assert two["model_state_bytes_per_rank"][0] < one["model_state_bytes_per_rank"][0]
     assert "ep.all_to_all" in two["ledger"] and "ep.all_to_all" not in one["ledger"]
+    # zeropp estimate of the same run: every collective's bytes as the ledger counted them, but the
+    # all-to-alls, which it prices for routing spread evenly over the experts (the router's is not)
+    from zeropp.tools.estimate import main
+
+    for ep, summary in ((1, one), (2, two)):
+        out = tmp_path / f"estimate{ep}.json"
+        flags = ["--quantized-weights", "--hpz-partition-size", "0", "--no-quantized-gradients"]
+        argv = ["--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel-size", str(ep), *flags]
+        assert main([*argv, "--world", "4", "--nodes", "2", "--micro-batch-size", "4", "--json", str(out)]) == 0
+        estimated = json.loads(out.read_text())
+        assert estimated["model_state_bytes_per_rank"] == summary["analytic_model_state_bytes_per_rank"]
+        measured = {op: v for op, v in summary["ledger"].items() if op != "ep.all_to_all"}
+        assert {op: v for op, v in estimated["ledger"].items() if op != "ep.all_to_all"} == measured
 
 
 @pytest.mark.unit

@@ -19,7 +19,13 @@ from zeropp.context_parallel import check_heads, check_length
 from zeropp.costs.memory import Activations
 from zeropp.errors import ConfigError
 from zeropp.index.ranks import Layout
-from zeropp.tools.estimate.gpt import gpt_activations, gpt_norm_parameters, gpt_unit_numels
+from zeropp.tools.estimate.gpt import (
+    gpt_activations,
+    gpt_expert_unit_numels,
+    gpt_experts,
+    gpt_norm_parameters,
+    gpt_unit_numels,
+)
 from zeropp.tools.estimate.model import estimate
 from zeropp.tools.estimate.papers import (
     hpz_example,
@@ -46,7 +52,7 @@ ZERO_FLAGS = (
     "offload_optimizer", "offload_params", "offload_path", "offload_buffer_count",
     "outer_sync_every", "outer_bits", "outer_block_size", "outer_fragments",
 )  # fmt: skip
-MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size", "logit_tiles")
+MODEL_FLAGS = ("preset", "n_layer", "n_head", "d_model", "block_size", "logit_tiles", "n_experts", "top_k")
 SHAPE_FLAGS = ("n_layer", "d_model", "block_size")  # a --params model's transformer shape
 ZERO_R_FLAGS = ("activation_checkpointing", "partition_activations", "cpu_checkpointing")  # zero.* keys of train
 TP_KEY = "topology.tensor_parallel_size"
@@ -137,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = cluster.add_mutually_exclusive_group()
     nodes.add_argument("--nodes", dest="topology.nodes", type=int, metavar="N", help="nodes (default 1)")
     nodes.add_argument("--ranks-per-node", type=_at_least(1), metavar="N")
-    add_config_flags(cluster, ("tensor_parallel_size", "sequence_parallel", "context_parallel_size"))
+    add_config_flags(
+        cluster, ("tensor_parallel_size", "sequence_parallel", "context_parallel_size", "expert_parallel_size")
+    )
     for link in ("intra", "inter"):
         cluster.add_argument(
             f"--{link}-node-bandwidth",
@@ -254,6 +262,14 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
 
             check_heads(gpt_config(config.model).n_head, cp, "model.n_head", tp)
     model = args.params if args.params is not None else gpt_unit_numels(config.model, tp)
+    ep = topology.expert_parallel_size
+    experts = None if args.params is not None else gpt_experts(config.model, ep)
+    if experts is None and ep > 1:
+        raise UsageError(
+            f"argument --expert-parallel-size: {ep} needs a mixture of experts; expected --n-experts (the embedded GPT's)"
+        )
+    if experts is not None and experts.experts % ep:
+        raise UsageError(f"argument --expert-parallel-size: {ep} does not divide --n-experts {experts.experts}")
     est = estimate(
         model,
         args.world,
@@ -264,6 +280,8 @@ def _estimate(args: argparse.Namespace) -> tuple[dict[str, Any], Shows]:
         activations=activations,
         frozen_fraction=args.frozen_fraction,
         whole_parameters=args.optimizer_path == "whole",
+        experts=experts,
+        expert_units=gpt_expert_unit_numels(config.model) if experts is not None else (),
     )
     backend = args.backend or ("gloo" if config.topology.backend == "gloo" else "nccl")
     result = est.as_dict(args.intra_node_bandwidth, args.inter_node_bandwidth, args.compute_seconds, backend)

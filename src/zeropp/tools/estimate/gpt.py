@@ -5,23 +5,46 @@ from __future__ import annotations
 from typing import Any
 
 from zeropp.config.model import ModelConfig
+from zeropp.costs.expert_parallel import MixtureOfExperts
 from zeropp.costs.memory import Activations
 
 
 def gpt_unit_numels(model: ModelConfig, tensor_parallel: int = 1) -> list[list[int]]:
     """The parameters' numels of every unit the engine makes of the embedded GPT (its blocks, then the
-    root), on one tensor-parallel rank: the shipped plan's split weights count their local shard."""
+    root), on one tensor-parallel rank: the shipped plan's split weights count their local shard; a
+    mixture of experts' containers are :func:`gpt_expert_unit_numels`'."""
+    return _gpt_units(model, tensor_parallel)[0]
+
+
+def gpt_expert_unit_numels(model: ModelConfig) -> list[list[int]]:
+    """The parameters' numels of the embedded GPT's experts containers (units of their own), if any."""
+    return _gpt_units(model, 1)[1]
+
+
+def gpt_experts(model: ModelConfig, expert_parallel: int = 1) -> MixtureOfExperts | None:
+    """The embedded GPT's mixture-of-experts layers (None: its MLPs are dense)."""
+    from zeropp.app.models.gpt import gpt_config
+
+    gpt = gpt_config(model)
+    return MixtureOfExperts(gpt.n_layer, gpt.n_experts, gpt.top_k, expert_parallel) if gpt.n_experts else None
+
+
+def _gpt_units(model: ModelConfig, tensor_parallel: int) -> tuple[list[list[int]], list[list[int]]]:
     import torch
 
     from zeropp.app.models.gpt import GPT, gpt_config
     from zeropp.costs.tensor_parallel import local_numels
+    from zeropp.expert_parallel import expert_layers
     from zeropp.tensor_parallel.plans import gpt_plan
     from zeropp.zero.grouping import group_parameters, repeated_blocks
 
     with torch.device("meta"):
         gpt = GPT(gpt_config(model))
     local = local_numels(gpt, gpt_plan(gpt, tensor_parallel), tensor_parallel)
-    return [[local[name] for name, _ in params] for _, params in group_parameters(gpt, repeated_blocks(gpt))]
+    experts = [layer.experts for layer in expert_layers(gpt)]
+    grouped = group_parameters(gpt, [*repeated_blocks(gpt), *experts])
+    numels = [(any(m is e for e in experts), [local[name] for name, _ in params]) for m, params in grouped]
+    return [n for is_expert, n in numels if not is_expert], [n for is_expert, n in numels if is_expert]
 
 
 def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Activations:

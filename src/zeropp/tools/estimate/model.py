@@ -31,6 +31,7 @@ from typing import Any
 
 from zeropp.comm.ledger import Ledger, bytes_under
 from zeropp.config.sections import ZeroConfig
+from zeropp.costs.expert_parallel import MixtureOfExperts, expert_transfers
 from zeropp.costs.memory import (
     BYTES,
     Activations,
@@ -53,6 +54,7 @@ from zeropp.costs.volume import (
     outer_transfers,
     owner_transfers,
     step_transfers,
+    unit_transfers,
     zero3_step_bytes,
 )
 from zeropp.index.flat import FlatLayout
@@ -70,6 +72,7 @@ class Unit:
     resident: bool  # not gathered per use: stages 0-2, or at most zero.persistence_threshold elements
     frozen: int = 0  # frozen parameters (a LoRA run's base)
     frozen_padded: int = 0  # their flat buffer's padded numel at stage 3, else `frozen`
+    experts: bool = False  # an experts container: sharded over the ranks holding the same experts
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class Estimate:
         device and no secondary copy: stage 2's formula. DiLoCo's state is the whole shard's (its
         exchange pads each fragment's shard at once), beside the masters."""
         zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
+        ep = self.layout.expert_parallel_size  # an experts unit: over world / E ranks, no hpZ
         # the whole-parameter owners' state and DiLoCo's, held once per rank rather than per unit
         held = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
         beside_masters = "host" if offload.optimizer != "none" else "device"  # the disk tier is refused with it
@@ -138,12 +142,12 @@ class Estimate:
         return held + sum(
             analytic_model_state_bytes(
                 u.padded,
-                world,
+                world // ep if u.experts else world,
                 2 if zero.stage == 3 and u.resident else zero.stage,
                 zero.precision,
                 zero.grad_dtype,
                 self.optimizer_bytes,
-                1 if u.resident else self.hpz_group_size,
+                1 if u.resident or (u.experts and ep > 1) else self.hpz_group_size,
                 offload_optimizer=offload.optimizer != "none",
                 offload_params=offload.params != "none" and not u.resident,
                 optimizer_on_disk=offload.optimizer == "nvme",
@@ -399,6 +403,22 @@ class Estimate:
         }
 
 
+def expert_unit_transfers(
+    est: Estimate, experts: MixtureOfExperts | None, activations: Activations | None
+) -> list[Transfer]:
+    """Expert parallelism's collectives in one step: the experts units' over the ranks holding the same
+    experts (no hpZ), and with `activations` (tokens per micro-batch) the layers' dispatch and combine."""
+    if experts is None or experts.expert_parallel == 1:
+        return []
+    zero, layout, micro = est.zero, est.layout, est.zero.gradient_accumulation_steps
+    holders = Layout(layout.data_parallel_size // experts.expert_parallel, layout.nodes)
+    transfers = list(unit_transfers(((u.padded, u.resident) for u in est.units if u.experts), holders, zero, 1))
+    if activations is not None:
+        tokens, recomputed = activations.batch * activations.seq, activations.activation_checkpointing
+        transfers += expert_transfers(experts, tokens, activations.hidden, BYTES[zero.precision], micro, recomputed)
+    return transfers
+
+
 def estimate(
     model: int | Sequence[int | Sequence[int]],
     world: int,
@@ -410,6 +430,8 @@ def estimate(
     activations: Activations | None = None,
     frozen_fraction: float = 0.0,
     whole_parameters: bool = False,
+    experts: MixtureOfExperts | None = None,
+    expert_units: Sequence[int | Sequence[int]] = (),
 ) -> Estimate:
     """Estimate one optimizer step of `model` on `world` ranks over `nodes` nodes under `zero`
     (ZeroConfig's defaults when None), with `tensor_parallel` ranks splitting each weight matrix.
@@ -421,12 +443,16 @@ def estimate(
     priced). `optimizer_bytes`: optimizer state per parameter beside the fp32 master, in fp32 (Adam: 8;
     halved where ``zero.optimizer_state_dtype`` is bf16). `frozen_fraction`: the share of every unit's
     parameters that is frozen (rounded down). `whole_parameters`: the optimizer steps whole parameters
-    on owner ranks (its exchanges and whole masters priced). Raises ConfigError for a bad combination."""
+    on owner ranks (its exchanges and whole masters priced). `experts`, `expert_units`: the model's
+    mixture-of-experts layers and their experts containers' numels (units of their own; with expert
+    parallelism sharded over world / E ranks, their dispatch priced with `activations`' tokens).
+    Raises ConfigError for a bad combination."""
     zero = zero or ZeroConfig()
     zero.validate()
     if zero.optimizer_state_dtype == "bf16":
         optimizer_bytes //= 2
-    layout = Layout(world, nodes, tensor_parallel, activations.context_parallel if activations is not None else 1)
+    ep = experts.expert_parallel if experts is not None else 1
+    layout = Layout(world, nodes, tensor_parallel, activations.context_parallel if activations is not None else 1, ep)
     diloco = runs_outer_loop(zero, nodes, "whole" if whole_parameters else "flat")  # refuses what it cannot run
     replica = layout.one_node() if diloco else layout  # the ranks that train one model
     dp = replica.data_parallel_size
@@ -441,23 +467,28 @@ def estimate(
     trained_block = zero.qwz.block or 1 if zero.qwz.enabled else 1
     frozen_block = zero.qwz.block or 1 if zero.quantized_nontrainable_weights else 1
 
-    def padded(numels: Sequence[int], block: int) -> int:
+    def padded(numels: Sequence[int], block: int, split: int = 1) -> int:
         shapes = tuple((n,) for n in numels)
-        return FlatLayout(shapes, shard_world, zero.shard_alignment, block).padded_numel if sum(numels) else 0
+        return FlatLayout(shapes, shard_world // split, zero.shard_alignment, block).padded_numel if sum(numels) else 0
 
     units, trainable = [], 0  # trainable: how many parameters (a unit given as its numel: one)
-    for entry in entries:
-        params = [entry] if isinstance(entry, int) else list(entry)
+    for index, entry in enumerate([*entries, *expert_units]):
+        split = ep if index >= len(entries) else 1  # an experts unit: its 1/E of the experts, over world / E ranks
+        params = [numel // split for numel in ([entry] if isinstance(entry, int) else entry)]
         n = sum(params)
         frozen = math.floor(frozen_fraction * n)
         trained = params if not frozen else [n - frozen]
         trainable += sum(1 for numel in trained if numel)
         resident = policy.keeps_resident(n, zero.persistence_threshold, dp, zero.offload.params != "none")
         frozen_padded = padded([frozen], frozen_block) if policy.shard_parameters else frozen
-        units.append(Unit(n - frozen, padded(trained, trained_block), resident, frozen, frozen_padded))
+        units.append(
+            Unit(n - frozen, padded(trained, trained_block, split), resident, frozen, frozen_padded, split > 1)
+        )
     est = Estimate(tuple(units), layout, zero, hpz, optimizer_bytes, (), activations, whole_parameters, diloco)
+    dense = [(u.padded, u.resident) for u in units if not u.experts]
     transfers = [
-        *step_transfers(((u.padded, u.resident) for u in units), replica, zero, hpz, activations, parameters=trainable),
+        *step_transfers(dense, replica, zero, hpz, activations, parameters=trainable),
+        *expert_unit_transfers(est, experts, activations),
         *frozen_transfers(est.gathered_frozen, replica.data_parallel_layout(), zero, hpz),
         *(owner_transfers(est.psi, layout.data_parallel_layout()) if whole_parameters else ()),
     ]  # fmt: skip
