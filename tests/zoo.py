@@ -41,11 +41,25 @@ ZOO: dict[str, tuple[str, str, dict]] = {
 }  # fmt: skip
 
 
+# mixture-of-experts architectures beyond the zoo's two, for expert parallelism (tests/expert_parallel)
+MORE_MOE: dict[str, tuple[str, str, dict]] = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(LLAMA_LIKE, head_dim=8, num_experts=4,
+                                                             moe_intermediate_size=32, **MOE)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(LLAMA_LIKE, num_experts=4, pad_token_id=0, eos_token_id=1,
+                                                     **MOE)),
+    # DeepSeek-V3's layout: multi-head latent attention, a shared expert beside 4 routed ones in every layer
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        LLAMA_LIKE, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+}  # fmt: skip
+
+
 def zoo_model(name: str, seed: int = 0) -> nn.Module:
     """`name`'s tiny model, every dropout off (exactness needs no randomness after initialization)."""
     import transformers
 
-    config_class, model_class, keywords = ZOO[name]
+    config_class, model_class, keywords = ZOO.get(name) or MORE_MOE[name]
     config = getattr(transformers, config_class)(vocab_size=VOCAB, max_position_embeddings=4 * SEQ, **keywords)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):

@@ -29,8 +29,10 @@ def assert_mentions(message: str, *needles: str) -> None:
 # (source, overrides, what the message must name: key, value, what is allowed)
 BAD = [
     pytest.param(
-        {"zero": {"stage": 3, "weight_quantization": "delta"}}, None,
-        ("zero.weight_quantization = 'delta'", "unless zero.quantized_weights is on"), id="qwd-without-qwz",
+        {"zero": {"stage": 3, "weight_quantization": "delta"}},
+        None,
+        ("zero.weight_quantization = 'delta'", "unless zero.quantized_weights is on"),
+        id="qwd-without-qwz",
     ),  # fmt: skip
     pytest.param({"zeroo": {}}, None, ("'zeroo'", "did you mean 'zero'?"), id="unknown-top-level-key-a-typo"),
     pytest.param({"banana": {}}, None, ("'banana'", "allowed keys: zero, topology"), id="unknown-top-level-key"),

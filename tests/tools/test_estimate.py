@@ -525,7 +525,9 @@ def test_the_whole_parameter_path_prices_its_exchanges_and_whole_masters():
     added = {link: whole.ledger().total(link=link) - flat.ledger().total(link=link) for link in ("intra", "inter")}
     assert added["intra"] + added["inter"] == pytest.approx(exchange, abs=4)
     assert added["inter"] == pytest.approx(exchange * 2 / 3, abs=4)  # 2 ranks a node: 2 of the 3 others elsewhere
-    assert whole.ledger().bytes[("to_owners", "step", "inter")] == whole.ledger().bytes[("from_owners", "step", "inter")]
+    assert (
+        whole.ledger().bytes[("to_owners", "step", "inter")] == whole.ledger().bytes[("from_owners", "step", "inter")]
+    )
     assert whole.model_state_bytes - flat.model_state_bytes == 8 * psi / n
     with pytest.raises(ConfigError, match=r"^optimizer --optimizer-path whole .*tensor_parallel_size = 2"):
         estimate(psi, n, 1, zero, tensor_parallel=2, whole_parameters=True)

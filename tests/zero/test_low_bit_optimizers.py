@@ -13,7 +13,9 @@ from machine import compiler_missing
 from models import STEPS, TOLERANCE, global_batch, loss_of, make_model, rows
 
 pytest.importorskip("torchao")
-pytestmark = pytest.mark.skipif(compiler_missing() is not None, reason=f"torchao compiles its step: {compiler_missing()}")
+pytestmark = pytest.mark.skipif(
+    compiler_missing() is not None, reason=f"torchao compiles its step: {compiler_missing()}"
+)
 
 BLOCK = {8: 256, 4: 128}  # torchao's blocks: one fp32 scale per block of states
 SMALLEST = 4096  # a parameter with fewer elements (or not a multiple of the block) keeps fp32 states

@@ -247,7 +247,18 @@ def resume_worker(root: str) -> dict:
     ledgers = train(resumed, range(2, 4))
     units = [(u.layout.padded_numel, u.resident) for u in resumed.units]
     priced = [
-        _priced(step_transfers(units, topo.layout, config, resumed.hpz_group_size, first=first, parameters=sum(len(u.params) for u in resumed.units)), rank, topo.layout)
+        _priced(
+            step_transfers(
+                units,
+                topo.layout,
+                config,
+                resumed.hpz_group_size,
+                first=first,
+                parameters=sum(len(u.params) for u in resumed.units),
+            ),
+            rank,
+            topo.layout,
+        )
         for first in (True, False)
     ]
     ours, ref = resumed.full_state_dict(), straight.full_state_dict()

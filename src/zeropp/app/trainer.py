@@ -37,11 +37,11 @@ from zeropp.comm.ledger import PA_GATHER, bytes_under
 from zeropp.config.sections import Config
 from zeropp.context_parallel import split_sequence
 from zeropp.context_parallel.ulysses import LEDGER_OP as ULYSSES_OP
-from zeropp.expert_parallel.dispatch import EXPERT_OPS
 from zeropp.costs.memory import PeakMeter, analytic_model_state_bytes, flat_numels, peak_memory_bytes
 from zeropp.costs.volume import STEP_PHASES, zero3_step_bytes, zero3_units
 from zeropp.engine import ZeroEngine
 from zeropp.errors import ConfigError, ZeroppError
+from zeropp.expert_parallel.dispatch import EXPERT_OPS
 from zeropp.tensor_parallel.apply import parallelize
 from zeropp.topology import init_topology
 from zeropp.zero.grouping import repeated_blocks

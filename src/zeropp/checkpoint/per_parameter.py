@@ -39,10 +39,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zeropp.comm.communicator import Communicator
 from zeropp.errors import ZeroppError
-from zeropp.expert_parallel import expert_group
 from zeropp.index.flat import chunk_range
 from zeropp.zero.unit import FlatUnit
-from zeropp.zero.weights.dtensor_params import Slices, blocks
+from zeropp.zero.weights.dtensor_params import Slices, blocks, expert_group, whole_shape
 
 EXPERTS_OP = "ep.all_gather"  # an expert-parallel parameter's experts gathered whole
 
@@ -123,14 +122,6 @@ class CheckpointMesh:
             start, _ = chunk_range(local_shape[0], dp.size, dp.rank)
             _written_as_blocks(piece, blocks(param, (start, start + block[0])))
         return piece
-
-
-def whole_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """A parameter's shape in the model one process trains (a DTensor's global shape; an expert-parallel
-    piece's experts times the group), at least one dimension."""
-    experts = expert_group(param)
-    shape = tuple(param.shape) if experts is None else (param.shape[0] * experts.size, *param.shape[1:])
-    return shape or (1,)
 
 
 def _written_as_blocks(piece: DTensor, pieces: list[tuple[Slices, Slices]]) -> None:

@@ -5,13 +5,13 @@ holding it."""
 from zeropp.expert_parallel.apply import (
     apply_expert_parallel,
     check_expert_parallel,
-    expert_group,
     expert_layers,
+    experts_containers,
     split_experts,
 )
 from zeropp.expert_parallel.dispatch import dispatch_locally, dispatch_over
 
 __all__ = [
     "apply_expert_parallel", "check_expert_parallel", "dispatch_locally", "dispatch_over", "expert_layers",
-    "expert_group", "split_experts",
+    "experts_containers", "split_experts",
 ]  # fmt: skip

@@ -5,6 +5,7 @@ all-to-all (See [Note: expert dispatch])."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch import nn
@@ -14,60 +15,101 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
 from zeropp.expert_parallel.dispatch import dispatch_over
 from zeropp.topology import Group, ShardGroups
+from zeropp.zero.weights.dtensor_params import EXPERT_SPLIT
 
-EXPERT_SPLIT = "_zeropp_expert_split"  # on a parameter split over the expert-parallel group: that Group
+IMPLEMENTATION = "zeropp_expert_parallel_"  # transformers' experts implementations registered here, numbered
+_names = itertools.count()
 
 
 def expert_layers(model: nn.Module) -> list[nn.Module]:
-    """The mixture-of-experts layers zeropp can split: modules with ``n_experts``, ``experts`` (the
-    container of stacked expert weights, experts on dimension 0, with ``held``: the [start, stop) of
-    the experts it holds, which its ``reset_parameters`` keeps of the whole draw) and a replaceable
-    ``dispatch``."""
+    """The embedded GPT's mixture-of-experts layers: modules with ``n_experts``, ``experts`` (the
+    container of stacked expert weights, experts on dimension 0) and a replaceable ``dispatch``."""
     return [m for m in model.modules() if hasattr(m, "n_experts") and hasattr(m, "experts") and hasattr(m, "dispatch")]
+
+
+def hf_experts(model: nn.Module) -> list[nn.Module]:
+    """A Hugging Face model's experts modules: those behind transformers' experts interface (their
+    weights stacked on dimension 0, ``num_experts`` of them; Mixtral, Qwen-MoE, OLMoE, DeepSeek, ...)."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+
+
+def experts_containers(model: nn.Module) -> list[nn.Module]:
+    """Every experts container of `model` zeropp can split (a unit of its own in the engine)."""
+    return [layer.experts for layer in expert_layers(model)] + hf_experts(model)
+
+
+def _count(container: nn.Module) -> int:
+    return getattr(container, "n_experts", None) or container.num_experts
 
 
 def check_expert_parallel(model: nn.Module, size: int) -> None:
     """Refuse in one line, before any collective, a model expert parallelism cannot split over `size` ranks."""
     if size == 1:
         return
-    layers = expert_layers(model)
-    if not layers:
+    containers = experts_containers(model)
+    if not containers:
         raise ConfigError(
             f"topology.expert_parallel_size = {size} is not allowed with {type(model).__name__}: it has no "
-            "mixture-of-experts layer zeropp can split; expected the embedded GPT with model.n_experts, or 1"
+            "mixture-of-experts layer zeropp can split (the embedded GPT's with model.n_experts, or transformers' "
+            "experts modules); expected 1"
         )
-    experts = layers[0].n_experts
+    experts = _count(containers[0])
     if experts % size:
         raise ConfigError(
-            f"topology.expert_parallel_size = {size} does not divide the model's {experts} experts "
-            f"(model.n_experts); allowed: a divisor of {experts} (each rank holds whole experts)"
+            f"topology.expert_parallel_size = {size} does not divide the model's {experts} experts; allowed: a "
+            f"divisor of {experts} (each rank holds whole experts)"
         )
 
 
-def apply_expert_parallel(model: nn.Module, comm: Communicator) -> list[nn.Module]:
-    """Split every mixture-of-experts layer of `model` over the topology's expert-parallel group (a
-    no-op without one): each rank keeps its n / E experts, rows [rank n/E, (rank + 1) n/E) of every
-    stacked weight, as parameters of their own (marked with the group, which
-    :func:`zeropp.checkpoint.per_parameter.full_state_dict` gathers them over), and dispatches by
-    all-to-all. Returns the experts containers, which the engine shards over the ranks holding the
-    same experts."""
+def apply_expert_parallel(model: nn.Module, comm: Communicator) -> None:
+    """Split every experts container of `model` over the topology's expert-parallel group: each rank
+    keeps its n / E experts, rows [rank n/E, (rank + 1) n/E) of every stacked weight, as parameters of
+    their own (marked with the group, which :func:`zeropp.checkpoint.per_parameter.full_state_dict`
+    gathers them over), and tokens reach them by all-to-all: the GPT's layers dispatch over the
+    group, a Hugging Face model's experts run through an implementation of transformers' experts
+    interface registered for this engine, wrapping the model's own."""
     group = comm.topology.expert_parallel
-    if group.size == 1:
-        return []
     check_expert_parallel(model, group.size)
-    containers = []
+    for container in experts_containers(model):
+        total = _count(container)
+        share = total // group.size
+        for name, param in list(container.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] == total:
+                rows = param.detach()[group.rank * share : (group.rank + 1) * share].clone()
+                piece = nn.Parameter(rows, param.requires_grad)
+                setattr(piece, EXPERT_SPLIT, group)
+                setattr(container, name, piece)
     for layer in expert_layers(model):
-        share = layer.n_experts // group.size
-        for name, param in list(layer.experts.named_parameters(recurse=False)):
-            piece = nn.Parameter(
-                param.detach()[group.rank * share : (group.rank + 1) * share].clone(), param.requires_grad
-            )
-            setattr(piece, EXPERT_SPLIT, group)
-            setattr(layer.experts, name, piece)
-        layer.experts.held = (group.rank * share, (group.rank + 1) * share)  # what a reset draws for
         layer.dispatch = functools.partial(dispatch_over, comm, group)
-        containers.append(layer.experts)
-    return containers
+    for container in hf_experts(model):
+        _install_hf(container, comm, group)
+
+
+def _install_hf(container: nn.Module, comm: Communicator, group: Group) -> None:
+    """Run `container` (a transformers experts module, its weights cut to this rank's experts) through
+    a fresh experts implementation: tokens dispatched over `group`, this rank's rows computed by the
+    implementation the model was built with (indices of its own experts, weights of 1), combined."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    config, total = container.config, container.num_experts
+    wrapped = config._experts_implementation
+    container.num_experts = total // group.size
+
+    def experts_forward(self: nn.Module, hidden: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
+        inner = ALL_EXPERTS_FUNCTIONS.get_interface(wrapped, type(self).forward.__wrapped__)
+
+        def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            index = torch.arange(len(counts), device=rows.device).repeat_interleave(
+                torch.tensor(counts, device=rows.device)
+            )
+            return inner(self, rows, index.unsqueeze(1), weights.new_ones((rows.shape[0], 1)))
+
+        return dispatch_over(comm, group, hidden, chosen, weights, run, total)
+
+    if not str(wrapped).startswith(IMPLEMENTATION):
+        name = f"{IMPLEMENTATION}{next(_names)}"
+        ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)
+        config._experts_implementation = name
 
 
 def split_experts(
@@ -96,10 +138,5 @@ def split_experts(
         )
     if size > 1:
         apply_expert_parallel(model, comm)
-        return [layer.experts for layer in expert_layers(model)], comm.topology.expert_shard_groups()
-    return [layer.experts for layer in expert_layers(model)], dense
-
-
-def expert_group(param: torch.Tensor) -> Group | None:
-    """The expert-parallel group a parameter's experts are split over (None: not split)."""
-    return getattr(param, EXPERT_SPLIT, None)
+        return experts_containers(model), comm.topology.expert_shard_groups()
+    return experts_containers(model), dense

@@ -44,7 +44,7 @@ def _sorted_pairs(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
 
 
 def _combine(tokens: torch.Tensor, token_of: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, y: torch.Tensor):
-    weighted = y * weights.reshape(-1)[order].unsqueeze(1)
+    weighted = (y * weights.reshape(-1)[order].unsqueeze(1)).to(tokens.dtype)  # weights may be fp32 (routers')
     return torch.zeros_like(tokens).index_add(0, token_of, weighted)
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from zeropp.comm.communicator import Communicator
 from zeropp.errors import ZeroppError
 from zeropp.topology import Group
-from zeropp.zero.weights.dtensor_params import block_of, point_at
+from zeropp.zero.weights.dtensor_params import block_of, expert_group, point_at, whole_shape
 
 InitFn = Callable[[nn.Module], None]
 
@@ -98,8 +98,9 @@ def initialize_scope(
         if tensors and all(t.is_meta or id(t) in fresh for _, t in tensors):
             initializable.append(module)
         for key, tensor in tensors:
-            if tensor.is_meta and isinstance(tensor, DTensor):  # initialized whole in its place, cut below
-                whole = nn.Parameter(torch.full(tensor.shape, _sentinel(tensor.dtype), dtype=tensor.dtype))
+            if tensor.is_meta and (isinstance(tensor, DTensor) or expert_group(tensor) is not None):
+                # a tensor-parallel or expert-parallel piece: initialized whole in its place, cut below
+                whole = nn.Parameter(torch.full(whole_shape(tensor), _sentinel(tensor.dtype), dtype=tensor.dtype))
                 module._parameters[key] = whole
                 split.append((module, key, tensor, whole))
                 tensor = whole

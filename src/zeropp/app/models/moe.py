@@ -20,7 +20,6 @@ class Experts(nn.Module):
     def __init__(self, d_model: int, n_experts: int) -> None:
         super().__init__()
         self.n_experts = n_experts
-        self.held = (0, n_experts)  # the experts this rank holds: [start, stop) (expert parallelism cuts it)
         self.w_in = nn.Parameter(torch.empty(n_experts, d_model, 4 * d_model))
         self.b_in = nn.Parameter(torch.empty(n_experts, 4 * d_model))
         self.w_out = nn.Parameter(torch.empty(n_experts, 4 * d_model, d_model))
@@ -29,14 +28,12 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Every expert's weights drawn (normal, std 0.02; biases 0), this rank's rows kept: the held
-        experts get the values one process gives them."""
-        start, stop = self.held
-        for weight in (self.w_in, self.w_out):
-            whole = torch.empty((self.n_experts, *weight.shape[1:]), dtype=weight.dtype, device=weight.device)
-            weight.copy_(nn.init.normal_(whole, std=0.02)[start:stop])
-        for bias in (self.b_in, self.b_out):
-            bias.zero_()
+        """Normal weights (std 0.02), zero biases. On the meta device under expert parallelism the
+        engine hands this the whole stacked weights and keeps this rank's experts of them."""
+        nn.init.normal_(self.w_in, std=0.02)
+        nn.init.normal_(self.w_out, std=0.02)
+        nn.init.zeros_(self.b_in)
+        nn.init.zeros_(self.b_out)
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`tokens` grouped by this rank's experts, `counts[e]` rows for its e-th: their outputs, in order."""

@@ -13,6 +13,8 @@ tensors (meta-device initialization, pretrained weights, checkpoints) goes throu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -21,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from zeropp.index.flat import chunk_range
 
 Slices = tuple[slice, ...]
+EXPERT_SPLIT = "_zeropp_expert_split"  # on a parameter split over the expert-parallel group: that Group
 
 
 def splits(placement: Placement) -> bool:
@@ -38,12 +41,30 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
+def expert_group(param: torch.Tensor) -> Any:
+    """The expert-parallel group a parameter's experts (its rows) are split over, or None (See
+    :mod:`zeropp.expert_parallel`: each rank keeps rows [rank n/E, (rank + 1) n/E) of stacked weights)."""
+    return getattr(param, EXPERT_SPLIT, None)
+
+
+def whole_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape in the model one process trains: a DTensor's global shape, an expert-parallel
+    piece's rows times its group (at least one dimension)."""
+    experts = expert_group(param)
+    shape = tuple(param.shape) if experts is None else (param.shape[0] * experts.size, *param.shape[1:])
+    return shape or (1,)
+
+
 def blocks(param: torch.Tensor, rows: tuple[int, int] | None = None) -> list[tuple[Slices, Slices]]:
     """This rank's piece of a parameter as blocks of the whole tensor: (where in the piece, where in
     the whole) per block, in the piece's order. One block unless the piece is strided (see above); a
     parameter that is not split: the whole, at the origin. With `rows` = [start, stop): the blocks of
     those rows of the piece (its first dimension), placed in them as if they were the piece."""
     whole = tuple(slice(0, n) for n in param.shape)
+    experts = expert_group(param)
+    if experts is not None and rows is None:  # this rank's experts: its rows of the stacked weights
+        start = experts.rank * param.shape[0]
+        return [(whole, (slice(start, start + param.shape[0]), *whole[1:]))]
     out = [(whole, whole)]
     if is_split(param):
         (placement,) = param.placements  # tensor parallelism: a 1-D mesh
@@ -90,8 +111,12 @@ def point_at(param: nn.Parameter, tensor: torch.Tensor) -> None:
     """Make `param` use `tensor` as its storage: a DTensor parameter as its local piece. One taking
     another dtype (mixed precision) or device (from the meta device or the host) becomes a DTensor of
     it, in place (``swap_tensors``: the same object, so the module and the units keep it)."""
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) and param.device == tensor.device:
         param.data = tensor
+    elif not isinstance(param, DTensor):  # an expert-parallel piece, from the meta device
+        experts = expert_group(param)
+        torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+        setattr(param, EXPERT_SPLIT, experts)  # swapped with the attributes
     elif (param.dtype, param.device) == (tensor.dtype, tensor.device):
         param._local_tensor = tensor
     else:
