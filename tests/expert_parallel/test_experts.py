@@ -67,7 +67,8 @@ def expert_worker(ep: int, stage: int, routing: str) -> dict:
 
     topology = init_topology(TopologyConfig(expert_parallel_size=ep))
     rank, readers = topology.rank, topology.world_size
-    engine = ZeroEngine(moe_model(routing), torch.optim.AdamW, OPTIM, ZeroConfig(stage=stage, prefetch=2), topology)
+    config = ZeroConfig(stage=stage, prefetch=2, sequence_check_interval=1)  # every step's collectives compared
+    engine = ZeroEngine(moe_model(routing), torch.optim.AdamW, OPTIM, config, topology)
     losses = []
     for step in range(STEPS):
         loss = engine(*rows(batch(step, readers, routing), rank))
