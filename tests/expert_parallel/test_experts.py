@@ -60,14 +60,16 @@ def reference(readers: int, routing: str) -> tuple[dict, list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def expert_worker(ep: int, stage: int, routing: str) -> dict:
+def expert_worker(ep: int, stage: int, routing: str, extra: dict) -> dict:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.config.sections import TopologyConfig
     from zeropp.topology import init_topology
 
     topology = init_topology(TopologyConfig(expert_parallel_size=ep))
     rank, readers = topology.rank, topology.world_size
-    config = ZeroConfig(stage=stage, prefetch=2, sequence_check_interval=1)  # every step's collectives compared
+    config = ZeroConfig(
+        stage=stage, prefetch=2, sequence_check_interval=1, **extra
+    )  # every step's collectives compared
     engine = ZeroEngine(moe_model(routing), torch.optim.AdamW, OPTIM, config, topology)
     losses = []
     for step in range(STEPS):
@@ -83,12 +85,15 @@ def expert_worker(ep: int, stage: int, routing: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world,ep,stage,routing",
-    [(2, 2, 3, "learned"), (4, 2, 3, "learned"), (4, 2, 1, "learned"), (4, 2, 2, "skewed"), (2, 2, 3, "skewed")],
-    ids=["e2", "e2xdp2", "e2xdp2-stage1", "e2xdp2-stage2-skewed", "e2-skewed"],
-)
-def test_trains_the_weights_and_losses_of_one_process(world, ep, stage, routing):
-    per_rank = run_ranks(expert_worker, world, ep=ep, stage=stage, routing=routing)
+    "world,ep,stage,routing,extra",
+    [
+        (2, 2, 3, "learned", {}), (4, 2, 3, "learned", {}), (4, 2, 1, "learned", {}), (4, 2, 2, "skewed", {}),
+        (2, 2, 3, "skewed", {}), (4, 2, 3, "skewed", dict(activation_checkpointing=True)),
+    ],
+    ids=["e2", "e2xdp2", "e2xdp2-stage1", "e2xdp2-stage2-skewed", "e2-skewed", "e2xdp2-skewed-checkpointed"],
+)  # fmt: skip
+def test_trains_the_weights_and_losses_of_one_process(world, ep, stage, routing, extra):
+    per_rank = run_ranks(expert_worker, world, ep=ep, stage=stage, routing=routing, extra=extra)
     ref, ref_losses = reference(world, routing)
     for result in per_rank:
         error = max((result["state"][k].float() - ref[k]).abs().max().item() for k in ref)
