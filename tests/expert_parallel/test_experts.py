@@ -148,6 +148,8 @@ def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_mem
         assert summary["model_state_bytes_per_rank"] == [summary["analytic_model_state_bytes_per_rank"]] * 4
     assert two["model_state_bytes_per_rank"][0] < one["model_state_bytes_per_rank"][0]
     assert "ep.all_to_all" in two["ledger"] and "ep.all_to_all" not in one["ledger"]
+    gathered = [sum(sum(links.values()) for links in s["ledger"]["all_gather"].values()) for s in (one, two)]
+    assert gathered[1] < gathered[0]  # each rank gathers its half of the experts, over half the ranks
     # zeropp estimate of the same run: every collective's bytes as the ledger counted them, but the
     # all-to-alls, which it prices for routing spread evenly over the experts (the router's is not)
     from zeropp.tools.estimate import main
