@@ -52,21 +52,30 @@ class _AllToAll(torch.autograd.Function):
 
 
 def heads_from_sequence(comm: Communicator, group: Group, x: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, T/C, d) of this rank's slice -> (batch, heads/C, T, d) of its head group."""
+    """(batch, heads, T/C, d) of this rank's slice -> (batch, heads/C, T, d) of its head group.
+
+    The chunks travel token-major, (batch, T/C, heads/C, d) each, the layout of a projection's output
+    seen as heads: one copy on the way (the send buffer), and for one row the received buffer is the
+    result itself, as a (batch, heads/C, T, d) view of (batch, T, heads/C, d) memory."""
     c = group.size
     batch, heads, length, d = x.shape
-    chunks = x.reshape(batch, c, heads // c, length, d).transpose(0, 1).contiguous()  # chunk j: head group j
+    chunks = x.reshape(batch, c, heads // c, length, d).permute(1, 0, 3, 2, 4).contiguous()  # chunk j: head group j
     received = _AllToAll.apply(comm, group, chunks)  # chunk i: slice i of this rank's head group
-    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // c, c * length, d)
+    return received.permute(1, 3, 0, 2, 4).reshape(batch, heads // c, c * length, d)
 
 
 def sequence_from_heads(comm: Communicator, group: Group, y: torch.Tensor) -> torch.Tensor:
-    """(batch, heads/C, T, d) of this rank's head group -> (batch, heads, T/C, d) of its slice."""
+    """(batch, heads/C, T, d) of this rank's head group -> (batch, heads, T/C, d) of its slice, as a
+    view of (batch, T/C, heads, d) memory (what the output projection reads: no further copy).
+
+    The chunks travel token-major too: where `y` is a view of (batch, T, heads/C, d) memory (attention
+    implementations' output) and of one row, the send buffer is `y` itself."""
     c = group.size
     batch, group_heads, length, d = y.shape
-    chunks = y.reshape(batch, group_heads, c, length // c, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk j: slice j
+    chunks = y.reshape(batch, group_heads, c, length // c, d).permute(2, 0, 3, 1, 4).contiguous()  # chunk j: slice j
     received = _AllToAll.apply(comm, group, chunks)  # chunk i: head group i of this rank's slice
-    return received.transpose(0, 1).reshape(batch, c * group_heads, length // c, d)
+    whole = received.permute(1, 2, 0, 3, 4).contiguous()  # (batch, T/C, C, heads/C, d)
+    return whole.reshape(batch, length // c, c * group_heads, d).transpose(1, 2)
 
 
 def ulysses_attention(
