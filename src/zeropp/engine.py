@@ -36,7 +36,7 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.context_parallel import apply_context_parallel, refuse_whole_prompts
 from zeropp.costs.memory import distinct_storage_bytes
 from zeropp.errors import ConfigError
-from zeropp.expert_parallel import split_experts
+from zeropp.expert_parallel import refuse_expert_parallel, split_experts
 from zeropp.quant import scratch
 from zeropp.quant.backends import kernels_for
 from zeropp.quant.spec import QuantSpec
@@ -54,15 +54,16 @@ from zeropp.topology import Group, Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
 from zeropp.zero.fingerprint import check_same_model
-from zeropp.zero.grouping import group_parameters, refuse_expert_units, repeated_blocks
+from zeropp.zero.grouping import group_parameters, repeated_blocks
 from zeropp.zero.materialize import InitFn
+from zeropp.zero.offload.delayed import DelayedUpdate
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
 from zeropp.zero.optim.outer import OuterStep, refuse_fragments, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
 from zeropp.zero.optim.spec import OptimizerFactory, read_for
-from zeropp.zero.optim.stepping import MasterStep, Stepper, clip_coefficient, gradient_statistics, step_units
+from zeropp.zero.optim.stepping import MasterStep, Stepper, clip_coefficient, gradient_statistics
 from zeropp.zero.options import UnitOptions, frozen_quant, refuse_qwd_without_hpz
 from zeropp.zero.precision import DTYPES, LossScaler, keep_master_in
 from zeropp.zero.stages import StagePolicy
@@ -123,9 +124,9 @@ class ZeroEngine:
         self.last_gradient_allocations = 0
         check_split(model, self.topology.tensor_parallel.size)
         apply_context_parallel(model, self.comm)  # See [Note: Ulysses attention]
-        refuse_expert_units(model, units or [])
+        refuse_expert_parallel(model, self.comm, self.config, self.groups, units or [])  # before any collective
         unit_modules = check_same_model(self.topology, model, units)  # every rank built this model
-        self.expert_units, self.expert_groups = split_experts(model, self.comm, self.config, self.groups)
+        self.expert_units, self.expert_groups = split_experts(model, self.comm, self.groups)
         unit_modules = [*(repeated_blocks(model) if unit_modules is None else unit_modules), *self.expert_units]
         shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
         self.disk, self.param_disk = disk_tiers_for(self.config, self.topology.rank, model, shard_ranks)
@@ -139,6 +140,7 @@ class ZeroEngine:
         self.optimizer = self.optimizers[0]
         if self.disk is not None:
             self.disk.attach(self.optimizer)
+        self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
@@ -174,18 +176,6 @@ class ZeroEngine:
         # See [Note: Pa under sequence parallelism] (docs/design.md)
         group = Group(None, (topology.rank,), 0) if topology.sequence_parallel else topology.tensor_parallel
         return ActivationCheckpointing(self.units, self.comm, group, topology.device, options)
-
-    def _host_flat(
-        self, params: list[tuple[str, nn.Parameter]], options: UnitOptions
-    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        """A unit's fp32 flat buffer on the host and {id(parameter): its view}, for meta fp32
-        parameters (others are initialized in their own dtype and flattened afterwards)."""
-        tensors = [p for _, p in params]
-        if not tensors or not all(p.is_meta and p.dtype == torch.float32 for p in tensors):
-            return None, {}
-        layout = FlatUnit.layout_of(tensors, self.groups, self.policy, options)
-        flat = torch.zeros(layout.padded_numel, dtype=torch.float32)
-        return flat, dict(zip((id(p) for p in tensors), layout.split(flat), strict=True))
 
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
@@ -233,7 +223,7 @@ class ZeroEngine:
         for module in [*(m for m in unit_modules if m is not model), model]:
             scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
             trainable = [(n, p) for n, p in params if p.requires_grad]
-            flat, views = self._host_flat(trainable, options) if meta else (None, {})
+            flat, views = materialize.host_flat(trainable, self.groups, self.policy, options) if meta else (None, {})
             if meta:  # the unit's fp32 parameters are initialized straight into its flat buffer
                 materialize.initialize_scope(scope, model, seed, init_fn, views)
             materialize.place_fixed(
@@ -270,6 +260,8 @@ class ZeroEngine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         phase = "forward" if self.module.training and torch.is_grad_enabled() else "eval"
+        if phase == "eval":  # outside training the weights hold every step taken
+            self.update.settle()
         if self.compute_dtype != torch.float32:  # floating inputs meet the parameters in their dtype
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
@@ -286,6 +278,7 @@ class ZeroEngine:
         reshard them at its exit. Costs the whole model in the compute dtype on every rank, on top of
         the shards. Collective: every rank enters and leaves the block together."""
         refuse_whole_prompts(self.topology, "engine.gathered")
+        self.update.settle()
         with self.comm.in_phase("eval"):
             self.runtime.gather_all()
         try:
@@ -302,6 +295,7 @@ class ZeroEngine:
                 f"engine.generate: {type(self.module).__name__} has no generate method; "
                 "call your own decoding loop inside engine.gathered()"
             )
+        self.update.settle()
         block = self.gathered() if gathered else contextlib.nullcontext()
         with torch.no_grad(), self.comm.in_phase("eval"), block:
             return self.module.generate(*args, **kwargs)
@@ -328,8 +322,9 @@ class ZeroEngine:
         self._at_boundary = False
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
-        self.measured_model_state_bytes = self.model_state_bytes()
         with self.comm.in_phase("step"):
+            self.update.settle()  # the last step's delayed update: See [Note: the delayed parameter update]
+            self.measured_model_state_bytes = self.model_state_bytes()
             count_whole = self.topology.tensor_parallel.rank == 0
             finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole)
             overflow = self._any_overflow(finite) if self.scaler.enabled else False
@@ -337,13 +332,12 @@ class ZeroEngine:
             if not overflow:
                 self._grad_norm = self._reduce_over_shards(squares, "sum").sqrt()
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
-                host_copies = self.config.offload.optimizer == "cpu"  # ZeRO-Offload's host-resident masters
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
                 else:
                     self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
                     given = self.stepper.given_gradients(self.comm, self.groups.shard)
-                    step_units(self.stepper, self.scaler, coefficient, host_copies, self.disk, self.param_disk, given)
+                    self.update.step(self.scaler, coefficient, given)
                 if self.outer is not None:
                     self.outer.after_step(self.global_step + 1)
             scale = self.scaler.scale
@@ -369,6 +363,11 @@ class ZeroEngine:
         if interval and (step == 1 or step % interval == 0):
             check_sequences(self.comm, step)
         self.comm.trace.step = step
+
+    def publish_update(self) -> None:
+        """Publish a delayed optimizer step (``zero.offload.delayed_update``) to the weights now; evals,
+        generation and state dicts do it themselves. Collective where publishing is (stages 1-2)."""
+        self.update.settle()
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -426,9 +425,10 @@ class ZeroEngine:
         return bool(self._reduce_over_shards(local, "max").item())
 
     def states_resident(self, changes: bool = False) -> contextlib.AbstractContextManager:
-        """The masters and optimizer states in memory for the block, where the disk tier keeps them in
-        files (a no-op otherwise); `changes`: the block writes them (they go back to the files), and the
-        compute shards the parameters' disk tier keeps, which follow the masters, too."""
+        """The masters and optimizer states complete (a delayed step waited for) and in memory for the block, where
+        the disk tier keeps them in files; `changes`: the block writes them (they go back to the files), and
+        the compute shards the parameters' disk tier keeps, which follow the masters, too."""
+        self.update.wait()
         return resident(self.disk, self.param_disk, changes)
 
     # -- modes, state, measurement ---------------------------------------------------------------

@@ -28,6 +28,12 @@ CYCLE = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}  # OneCycle's required boun
 TABLE = {
     "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, {"zero.stage": 2}),
     "tensor_parallel.autotp_size": ({"tensor_parallel": {"autotp_size": 2}}, {"topology.tensor_parallel_size": 2}),
+    "expert_parallel.autoep_size": (
+        {"expert_parallel": {"enabled": True, "autoep_size": 2}}, {"topology.expert_parallel_size": 2}
+    ),
+    "expert_parallel.enabled": (
+        {"expert_parallel": {"enabled": False, "autoep_size": 2}}, {"topology.expert_parallel_size": 1}
+    ),
     "sequence_parallel_size": (
         {"sequence_parallel_size": 2, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2},
         {"topology.context_parallel_size": 2, "zero.gradient_accumulation_steps": 1},  # 4 ranks: 2 read rows

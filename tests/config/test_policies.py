@@ -40,10 +40,12 @@ FLAT = {
     "gradient_error_beta": 0.5,
     "gradient_error_reset_steps": 7,
     "quantized_gradients_until": 0.5,
-    "offload_optimizer": "nvme",
+    "offload_optimizer": "cpu",
     "offload_path": "/tmp",
     "offload_buffer_count": 3,
-    "offload_params": "cpu",
+    "offload_params": "nvme",
+    "offload_delayed_update": True,
+    "offload_delayed_update_warmup": 10,
     "activation_checkpointing": True,
     "partition_activations": True,
     "cpu_checkpointing": True,
@@ -70,7 +72,9 @@ GROUPED = dict(
         error_reset_steps=7,
         until=0.5,
     ),
-    offload=OffloadPolicy(optimizer="nvme", params="cpu", path="/tmp", buffer_count=3),
+    offload=OffloadPolicy(
+        optimizer="cpu", params="nvme", path="/tmp", buffer_count=3, delayed_update=True, delayed_update_warmup=10
+    ),
     activations=ActivationCheckpointPolicy(enabled=True, partition_activations=True, cpu_checkpointing=True),
     outer=OuterLoop(sync_every=10, lr=0.5, momentum=0.8, nesterov=False, bits=8, block_size=128, fragments=2),
 )

@@ -43,7 +43,7 @@ from zeropp.index.flat import chunk_range
 from zeropp.zero.unit import FlatUnit
 from zeropp.zero.weights.dtensor_params import Slices, blocks, expert_group, whole_shape
 
-EXPERTS_OP = "ep.all_gather"  # an expert-parallel parameter's experts gathered whole
+EXPERTS_OP = "ep.whole_experts"  # an expert-parallel parameter's experts gathered whole (full_state_dict)
 
 if TYPE_CHECKING:
     from zeropp.topology import Group, Topology

@@ -200,7 +200,7 @@ class _Reader(OptimizerBlocks):
             "gradient_clipping": self.clipping, "communication_data_type": self.grad_dtype,
             "data_types": self.grad_dtype, "train_batch_size": self.batch, "train_micro_batch_size_per_gpu": self.batch,
             "gradient_accumulation_steps": self.batch, "activation_checkpointing": self.activation_checkpointing,
-            "tensor_parallel": self.tensor_parallel,
+            "tensor_parallel": self.tensor_parallel, "expert_parallel": self.expert_parallel,
         }  # fmt: skip
         self.check_keys("", self.data)
         done: list[Callable[[], None]] = []
@@ -225,6 +225,15 @@ class _Reader(OptimizerBlocks):
             self.set("topology.context_parallel_size", size, "sequence_parallel_size")
             if ours == 1:
                 self.readers = self.out.world_size = max(1, self.world // size)
+
+    def expert_parallel(self) -> None:
+        """DeepSpeed's AutoEP block: its size, where enabled, is zeropp's expert-parallel size."""
+        block = self.block("expert_parallel")
+        self.check_keys("expert_parallel", block)
+        size = block.get("autoep_size", 1)
+        if block.get("enabled", False) and size != AUTO:
+            size = self.integer("expert_parallel.autoep_size", size, 1)
+            self.set("topology.expert_parallel_size", size, "expert_parallel.autoep_size")
 
     def tensor_parallel(self) -> None:
         """DeepSpeed's AutoTP block: its size is zeropp's tensor-parallel size, from transformers' plans."""

@@ -19,6 +19,8 @@ MAPPED = {
     "zero_optimization.stage": "zero.stage",
     "tensor_parallel.autotp_size": "topology.tensor_parallel_size (transformers' tp plans; refused where the model has none)",
     "sequence_parallel_size": "topology.context_parallel_size (Ulysses; the batch keys count world / size ranks)",
+    "expert_parallel.autoep_size": "topology.expert_parallel_size (AutoEP, with enabled: true; transformers' experts modules)",
+    "expert_parallel.enabled": "topology.expert_parallel_size = expert_parallel.autoep_size when true",
     "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_numel (/ world size)",
     "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_numel (/ world size)",
     "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch = 0 when 0 (else noted: zeropp prefetches units)",
@@ -89,7 +91,7 @@ MAPPED = {
 BLOCKS = (
     "", "zero_optimization", "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "fp16",
     "bf16", "optimizer", "optimizer.params", "scheduler", "scheduler.params", "activation_checkpointing", "data_types",
-    "tensor_parallel",
+    "tensor_parallel", "expert_parallel",
 )  # fmt: skip
 
 # accepted, change nothing here: block -> its keys (values that would change something are REFUSED)
@@ -132,6 +134,11 @@ NOTED = {
     "activation_checkpointing": ("number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
     # AutoTP's module dtype (zeropp casts by zero.precision) and where DeepSpeed keeps modules while it splits
     "tensor_parallel": ("dtype", "keep_module_on_host"),
+    # AutoEP's module patterns (zeropp finds transformers' experts modules itself), kernels and transport
+    "expert_parallel": ("validate_folding_routing", "async_split_plan", "preset_model", "moe_layer_pattern",
+                        "expert_pattern", "router_pattern", "use_grouped_mm", "disable_triton_grouped_mm",
+                        "combine_impl", "row_weighting_impl", "gate_up_impl", "comm_backend", "comm_num_sm",
+                        "comm_qp_margin", "comm_max_tokens_per_rank"),
 }  # fmt: skip
 COMMENT = "_"  # a top-level key starting with it is a comment (``"_comment"``): noted
 
@@ -152,7 +159,16 @@ REFUSED: dict[str, tuple[str, Any]] = {
     "weight_quantization": ("DeepSpeed's post-training weight quantization is not part of zeropp", NEVER),
     "hybrid_engine": ("DeepSpeed-Chat's hybrid engine is not part of zeropp", OFF),
     "nebula": ("Nebula checkpointing is not supported", OFF),
-    "expert_parallel": ("zeropp has no mixture-of-experts parallelism", NEVER),
+    "expert_parallel.expert_tensor_parallel_size": ("zeropp splits experts over expert-parallel ranks only", 1),
+    "expert_parallel.route_norm": ("zeropp keeps the model's own routing", None),
+    "expert_parallel.route_scale": ("zeropp keeps the model's own routing", 1.0),
+    "expert_parallel.score_apply": ("zeropp keeps the model's own routing", "auto"),
+    "expert_parallel.score_func": ("zeropp keeps the model's own routing", "auto"),
+    "expert_parallel.top_k": ("zeropp keeps the model's own routing", "auto"),
+    "expert_parallel.routed_scaling_factor": ("zeropp keeps the model's own routing", "auto"),
+    "expert_parallel.num_expert_groups": ("zeropp keeps the model's own routing", None),
+    "expert_parallel.num_limited_groups": ("zeropp keeps the model's own routing", None),
+    "expert_parallel.load_balance_coeff": ("zeropp keeps the model's own auxiliary loss", None),
     "tensor_parallel.tp_overlap_comm": ("zeropp's tensor parallelism does not overlap its communication", False),
     "tensor_parallel.vocab_parallel_lm_head": ("a vocabulary-parallel head is not implemented", None),
     "tensor_parallel.vocab_parallel_ce_backend": ("a vocabulary-parallel head is not implemented", "torch"),

@@ -165,6 +165,8 @@ class OffloadPolicy:
         "params": "offload_params",
         "path": "offload_path",
         "buffer_count": "offload_buffer_count",
+        "delayed_update": "offload_delayed_update",
+        "delayed_update_warmup": "offload_delayed_update_warmup",
     }
 
     optimizer: Literal["none", "cpu", "nvme"] = setting(
@@ -184,6 +186,14 @@ class OffloadPolicy:
         "an nvme offload: units whose states are read ahead of the optimizer, and whose parameter shards are "
         "read ahead of their gathers (at least prefetch) or written back after the step (1: no overlap)",
     )
+    delayed_update: bool = setting(
+        False,
+        "ZeRO-Offload's delayed parameter update (with optimizer cpu; not exact): each host optimizer step runs on "
+        "a thread while the next forward and backward use the weights from before it, published one step late",
+    )
+    delayed_update_warmup: int = setting(
+        40, "delayed_update: the first this many optimizer steps are not delayed (the paper's warm-up)"
+    )
 
     def validate(self, name: Name, stage: int) -> None:
         check_choices(self, "", name)
@@ -200,6 +210,15 @@ class OffloadPolicy:
             require(os.access(folder, os.W_OK), name("path"), self.path, "a folder this user can write to")
         if self.params != "none":
             require(stage == 3, name("params"), self.params, "'none' unless zero.stage = 3")
+        require(
+            self.delayed_update_warmup >= 0,
+            name("delayed_update_warmup"),
+            self.delayed_update_warmup,
+            "an integer >= 0",
+        )
+        if self.delayed_update:  # See [Note: the delayed parameter update]
+            allowed = f"false unless {name('optimizer')} = 'cpu' (the host step it overlaps)"
+            require(self.optimizer == "cpu", name("delayed_update"), True, allowed)
 
 
 @dataclass

@@ -13,8 +13,8 @@ token, only when the caller gives them), fills in this slice's positions when th
 attention then asks :meth:`SequenceInputs.mask` for the whole sequence's mask, which transformers'
 own ``create_causal_mask`` builds from the gathered inputs for the wrapped implementation: causal,
 padding, and packed documents (positions restarting, with no padding mask and no key-value cache:
-``use_cache=False``, as transformers reads them) exactly as one process would; None where that implementation attends causally without one (sdpa without padding or
-packing). Flash attention takes padding and packing through its own arguments, which zeropp does not
+``use_cache=False``, as transformers reads them) exactly as one process would; None where that
+implementation attends causally without one (sdpa without padding or packing). Flash attention takes padding and packing through its own arguments, which zeropp does not
 route: refused in one line.
 """
 

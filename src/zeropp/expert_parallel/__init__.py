@@ -7,11 +7,12 @@ from zeropp.expert_parallel.apply import (
     check_expert_parallel,
     expert_layers,
     experts_containers,
+    refuse_expert_parallel,
     split_experts,
 )
 from zeropp.expert_parallel.dispatch import dispatch_locally, dispatch_over
 
 __all__ = [
     "apply_expert_parallel", "check_expert_parallel", "dispatch_locally", "dispatch_over", "expert_layers",
-    "experts_containers", "split_experts",
+    "experts_containers", "refuse_expert_parallel", "split_experts",
 ]  # fmt: skip

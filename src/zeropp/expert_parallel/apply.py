@@ -15,6 +15,7 @@ from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
 from zeropp.expert_parallel.dispatch import dispatch_over
 from zeropp.topology import Group, ShardGroups
+from zeropp.zero.grouping import refuse_expert_units
 from zeropp.zero.weights.dtensor_params import EXPERT_SPLIT
 
 IMPLEMENTATION = "zeropp_expert_parallel_"  # transformers' experts implementations registered here, numbered
@@ -53,18 +54,30 @@ def check_expert_parallel(model: nn.Module, size: int) -> None:
             "mixture-of-experts layer zeropp can split (the embedded GPT's with model.n_experts, or transformers' "
             "experts modules); expected 1"
         )
-    experts = _count(containers[0])
-    if experts % size:
-        raise ConfigError(
-            f"topology.expert_parallel_size = {size} does not divide the model's {experts} experts; allowed: a "
-            f"divisor of {experts} (each rank holds whole experts)"
-        )
+    for container in containers:
+        experts = _count(container)
+        if experts % size:
+            raise ConfigError(
+                f"topology.expert_parallel_size = {size} does not divide the model's {experts} experts; allowed: "
+                f"a divisor of {experts} (each rank holds whole experts)"
+            )
+        for name, param in container.named_parameters(recurse=False):
+            if not param.requires_grad:
+                raise ConfigError(
+                    f"a frozen experts weight ({name}) is not allowed with topology.expert_parallel_size = {size} "
+                    "yet (LoRA on a mixture of experts, a frozen base); expected trainable experts, or 1"
+                )
+            if not param.dim() or param.shape[0] != experts:
+                raise ConfigError(
+                    f"topology.expert_parallel_size = {size} cannot split {name} of shape {tuple(param.shape)}: "
+                    f"expected every experts weight stacked, {experts} experts on its first dimension"
+                )
 
 
 def apply_expert_parallel(model: nn.Module, comm: Communicator) -> None:
     """Split every experts container of `model` over the topology's expert-parallel group: each rank
-    keeps its n / E experts, rows [rank n/E, (rank + 1) n/E) of every stacked weight, as parameters of
-    their own (marked with the group, which :func:`zeropp.checkpoint.per_parameter.full_state_dict`
+    keeps its n / E experts, rows [rank n/E, (rank + 1) n/E) of every stacked weight, in the same
+    parameter objects (marked with the group, which :func:`zeropp.checkpoint.per_parameter.full_state_dict`
     gathers them over), and tokens reach them by all-to-all: the GPT's layers dispatch over the
     group, a Hugging Face model's experts run through an implementation of transformers' experts
     interface registered for this engine, wrapping the model's own."""
@@ -73,12 +86,10 @@ def apply_expert_parallel(model: nn.Module, comm: Communicator) -> None:
     for container in experts_containers(model):
         total = _count(container)
         share = total // group.size
-        for name, param in list(container.named_parameters(recurse=False)):
-            if param.dim() and param.shape[0] == total:
-                rows = param.detach()[group.rank * share : (group.rank + 1) * share].clone()
-                piece = nn.Parameter(rows, param.requires_grad)
-                setattr(piece, EXPERT_SPLIT, group)
-                setattr(container, name, piece)
+        for param in container.parameters(recurse=False):  # in place: optimizers and hooks keep the object
+            rows = param.detach()[group.rank * share : (group.rank + 1) * share].clone()
+            torch.utils.swap_tensors(param, nn.Parameter(rows, param.requires_grad))
+            setattr(param, EXPERT_SPLIT, group)
     for layer in expert_layers(model):
         layer.dispatch = functools.partial(dispatch_over, comm, group)
     for container in hf_experts(model):
@@ -112,31 +123,40 @@ def _install_hf(container: nn.Module, comm: Communicator, group: Group) -> None:
         config._experts_implementation = name
 
 
-def split_experts(
-    model: nn.Module, comm: Communicator, config: ZeroConfig, dense: ShardGroups
-) -> tuple[list[nn.Module], ShardGroups]:
-    """The engine's mixture-of-experts layers: their experts containers, units of their own (the same
-    units, so the same initialization, with expert parallelism or without), and the groups those
-    shard over: the ranks holding the same experts (:func:`apply_expert_parallel`), or `dense`, the
-    other units' groups, without expert parallelism. Refused in one line: stage 0 (each rank's gradient
-    norm would miss the other ranks' experts), qgZ, and a data-parallel group of ZeRO's other than the
-    topology's (DiLoCo's nodes)."""
+def refuse_expert_parallel(
+    model: nn.Module, comm: Communicator, config: ZeroConfig, dense: ShardGroups, units: list[nn.Module]
+) -> None:
+    """What the engine's mixture of experts cannot do, refused in one line before any collective: a
+    single expert as a unit (:func:`zeropp.zero.grouping.refuse_expert_units`), and with expert
+    parallelism a model
+    it cannot split (:func:`check_expert_parallel`), stage 0 (each rank's gradient norm would miss the
+    other ranks' experts), qgZ (its second hop starts when the first completes, which can reorder it
+    against the experts' collectives over the same ranks), offload (not composed yet) and a
+    data-parallel group of ZeRO's other than the topology's (DiLoCo's nodes)."""
+    refuse_expert_units(model, units)
     size = comm.topology.expert_parallel.size
-    if size > 1 and config.stage == 0:
-        raise ConfigError(
-            f"topology.expert_parallel_size = {size} is not allowed with zero.stage = 0; expected a stage of 1 to 3"
-        )
-    if size > 1 and config.qgz.enabled:
-        raise ConfigError(
-            f"topology.expert_parallel_size = {size} is not allowed with zero.quantized_gradients (qgZ: its second "
-            "hop starts when the first completes, which can reorder it against the experts' collectives over the "
-            "same ranks); expected zero.quantized_gradients = false"
-        )
-    if size > 1 and dense.shard.ranks != comm.topology.data_parallel.ranks:
-        raise ConfigError(
-            f"topology.expert_parallel_size = {size} is not allowed with zero.outer_sync_every (DiLoCo); expected 1"
-        )
-    if size > 1:
+    if size == 1:
+        return
+    check_expert_parallel(model, size)
+    refused = {
+        "zero.stage = 0": config.stage == 0,
+        "zero.quantized_gradients (qgZ: its second hop could be reordered against the experts' collectives "
+        "over the same ranks)": config.qgz.enabled,
+        "zero.offload_optimizer or zero.offload_params (not composed yet)": config.offload.optimizer != "none"
+        or config.offload.params != "none",
+        "zero.outer_sync_every (DiLoCo)": dense.shard.ranks != comm.topology.data_parallel.ranks,
+    }
+    for what, yes in refused.items():
+        if yes:
+            raise ConfigError(f"topology.expert_parallel_size = {size} is not allowed with {what}; expected 1")
+
+
+def split_experts(model: nn.Module, comm: Communicator, dense: ShardGroups) -> tuple[list[nn.Module], ShardGroups]:
+    """The engine's mixture-of-experts layers, after :func:`refuse_expert_parallel`: their experts
+    containers, units of their own (the same units, so the same initialization, with expert
+    parallelism or without), and the groups those shard over: the ranks holding the same experts
+    (:func:`apply_expert_parallel`), or `dense`, the other units' groups, without it."""
+    if comm.topology.expert_parallel.size > 1:
         apply_expert_parallel(model, comm)
         return experts_containers(model), comm.topology.expert_shard_groups()
     return experts_containers(model), dense

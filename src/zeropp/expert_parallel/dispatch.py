@@ -83,7 +83,10 @@ def dispatch_over(
     )
     regroup = expert_of.argsort(stable=True)
     per_expert = [sum(every[source][me][e] for source in range(size)) for e in range(local)]
-    out = _ScaleGrad.apply(experts(_ScaleGrad.apply(rows[regroup], float(size)), per_expert), 1.0 / size)
+    out = experts(_ScaleGrad.apply(rows[regroup], float(size)), per_expert)
+    if torch.is_grad_enabled() and rows.requires_grad and not out.requires_grad:  # no rows, unconnected zeros
+        out = out + rows.sum() * 0  # (transformers' eager experts): backward must still trade back
+    out = _ScaleGrad.apply(out, 1.0 / size)
     back = torch.empty_like(out).index_copy(0, regroup, out)  # the same graph on every rank, rows or none
     return _combine(tokens, token_of, order, weights, _Exchange.apply(comm, group, back, sent, received, moved))
 

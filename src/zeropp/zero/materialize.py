@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,11 @@ from zeropp.comm.communicator import Communicator
 from zeropp.errors import ZeroppError
 from zeropp.topology import Group
 from zeropp.zero.weights.dtensor_params import block_of, expert_group, point_at, whole_shape
+
+if TYPE_CHECKING:
+    from zeropp.topology import ShardGroups
+    from zeropp.zero.options import UnitOptions
+    from zeropp.zero.stages import StagePolicy
 
 InitFn = Callable[[nn.Module], None]
 
@@ -71,6 +77,21 @@ def unit_scopes(model: nn.Module, unit_modules: list[nn.Module]) -> dict[int, li
 def direct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((k, t) for k, t in module._parameters.items() if t is not None)
     yield from ((k, t) for k, t in module._buffers.items() if t is not None)
+
+
+def host_flat(
+    params: list[tuple[str, nn.Parameter]], groups: ShardGroups, policy: StagePolicy, options: UnitOptions
+) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """A unit's fp32 flat buffer on the host and {id(parameter): its view}, for meta fp32
+    parameters (others are initialized in their own dtype and flattened afterwards)."""
+    from zeropp.zero.unit import FlatUnit
+
+    tensors = [p for _, p in params]
+    if not tensors or not all(p.is_meta and p.dtype == torch.float32 for p in tensors):
+        return None, {}
+    layout = FlatUnit.layout_of(tensors, groups, policy, options)
+    flat = torch.zeros(layout.padded_numel, dtype=torch.float32)
+    return flat, dict(zip((id(p) for p in tensors), layout.split(flat), strict=True))
 
 
 def unit_seed(seed: int, unit_name: str) -> int:

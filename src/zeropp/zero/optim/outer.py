@@ -165,7 +165,7 @@ def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
     What it cannot reach yet is refused in one line before any collective: the masters of the
     whole-parameter optimizer `path` live on their owners, and the disk tiers' in files (the
     parameters' tier writes each compute shard out after the inner step's publish; a synchronization
-    publishing into it again crashed the ranks)."""
+    publishing into it again crashed the ranks), and a delayed update's masters are a step ahead of the weights."""
     if not config.outer.enabled or nodes == 1:
         return False
     key = config.key("outer")("sync_every")
@@ -181,6 +181,11 @@ def runs_outer_loop(config: ZeroConfig, nodes: int, path: str) -> bool:
                 f"{key} = {every} is not allowed with zero.offload_{tier} = 'nvme'; expected 0, or 'none' or 'cpu'",
                 key, every,
             )  # fmt: skip
+    if config.offload.delayed_update:  # the synchronization reads the masters right after the inner step
+        delayed = config.key("offload")("delayed_update")
+        raise ConfigError(
+            f"{key} = {every} is not allowed with {delayed} = true; expected 0, or {delayed} = false", key, every
+        )
     return True
 
 

@@ -176,6 +176,63 @@ def parameters_given_a_gradient(units: Sequence[FlatUnit], comm: Communicator, g
     return given
 
 
+def host_gradients(units: Sequence[FlatUnit], own: bool = False) -> dict[int, torch.Tensor]:
+    """Every unit's reduced gradient in its master's device and dtype, every copy issued before any is
+    waited for: ZeRO-Offload's one blocking wait of a step. `own`: a copy even where the buffer already
+    has the master's device and dtype (one that outlives the unit's gradient buffers)."""
+    copies = {
+        k: u.reduced_gradient().to(u.master.device, u.master.dtype, non_blocking=True, copy=own)
+        for k, u in enumerate(units)
+    }
+    device = units[0].options.device if units else None
+    if device is not None and device.type == "cuda":  # the host optimizer reads these copies next
+        torch.cuda.current_stream(device).synchronize()
+    return copies
+
+
+def step_masters(
+    stepper: Stepper,
+    optimizers: Sequence[torch.optim.Optimizer],
+    copies: dict[int, torch.Tensor],
+    scale: float | None,
+    coefficient: torch.Tensor | None,
+    batches: Iterable[Sequence[int]],
+    given: list[set[int]] | None = None,
+    publish: Callable[[int], None] | None = None,
+) -> None:
+    """Hand each unit of each batch its gradient in the master's dtype (from `copies`, else its reduced
+    buffer; divided by the loss `scale`, clipped by `coefficient`; per segment only the parameters in
+    `given`: See [Note: segments]), run `optimizers` (the stepper's or stand-ins for them) over the batch and
+    `publish(k)` each unit stepped."""
+    units = stepper.units
+    for batch in batches:
+        for k in batch:
+            unit = units[k]
+            grad = copies.pop(k, None)
+            if grad is None:  # the reduced buffer itself where it has the master's dtype: its last use
+                grad = unit.reduced_gradient().to(unit.master.device, unit.master.dtype)
+            if scale is not None:
+                grad.div_(scale)
+            if coefficient is not None:
+                grad.mul_(coefficient.to(grad.device))
+            stepper.give(k, grad, given[k] if given is not None else None)
+        for optimizer in optimizers:
+            optimizer.step()
+        for k in batch:
+            stepper.take(k)
+            if publish is not None:
+                publish(k)
+
+
+def publish_unit(unit: FlatUnit, params: ParamFiles | None) -> None:
+    """Make `unit`'s compute weights follow its stepped master (written back to the parameters' disk
+    tier, `params`, where they live there)."""
+    if params is not None:
+        params.publish(unit)
+    else:
+        unit.publish_master()
+
+
 def step_units(
     stepper: Stepper,
     scaler: LossScaler,
@@ -185,43 +242,25 @@ def step_units(
     params: ParamFiles | None = None,
     given: list[set[int]] | None = None,
 ) -> None:
-    """Hand each unit's tensors their gradient in the master's dtype (unscaled, clipped; per segment,
-    only the parameters in `given`: See [Note: segments]) and step the optimizers over the batches of
-    :func:`step_batches`, publishing each unit's weights after its step. `host_copies`: the masters
-    live in host memory, and every unit's gradient copy there is issued before any is waited for.
-    `disk`: the states stream through the disk tier, `params`: the compute shards are written back to
-    theirs (See [Note: the disk tier's ring])."""
+    """Step the optimizers over the batches of :func:`step_batches` (:func:`step_masters`), publishing
+    each unit's weights after its step. `host_copies`: the masters live in host memory
+    (:func:`host_gradients`). `disk`: the states stream through the disk tier, `params`: the compute
+    shards are written back to theirs (See [Note: the disk tier's ring])."""
     units = stepper.units
-    copies: dict[int, torch.Tensor] = {}
-    device = units[0].options.device if units else None
-    if host_copies:
-        copies = {
-            k: u.reduced_gradient().to(u.master.device, u.master.dtype, non_blocking=True) for k, u in enumerate(units)
-        }
-        if device is not None and device.type == "cuda":
-            # the host optimizer reads these copies next: ZeRO-Offload's one blocking wait of a step
-            torch.cuda.current_stream(device).synchronize()
+    copies = host_gradients(units) if host_copies else {}
     batches = step_batches(stepper.optimizers, list(range(len(units))))
     if disk is not None:
         batches = disk.streamed(batches)
-    for batch in batches:
-        for k in batch:
-            unit = units[k]
-            grad = copies.pop(k, None)
-            if grad is None:  # the reduced buffer itself where it has the master's dtype: its last use
-                grad = unit.reduced_gradient().to(unit.master.device, unit.master.dtype)
-            if scaler.enabled:
-                grad.div_(scaler.scale)
-            if coefficient is not None:
-                grad.mul_(coefficient.to(grad.device))
-            stepper.give(k, grad, given[k] if given is not None else None)
-        for optimizer in stepper.optimizers:
-            optimizer.step()
-        for k in batch:
-            stepper.take(k)
-            if params is not None:
-                params.publish(units[k])
-            else:
-                units[k].publish_master()
+    scale = scaler.scale if scaler.enabled else None
+    step_masters(
+        stepper,
+        stepper.optimizers,
+        copies,
+        scale,
+        coefficient,
+        batches,
+        given,
+        lambda k: publish_unit(units[k], params),
+    )
     if params is not None:
         params.flush()

@@ -62,9 +62,10 @@ def blocks(param: torch.Tensor, rows: tuple[int, int] | None = None) -> list[tup
     those rows of the piece (its first dimension), placed in them as if they were the piece."""
     whole = tuple(slice(0, n) for n in param.shape)
     experts = expert_group(param)
-    if experts is not None and rows is None:  # this rank's experts: its rows of the stacked weights
-        start = experts.rank * param.shape[0]
-        return [(whole, (slice(start, start + param.shape[0]), *whole[1:]))]
+    if experts is not None:  # this rank's experts: its rows of the stacked weights (of those `rows`)
+        first, last = rows or (0, param.shape[0])
+        start = experts.rank * param.shape[0] + first
+        return [((slice(0, last - first), *whole[1:]), (slice(start, start + last - first), *whole[1:]))]
     out = [(whole, whole)]
     if is_split(param):
         (placement,) = param.placements  # tensor parallelism: a 1-D mesh
@@ -111,7 +112,7 @@ def point_at(param: nn.Parameter, tensor: torch.Tensor) -> None:
     """Make `param` use `tensor` as its storage: a DTensor parameter as its local piece. One taking
     another dtype (mixed precision) or device (from the meta device or the host) becomes a DTensor of
     it, in place (``swap_tensors``: the same object, so the module and the units keep it)."""
-    if not isinstance(param, DTensor) and param.device == tensor.device:
+    if not isinstance(param, DTensor) and not (param.is_meta and expert_group(param) is not None):
         param.data = tensor
     elif not isinstance(param, DTensor):  # an expert-parallel piece, from the meta device
         experts = expert_group(param)
