@@ -108,16 +108,11 @@ class Layout:
 
     def expert_intra_node_groups(self) -> RankGroups:
         """The expert-data-parallel groups cut by node (qgZ's first hop over experts)."""
-        return [
-            tuple(r for r in ranks if self.node_of(r) == node)
-            for ranks in self.expert_data_parallel_groups()
-            for node in range(self.nodes)
-        ]
+        return self._by_node(self.expert_data_parallel_groups())
 
     def expert_inter_node_groups(self) -> RankGroups:
         """The expert-data-parallel groups cut by position inside the node: one rank per node."""
-        per_node = self.data_parallel_per_node // self.expert_parallel_size
-        return [ranks[i::per_node] for ranks in self.expert_data_parallel_groups() for i in range(per_node)]
+        return self._by_position(self.expert_data_parallel_groups())
 
     def reader(self, rank: int) -> tuple[int, int]:
         """(which of the data-parallel group's readers `rank` is, how many readers there are): the
@@ -149,16 +144,20 @@ class Layout:
 
     def intra_node_groups(self) -> RankGroups:
         """Every data-parallel group cut by node."""
-        return [
-            tuple(r for r in ranks if self.node_of(r) == node)
-            for ranks in self.data_parallel_groups()
-            for node in range(self.nodes)
-        ]
+        return self._by_node(self.data_parallel_groups())
 
     def inter_node_groups(self) -> RankGroups:
         """Every data-parallel group cut by position inside the node: one rank per node."""
-        per_node = self.data_parallel_per_node
-        return [ranks[i::per_node] for ranks in self.data_parallel_groups() for i in range(per_node)]
+        return self._by_position(self.data_parallel_groups())
+
+    def _by_node(self, groups: RankGroups) -> RankGroups:
+        """Each of `groups` cut by node."""
+        return [tuple(r for r in ranks if self.node_of(r) == node) for ranks in groups for node in range(self.nodes)]
+
+    def _by_position(self, groups: RankGroups) -> RankGroups:
+        """Each of `groups` (its ranks spread evenly over the nodes) cut by position inside the node."""
+        per_node = len(groups[0]) // self.nodes
+        return [ranks[i::per_node] for ranks in groups for i in range(per_node)]
 
     def hpz_group_size(self, partition_size: int) -> int:
         """hpZ's secondary group size for ``zero.hpz_partition_size`` (0: one node's data-parallel
