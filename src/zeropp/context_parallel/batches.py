@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from zeropp.comm.communicator import Communicator
-from zeropp.context_parallel.inputs import IGNORE_INDEX, sequence_slice
+from zeropp.context_parallel.inputs import IGNORE_INDEX, sequence_slice, shift_labels
 from zeropp.context_parallel.masks import GATHER_OP
 from zeropp.errors import ConfigError
 from zeropp.topology import Topology
@@ -57,8 +57,7 @@ def share_rows(comm: Communicator, topology: Topology, batch: Mapping[str, Any])
         )
     common = -(-int(sizes[:, 1].max()) // group.size) * group.size
     if "labels" in rowed and "shift_labels" not in rowed:
-        labels = rowed["labels"]
-        rowed["shift_labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        rowed["shift_labels"] = shift_labels(rowed["labels"])
     part = sequence_slice(topology, common)
     shared = dict(batch)
     for name, tensor in rowed.items():

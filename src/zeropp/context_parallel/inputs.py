@@ -41,6 +41,11 @@ def sequence_positions(topology: Topology, length: int, device: torch.device | N
     return torch.arange(part.start, part.stop, device=device)
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Each token's label moved to the token before it (the next-token target), the last ignored."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+
+
 def causal_lm_inputs(
     topology: Topology,
     input_ids: torch.Tensor,
@@ -55,7 +60,7 @@ def causal_lm_inputs(
     every token. The slice's positions are filled in by the model's context-parallel hook (See [Note:
     masks of split sequences]). Without context parallelism: the model's own loss, unchanged."""
     labels = input_ids if labels is None else labels
-    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    shifted = shift_labels(labels)
     counted = int((shifted != IGNORE_INDEX).sum())
     part = sequence_slice(topology, input_ids.shape[1])
     sliced = dict(input_ids=input_ids, labels=labels, shift_labels=shifted)

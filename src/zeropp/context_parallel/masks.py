@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zeropp.comm.communicator import Communicator
+from zeropp.context_parallel.inputs import sequence_positions
 from zeropp.errors import ConfigError
 from zeropp.topology import Group
 
@@ -72,12 +73,11 @@ class SequenceInputs:
         self._check_flash()
         if name is None or given.get(name) is not None:
             return None
-        length = next((given[n].shape[1] for n in TOKEN_ARGUMENTS if given.get(n) is not None), None)
-        if length is None:
+        tokens = next((given[n] for n in TOKEN_ARGUMENTS if given.get(n) is not None), None)
+        if tokens is None:
             return None
-        start = self.group.rank * length
-        device = next(given[n] for n in TOKEN_ARGUMENTS if given.get(n) is not None).device
-        bound.arguments[name] = torch.arange(start, start + length, device=device).unsqueeze(0)
+        whole = tokens.shape[1] * self.group.size
+        bound.arguments[name] = sequence_positions(self.comm.topology, whole, tokens.device).unsqueeze(0)
         return bound.args, bound.kwargs
 
     def _gather(self, part: torch.Tensor) -> torch.Tensor:
