@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -418,8 +419,11 @@ class Trainer:
         trained, frozen_numel = flat_numels(engine.units, engine.module)
         split = engine.expert_groups is not engine.groups  # experts sharded over the ranks holding them (no hpZ)
         experts = sum(u.layout.padded_numel for u in engine.units if split and u.module in engine.expert_units)
-        optimizer_bytes = 4 if zero.optimizer_state_dtype == "bf16" else 8
-        experts_state = analytic_model_state_bytes(experts, engine.expert_groups.shard.size, zero.stage, zero.precision, zero.grad_dtype, optimizer_bytes=optimizer_bytes, master_dtype=zero.master_dtype)  # fmt: skip
+        states = functools.partial(  # the model-state formula's settings, the same for dense units and experts
+            analytic_model_state_bytes, stage=zero.stage, precision=zero.precision, grad_dtype=zero.grad_dtype,
+            optimizer_bytes=4 if zero.optimizer_state_dtype == "bf16" else 8, master_dtype=zero.master_dtype,
+            offload_optimizer=zero.offload.optimizer != "none", offload_params=zero.offload.params != "none",
+        )  # fmt: skip
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints
         frozen = [u.frozen.layout.padded_numel for u in engine.units if u.frozen is not None and not u.resident]
@@ -440,18 +444,11 @@ class Trainer:
             train_losses=self.losses,
             param_count=engine.param_count,
             model_state_bytes_per_rank=[int(r.model_state_bytes) for r in rows],
-            analytic_model_state_bytes_per_rank=analytic_model_state_bytes(
+            analytic_model_state_bytes_per_rank=states(
                 trained - experts,  # this rank's tensor-parallel share as laid out, over its data-parallel group
                 engine.groups.shard.size,  # one node's data-parallel ranks under DiLoCo
-                zero.stage,
-                zero.precision,
-                zero.grad_dtype,
-                optimizer_bytes=optimizer_bytes,
                 hpz_group_size=engine.hpz_group_size,
                 qwd_reference=zero.qwz.delta,
-                offload_optimizer=zero.offload.optimizer != "none",
-                offload_params=zero.offload.params != "none",
-                master_dtype=zero.master_dtype,
                 # at the last step, whose model-state bytes were measured: none once the schedule freed them
                 qgz_residuals=(topo.ranks_per_node, topo.nodes, zero.qgz.intra_node_quantized)
                 if self.error_feedback and self.residuals_freed_at_step is None
@@ -462,7 +459,7 @@ class Trainer:
                 if engine.outer is not None
                 else None,
             )
-            + experts_state,
+            + states(experts, engine.expert_groups.shard.size),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,
             peak_memory_bytes_per_rank=[int(r.peak_memory_bytes) for r in rows],
