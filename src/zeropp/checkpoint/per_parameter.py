@@ -112,14 +112,12 @@ class CheckpointMesh:
         piece = DTensor.from_local(
             local.view(block), self.mesh, placements, run_check=False, shape=shape, stride=stride
         )
+        # a strided tensor-parallel piece, or this rank's experts (sharded over the ranks holding them,
+        # every E-th data-parallel rank): its rows' blocks of the whole tensor
         experts, dp = expert_group(param), self.data_parallel
-        if experts is not None:  # rows of this rank's experts, sharded over the ranks holding them (dp[i::E])
-            start, _ = chunk_range(local_shape[0], dp.size // experts.size, dp.rank // experts.size)
-            start += experts.rank * local_shape[0]
-            whole = (slice(start, start + block[0]), *(slice(0, n) for n in rest))
-            _written_as_blocks(piece, [(tuple(slice(0, n) for n in block), whole)])
-        elif len(blocks(param)) > 1:  # a strided tensor-parallel piece: its rows' blocks
-            start, _ = chunk_range(local_shape[0], dp.size, dp.rank)
+        holders, holder = (dp.size // experts.size, dp.rank // experts.size) if experts else (dp.size, dp.rank)
+        if experts is not None or len(blocks(param)) > 1:
+            start, _ = chunk_range(local_shape[0], holders, holder)
             _written_as_blocks(piece, blocks(param, (start, start + block[0])))
         return piece
 
