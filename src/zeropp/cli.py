@@ -69,7 +69,6 @@ from zeropp.zero.materialize import MaterializeError
 
 # zeropp train's own defaults at stage 3 (the library's ZeroConfig keeps ZeRO++ off)
 ZEROPP_TRAIN_DEFAULTS = {f"zero.{key}": value for key, value in ZEROPP_SWITCHES.items()}
-QGZ_KEY = "zero.quantized_gradients"
 
 # commands with argument parsers of their own: module zeropp.<name>, main(argv) -> exit code
 SUBPROGRAMS = {
@@ -232,10 +231,8 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
         overrides = {**deepspeed.overrides, **overrides}  # the flags win
     with deepspeed.worded() if deepspeed is not None else contextlib.nullcontext():  # errors in the file's keys
         config = load_config(args.config, overrides)
-        if config.zero.stage == 3:  # ZeRO++ on; qgZ not with expert parallelism (not composed yet)
-            experts = config.topology.expert_parallel_size > 1
-            defaults = {k: v for k, v in ZEROPP_TRAIN_DEFAULTS.items() if not (experts and k == QGZ_KEY)}
-            config = load_config(args.config, overrides, defaults=defaults)
+        if config.zero.stage == 3:  # ZeRO++ on
+            config = load_config(args.config, overrides, defaults=ZEROPP_TRAIN_DEFAULTS)
         if deepspeed is not None:
             deepspeed.check_batch(config)
         topology = config.topology

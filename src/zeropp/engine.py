@@ -143,7 +143,8 @@ class ZeroEngine:
         self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
-        self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk)
+        ordered = self.topology.expert_parallel.size > 1  # experts' collectives share qgZ's second hops' ranks
+        self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk, ordered)
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
         if self.config.compile:
             compile_units(self.units)

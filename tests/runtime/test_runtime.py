@@ -40,8 +40,8 @@ class FakeReduction(Pending):
         self.name, self.log, self.ready, self.hop_started = name, log, False, False
         super().__init__([], self._land, start_hops=self._start)
 
-    def _start(self) -> bool:
-        if self.ready and not self.hop_started:
+    def _start(self, wait: bool) -> bool:
+        if (self.ready or wait) and not self.hop_started:
             self.hop_started = True
             self.log.append(f"hop {self.name}")
         return self.hop_started
@@ -63,6 +63,21 @@ def test_reduction_queue_bounds_in_flight_and_starts_hops_in_issue_order():
     assert log == ["wait first", "hop second"]
     queue.drain()
     assert log == ["wait first", "hop second", "wait second", "wait third"]
+
+
+def test_reduction_queue_in_program_order_starts_the_earlier_hops_at_each_push_whether_ready_or_not():
+    log: list[str] = []
+    queue = ReductionQueue(max_in_flight=2, hops_in_program_order=True)
+    first, second, third = (FakeReduction(n, log) for n in ("first", "second", "third"))
+    second.ready = third.ready = True  # readiness decides nothing: the pushes do
+    queue.push(first)
+    assert log == []  # the newest reduction's hop waits for the next push
+    queue.push(second)
+    assert log == ["hop first"]  # not ready: started anyway, waiting for its first hop
+    queue.push(third)
+    assert log == ["hop first", "wait first", "hop second"]
+    queue.drain()
+    assert log == ["hop first", "wait first", "hop second", "wait second", "wait third"]  # third's: in its wait
 
 
 def _unit(policy: StagePolicy) -> FlatUnit:

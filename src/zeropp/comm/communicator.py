@@ -76,7 +76,7 @@ class Pending:
         self,
         works: list,
         then: Callable[[], None] | None = None,
-        start_hops: Callable[[], bool] | None = None,
+        start_hops: Callable[[bool], bool] | None = None,
         issued: tuple[CollectiveTrace, Entry] | None = None,
     ) -> None:
         self._works = [w for w in works if w is not None]
@@ -87,9 +87,10 @@ class Pending:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
 
-    def start_ready_hops(self) -> bool:
-        """Start every later hop whose input is ready; return True when no hop is left to start
-        (False: a hop waits on an earlier one that has not finished).
+    def start_ready_hops(self, wait: bool = False) -> bool:
+        """Start every later hop whose input is ready (with `wait`: every later hop, waiting for
+        its input); return True when no hop is left to start (False: a hop waits on an earlier one
+        that has not finished).
 
         Hops must be started in issue order across Pendings (every rank must issue a group's
         collectives in the same order): call it on the oldest first and stop at the first False.
@@ -97,7 +98,7 @@ class Pending:
         """
         if self._start_hops is None or self._then is None:
             return True
-        return self._start_hops()
+        return self._start_hops(wait)
 
     def wait(self) -> None:
         for work in self._works:

@@ -271,9 +271,7 @@ def reduce_scatter_quantized(
     # Inter-node hops may start early only on a group no other collective uses (every rank must
     # issue a group's collectives in the same order); with one rank per node it is the shard group.
     may_start_early = groups.inter_node.ranks != groups.shard.ranks
-    return Pending(
-        [], reduction.land, start_hops=(lambda: reduction.start_inter(block=False)) if may_start_early else None
-    )
+    return Pending([], reduction.land, start_hops=reduction.start_inter if may_start_early else None)
 
 
 @dataclass

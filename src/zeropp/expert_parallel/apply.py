@@ -128,10 +128,8 @@ def refuse_expert_parallel(
 ) -> None:
     """What the engine's mixture of experts cannot do, refused in one line before any collective: a
     single expert as a unit (:func:`zeropp.zero.grouping.refuse_expert_units`), and with expert
-    parallelism a model
-    it cannot split (:func:`check_expert_parallel`), stage 0 (each rank's gradient norm would miss the
-    other ranks' experts), qgZ (its second hop starts when the first completes, which can reorder it
-    against the experts' collectives over the same ranks), offload (not composed yet) and a
+    parallelism a model it cannot split (:func:`check_expert_parallel`), stage 0 (each rank's
+    gradient norm would miss the other ranks' experts), offload (not composed yet) and a
     data-parallel group of ZeRO's other than the topology's (DiLoCo's nodes)."""
     refuse_expert_units(model, units)
     size = comm.topology.expert_parallel.size
@@ -140,8 +138,6 @@ def refuse_expert_parallel(
     check_expert_parallel(model, size)
     refused = {
         "zero.stage = 0": config.stage == 0,
-        "zero.quantized_gradients (qgZ: its second hop could be reordered against the experts' collectives "
-        "over the same ranks)": config.qgz.enabled,
         "zero.offload_optimizer or zero.offload_params (not composed yet)": config.offload.optimizer != "none"
         or config.offload.params != "none",
         "zero.outer_sync_every (DiLoCo)": dense.shard.ranks != comm.topology.data_parallel.ranks,

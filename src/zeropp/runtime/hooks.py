@@ -50,7 +50,12 @@ class Runtime:
     """The hooks of every unit, the recorded orders, prefetch and the reduction queue."""
 
     def __init__(
-        self, units: Sequence[FlatUnit], policy: StagePolicy, prefetch: int, files: ParamFiles | None = None
+        self,
+        units: Sequence[FlatUnit],
+        policy: StagePolicy,
+        prefetch: int,
+        files: ParamFiles | None = None,
+        hops_in_program_order: bool = False,
     ) -> None:
         self.units = list(units)
         self.files = files  # the shards' disk tier (offload_params = "nvme")
@@ -58,7 +63,7 @@ class Runtime:
         self.prefetch = prefetch
         self.forward_order = ExecutionOrder()
         self.backward_order = ExecutionOrder()
-        self.reductions = ReductionQueue()
+        self.reductions = ReductionQueue(hops_in_program_order=hops_in_program_order)  # See ReductionQueue
         self.in_backward = False
         self.held = False  # engine.gathered(): every unit stays gathered, the hooks reshard none
         self._reduce = False
