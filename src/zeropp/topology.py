@@ -170,15 +170,19 @@ class Topology:
             secondary = self.intra_node if same_as_node else self.subgroups(f"hpz{size}", self.layout.hpz_groups(size))
         return ShardGroups(self.data_parallel, self.intra_node, self.inter_node, secondary)
 
-    def expert_shard_groups(self) -> ShardGroups:
+    def expert_shard_groups(self, hpz_group_size: int = 1) -> ShardGroups:
         """The groups expert units shard over: the ranks holding the same experts, with their intra- and
-        inter-node parts (built on first use; collective then); hpZ's secondary partition is not built
-        for experts."""
+        inter-node parts, and where the dense units' hpZ secondary group (`hpz_group_size` ranks) holds
+        more than one rank of the same experts, those ranks as the experts' secondary group (built on
+        first use; collective then)."""
         layout = self.layout
+        size = layout.expert_hpz_group_size(hpz_group_size)
+        secondary = self.subgroups(f"expert_hpz{size}", layout.expert_hpz_groups(hpz_group_size)) if size > 1 else None
         return ShardGroups(
             self.subgroups("expert_data_parallel", layout.expert_data_parallel_groups()),
             self.subgroups("expert_intra_node", layout.expert_intra_node_groups()),
             self.subgroups("expert_inter_node", layout.expert_inter_node_groups()),
+            secondary,
         )
 
     def alone(self) -> Group:

@@ -118,29 +118,31 @@ def test_the_skewed_routing_is_what_it_says():
         assert set(lower.unique().tolist()) == {1, 2} and set(upper.unique().tolist()) == {0, 1}
 
 
-def _summary(tmp_path, ep: int, qgz: str = "--no-quantized-gradients") -> dict:
+def _summary(tmp_path, ep: int, qgz: str = "--no-quantized-gradients", world: int = 4) -> dict:
     import json
 
     from cli_runner import run_cli
     from launcher import free_port
 
-    out = tmp_path / f"ep{ep}{qgz}.json"
+    out = tmp_path / f"ep{ep}{qgz}{world}.json"
     done = run_cli(
         "train", "--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel", str(ep), "--steps", "2",
-        "--eval-batches", "1", qgz, "--master-port", str(free_port()), "--summary-json", str(out),
+        "--eval-batches", "1", qgz, "--nproc-per-node", str(world), "--master-port", str(free_port()),
+        "--summary-json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_memory(tmp_path):
+    """At world 4 on 2 simulated nodes, stage 3 with qwZ and hpZ (qgZ off: its int4 rounding falls on
+    other slices at E 2): E 2 trains the losses of E 1 (the same initialization: experts are units of
+    their own either way; within qwZ's rounding, whose int8 blocks fall on other shards), each rank
+    holding fewer model-state bytes, as the summary's formula says. With qgZ too, and at world 8 (2
+    nodes of 4: the experts' hpZ group is the 2 ranks of a node holding them, so backward gathers
+    nothing across nodes), `zeropp estimate` gives the run's bytes."""
     import json
 
-    """At world 4 on 2 simulated nodes, stage 3 with qwZ and hpZ (qgZ off: its int4 rounding falls on other
-    slices at E 2):
-    E 2 trains the losses of E 1 (the same initialization: experts are units of their own either way;
-    within qwZ's rounding, whose int8 blocks fall on other shards), each rank holding fewer
-    model-state bytes, as the summary's formula says."""
     one, two = _summary(tmp_path, 1), _summary(tmp_path, 2)
     assert two["train_losses"][0] == one["train_losses"][0]  # the same weights before the first step
     assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-4)
@@ -156,13 +158,16 @@ def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_mem
     # spread evenly over the experts (the router's is not)
     from zeropp.tools.estimate import main
 
-    qgz = _summary(tmp_path, 2, "--quantized-gradients")
+    qgz, eight = _summary(tmp_path, 2, "--quantized-gradients"), _summary(tmp_path, 2, "--quantized-gradients", 8)
     assert qgz["zeropp"]["quantized_gradients"] and qgz["ledger"]["all_to_all"] != two["ledger"].get("all_to_all")
-    for ep, summary, gradients in ((1, one, "--no-"), (2, two, "--no-"), (2, qgz, "--")):
-        out = tmp_path / f"estimate{ep}{gradients}.json"
+    assert eight["zeropp"]["hpz_group_size"] == 4 and eight["ledger"]["all_gather"]["backward"]["inter"] == 0
+    assert eight["model_state_bytes_per_rank"] == [eight["analytic_model_state_bytes_per_rank"]] * 8
+    runs = ((1, one, "--no-", 4), (2, two, "--no-", 4), (2, qgz, "--", 4), (2, eight, "--", 8))
+    for ep, summary, gradients, world in runs:
+        out = tmp_path / f"estimate{ep}{gradients}{world}.json"
         flags = ["--quantized-weights", "--hpz-partition-size", "0", f"{gradients}quantized-gradients"]
         argv = ["--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel-size", str(ep), *flags]
-        assert main([*argv, "--world", "4", "--nodes", "2", "--micro-batch-size", "4", "--json", str(out)]) == 0
+        assert main([*argv, "--world", str(world), "--nodes", "2", "--micro-batch-size", "4", "--json", str(out)]) == 0
         estimated = json.loads(out.read_text())
         assert estimated["model_state_bytes_per_rank"] == summary["analytic_model_state_bytes_per_rank"]
         measured = {op: v for op, v in summary["ledger"].items() if op != "ep.all_to_all"}
@@ -185,6 +190,42 @@ def test_what_expert_parallelism_cannot_do_is_refused_in_one_line():
         TopologyConfig(expert_parallel_size=2, context_parallel_size=2).validate()
     with pytest.raises(ConfigError, match=r"^model.top_k = 5 is not allowed with model.n_experts = 4"):
         gpt_config(ModelConfig(n_experts=4, top_k=5))
+
+
+def hpz_worker() -> dict:
+    from zeropp import ZeroConfig, ZeroEngine
+    from zeropp.config.sections import TopologyConfig
+    from zeropp.topology import init_topology
+
+    topology = init_topology(TopologyConfig(expert_parallel_size=2, nodes=2))
+    rank, readers = topology.rank, topology.world_size
+    config = ZeroConfig(stage=3, prefetch=2, hpz_partition_size=0, sequence_check_interval=1)
+    engine = ZeroEngine(moe_model(), torch.optim.AdamW, OPTIM, config, topology)
+    losses = []
+    for step in range(STEPS):
+        loss = engine(*rows(batch(step, readers, "learned"), rank))
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+    return dict(
+        state=engine.full_state_dict(), losses=losses, dense_hpz=engine.groups.hpz_group_size,
+        experts_secondary=engine.expert_groups.secondary.ranks,
+    )  # fmt: skip
+
+
+def test_hpz_keeps_the_experts_secondary_partition_on_the_ranks_of_a_node_holding_them():
+    """World 8 on 2 nodes of 4, E 2, hpZ over each node: the 2 ranks of a node holding the same experts
+    are their secondary group (backward gathers them inside the node); exact against one process."""
+    per_rank = run_ranks(hpz_worker, 8, nodes=2)
+    ref, ref_losses = reference(8, "learned")
+    for rank, result in enumerate(per_rank):
+        assert result["dense_hpz"] == 4
+        node, position = divmod(rank, 4)
+        assert result["experts_secondary"] == (4 * node + position % 2, 4 * node + position % 2 + 2)
+        error = max((result["state"][k].float() - ref[k]).abs().max().item() for k in ref)
+        assert error <= TOLERANCE, error
+    for step, expected in enumerate(ref_losses):
+        assert sum(r["losses"][step] for r in per_rank) / 8 == pytest.approx(expected, rel=1e-5, abs=0)
 
 
 def refusal_worker() -> dict:

@@ -115,6 +115,17 @@ def test_context_parallel_groups_cut_each_data_parallel_group_and_share_its_rows
     assert Layout(4, 1).reader(3) == (3, 4)
 
 
+def test_experts_hpz_groups_are_the_ranks_of_a_dense_hpz_group_holding_the_same_experts():
+    layout = Layout(8, 2, expert_parallel_size=2)  # 2 nodes of 4; experts split over (0, 1), (2, 3), ...
+    assert layout.expert_data_parallel_groups() == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert layout.expert_hpz_group_size(4) == 2  # hpZ over a node: 2 of its ranks hold the same experts
+    assert layout.expert_hpz_groups(4) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert layout.expert_hpz_group_size(8) == 4 and layout.expert_hpz_groups(8) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert layout.expert_hpz_group_size(2) == 1  # one rank of each experts per secondary group: off
+    assert Layout(8, 2, expert_parallel_size=4).expert_hpz_group_size(2) == 1  # E does not divide it: off
+    assert Layout(8, 2).expert_hpz_group_size(4) == 4  # without expert parallelism: the dense units' own
+
+
 @pytest.mark.parametrize("world,nodes,tp,cp", [(4, 2, 1, 4), (8, 1, 2, 3), (4, 1, 1, 0)])
 def test_cp_not_dividing_a_nodes_data_parallel_ranks_is_refused_in_one_line(world, nodes, tp, cp):
     with pytest.raises(ConfigError) as error:

@@ -417,7 +417,7 @@ class Trainer:
         n = len(rows)
         zero = self.config.zero
         trained, frozen_numel = flat_numels(engine.units, engine.module)
-        split = engine.expert_groups is not engine.groups  # experts sharded over the ranks holding them (no hpZ)
+        split = engine.expert_groups is not engine.groups  # experts sharded over the ranks holding them
         experts = sum(u.layout.padded_numel for u in engine.units if split and u.module in engine.expert_units)
         states = functools.partial(  # the model-state formula's settings, the same for dense units and experts
             analytic_model_state_bytes, stage=zero.stage, precision=zero.precision, grad_dtype=zero.grad_dtype,
@@ -459,7 +459,7 @@ class Trainer:
                 if engine.outer is not None
                 else None,
             )
-            + states(experts, engine.expert_groups.shard.size),
+            + states(experts, engine.expert_groups.shard.size, hpz_group_size=engine.expert_groups.hpz_group_size),
             qgz_residual_bytes_per_rank=self.qgz_residual_bytes,
             qgz_residuals_freed_at_step=self.residuals_freed_at_step,
             peak_memory_bytes_per_rank=[int(r.peak_memory_bytes) for r in rows],

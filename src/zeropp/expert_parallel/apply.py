@@ -151,8 +151,9 @@ def split_experts(model: nn.Module, comm: Communicator, dense: ShardGroups) -> t
     """The engine's mixture-of-experts layers, after :func:`refuse_expert_parallel`: their experts
     containers, units of their own (the same units, so the same initialization, with expert
     parallelism or without), and the groups those shard over: the ranks holding the same experts
-    (:func:`apply_expert_parallel`), or `dense`, the other units' groups, without it."""
+    (:func:`apply_expert_parallel`; hpZ over those of one of the dense units' secondary groups), or
+    `dense`, the other units' groups, without it."""
     if comm.topology.expert_parallel.size > 1:
         apply_expert_parallel(model, comm)
-        return experts_containers(model), comm.topology.expert_shard_groups()
+        return experts_containers(model), comm.topology.expert_shard_groups(dense.hpz_group_size)
     return experts_containers(model), dense

@@ -114,6 +114,18 @@ class Layout:
         """The expert-data-parallel groups cut by position inside the node: one rank per node."""
         return self._by_position(self.expert_data_parallel_groups())
 
+    def expert_hpz_group_size(self, hpz_group_size: int) -> int:
+        """hpZ's secondary group size for experts units where the dense units' is `hpz_group_size`: the
+        ranks of one dense secondary group holding the same experts; 1 (hpZ off for experts) where
+        that is one rank or E does not divide the group."""
+        ep = self.expert_parallel_size
+        return hpz_group_size // ep if hpz_group_size % ep == 0 else 1
+
+    def expert_hpz_groups(self, hpz_group_size: int) -> RankGroups:
+        """Every dense hpZ secondary group's ranks holding the same experts (every E-th member)."""
+        ep = self.expert_parallel_size
+        return [ranks[i::ep] for ranks in self.hpz_groups(hpz_group_size) for i in range(ep)]
+
     def reader(self, rank: int) -> tuple[int, int]:
         """(which of the data-parallel group's readers `rank` is, how many readers there are): the
         members of one context-parallel group read the same rows, each its own slice of them."""

@@ -133,7 +133,8 @@ class Estimate:
         device and no secondary copy: stage 2's formula. DiLoCo's state is the whole shard's (its
         exchange pads each fragment's shard at once), beside the masters."""
         zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
-        ep = self.layout.expert_parallel_size  # an experts unit: over world / E ranks, no hpZ
+        ep = self.layout.expert_parallel_size  # an experts unit: over world / E ranks, hpZ over its holders
+        experts_hpz = self.layout.expert_hpz_group_size(self.hpz_group_size)
         # the whole-parameter owners' state and DiLoCo's, held once per rank rather than per unit
         held = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
         beside_masters = "host" if offload.optimizer != "none" else "device"  # the disk tier is refused with it
@@ -147,7 +148,7 @@ class Estimate:
                 zero.precision,
                 zero.grad_dtype,
                 self.optimizer_bytes,
-                1 if u.resident or (u.experts and ep > 1) else self.hpz_group_size,
+                1 if u.resident else experts_hpz if u.experts else self.hpz_group_size,
                 offload_optimizer=offload.optimizer != "none",
                 offload_params=offload.params != "none" and not u.resident,
                 optimizer_on_disk=offload.optimizer == "nvme",
@@ -407,12 +408,13 @@ def expert_unit_transfers(
     est: Estimate, experts: MixtureOfExperts | None, activations: Activations | None
 ) -> list[Transfer]:
     """Expert parallelism's collectives in one step: the experts units' over the ranks holding the same
-    experts (no hpZ), and with `activations` (tokens per micro-batch) the layers' dispatch and combine."""
+    experts (hpZ: those of a dense secondary group), with `activations` the layers' dispatch and combine."""
     if experts is None or experts.expert_parallel == 1:
         return []
     zero, layout, micro = est.zero, est.layout, est.zero.gradient_accumulation_steps
     holders = Layout(layout.data_parallel_size // experts.expert_parallel, layout.nodes)
-    transfers = list(unit_transfers(((u.padded, u.resident) for u in est.units if u.experts), holders, zero, 1))
+    hpz = layout.expert_hpz_group_size(est.hpz_group_size)
+    transfers = list(unit_transfers(((u.padded, u.resident) for u in est.units if u.experts), holders, zero, hpz))
     if activations is not None:
         tokens, recomputed = activations.batch * activations.seq, activations.activation_checkpointing
         transfers += expert_transfers(experts, tokens, activations.hidden, BYTES[zero.precision], micro, recomputed)
