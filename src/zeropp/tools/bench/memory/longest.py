@@ -13,9 +13,15 @@ a long sequence are what tiling removes). Then, without a limit, each rank's ste
 length (``--growth-lengths``) at C = 1 and the largest C, with tiled logits: the activations a rank
 holds grow with its share of the sequence. The CPU model and the date go with the results.
 
+Every run gets ``MALLOC_MMAP_THRESHOLD_=131072``, as ``zeropp bench memory`` and ``bench step`` do:
+glibc otherwise raises its mmap threshold as large blocks are freed and keeps freed blocks of that
+size resident, which the cgroup and the resident set count as if they were tensors (by different
+amounts from run to run, and more at C 4 than at C 1 at the same length). ``--glibc-default``
+measures under glibc's own behaviour instead.
+
     zeropp bench longest [--world 4] [--context-parallel 1 2 4] [--logit-tiles 16]
                          [--lengths 1024 2048 4096 8192 16384 32768] [--limit-gib-per-rank 0.9]
-                         [--resolution 0.03] [--refine 6] [--out results/bench_longest.json]
+                         [--resolution 0.03] [--refine 6] [--glibc-default] [--out results/bench_longest.json]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from zeropp.tools.bench.memory.largest import limit_cgroup, run_limited
 from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, cpu_model, output_file
 
 UNLIMITED_GIB_PER_RANK = 16.0  # the growth runs: a cgroup that never fills
+MMAP_THRESHOLD = 128 * 1024  # every run's fixed glibc mmap threshold (see the docstring)
 
 
 def write_config(folder: Path, args: argparse.Namespace) -> Path:
@@ -123,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--glibc-default", action="store_true",
+        help="leave glibc's dynamic mmap threshold (freed memory kept resident) instead of fixing it at 128 KiB",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/bench_longest.json"))
     args = parser.parse_args(argv)
     args.out = output_file(parser, args.out, "bench_longest.json")
@@ -132,8 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "cpu": cpu_model(), "date": datetime.date.today().isoformat(), "world": args.world,
         "limit_gib_per_rank": args.limit_gib_per_rank,
+        "mmap_threshold": None if args.glibc_default else MMAP_THRESHOLD,
         "model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}, "rows": [], "growth": [],
     }  # fmt: skip
+    if not args.glibc_default:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # inherited by every run (see the docstring)
     with tempfile.TemporaryDirectory() as folder:
         config = write_config(Path(folder), args)
         limit_cgroup(int(args.limit_gib_per_rank * args.world * 2**30))
