@@ -42,15 +42,14 @@ from zeropp.quant.backends import kernels_for
 from zeropp.quant.spec import QuantSpec
 from zeropp.runtime import Runtime
 from zeropp.runtime.activation_checkpointing import (
-    ActivationCheckpointing,
-    ActivationCheckpointOptions,
     ActivationCheckpointStep,
+    activation_checkpointing_for,
     kv_cache_configs,
     kv_cache_off,
 )
 from zeropp.runtime.compiled import compile_units
 from zeropp.tensor_parallel.apply import check_split
-from zeropp.topology import Group, Topology
+from zeropp.topology import Topology
 from zeropp.zero import materialize
 from zeropp.zero.arena import Arena
 from zeropp.zero.fingerprint import check_same_model
@@ -59,6 +58,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.delayed import DelayedUpdate
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
+from zeropp.zero.optim.in_backward import BackwardStep, refuse_step_in_backward
 from zeropp.zero.optim.outer import OuterStep, refuse_fragments, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
@@ -108,6 +108,7 @@ class ZeroEngine:
         self.grad_dtype = DTYPES[self.config.grad_dtype or self.config.precision]
         # DiLoCo: ZeRO inside each node, the nodes synchronized by the outer step (See [Note: the outer loop])
         outer = runs_outer_loop(self.config, self.topology.nodes, path)
+        refuse_step_in_backward(self.config, spec, path, outer)  # See [Note: the step inside backward]
         units = None if units is None else list(units)
         if outer:  # Streaming DiLoCo's fragments: whole units holding trainable parameters
             modules = repeated_blocks(model) if units is None else units
@@ -141,6 +142,11 @@ class ZeroEngine:
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
+        self.early = (
+            BackwardStep(self.stepper, self.config, self.comm, self.groups.shard)
+            if self.config.step_in_backward
+            else None
+        )
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         ordered = self.topology.expert_parallel.size > 1  # experts' collectives share qgZ's second hops' ranks
@@ -148,7 +154,7 @@ class ZeroEngine:
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
         if self.config.compile:
             compile_units(self.units)
-        self.activation_checkpointing = self._build_activation_checkpointing()
+        self.activation_checkpointing = activation_checkpointing_for(self.config, self.units, self.comm, self.topology)
         self._kv_caches = [] if self.activation_checkpointing is None else kv_cache_configs(model)
         self.last_activation_checkpoints: ActivationCheckpointStep | None = None  # what the last optimizer step stored
 
@@ -160,23 +166,6 @@ class ZeroEngine:
         self.measured_model_state_bytes = 0
 
     # -- construction ----------------------------------------------------------------------------
-
-    def _build_activation_checkpointing(self) -> ActivationCheckpointing | None:
-        config = self.config
-        if not config.activations.enabled:
-            return None
-        options = ActivationCheckpointOptions(
-            partition=config.activations.partition_activations,
-            offload=config.activations.cpu_checkpointing,
-            contiguous=config.contiguous_memory_optimization,
-            bucket_numel=config.allgather_bucket_numel,
-        )
-        topology = self.topology
-        # Pa splits each block input over the tensor-parallel ranks, which all hold it whole; with sequence
-        # parallelism each holds its own 1/tp of the sequence already: Pa keeps that (over a group of one)
-        # See [Note: Pa under sequence parallelism] (docs/design.md)
-        group = Group(None, (topology.rank,), 0) if topology.sequence_parallel else topology.tensor_parallel
-        return ActivationCheckpointing(self.units, self.comm, group, topology.device, options)
 
     def _unit_options(self) -> UnitOptions:
         config, device = self.config, self.topology.device
@@ -308,8 +297,12 @@ class ZeroEngine:
         self.states.require_on_device("backward")
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
+        on_reduced = self.early.begin(boundary) if self.early is not None else None
+        if on_reduced is not None:  # the units step as they are reduced: at the rate set now
+            self.optimizer_spec.follow_sources(self.optimizers)
         with self.comm.in_phase("backward"):
-            self.runtime.backward(loss * scale, reduce=self.policy.shard_gradients or boundary)
+            reduce = self.policy.shard_gradients or boundary
+            self.runtime.backward(loss * scale, reduce=reduce, on_reduced=on_reduced)
         self.micro_step += 1
         self._at_boundary = boundary
 
@@ -335,6 +328,8 @@ class ZeroEngine:
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
+                elif self.early is not None and self.early.finish():
+                    pass  # stepped in backward, published now
                 else:
                     self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
                     given = self.stepper.given_gradients(self.comm, self.groups.shard)

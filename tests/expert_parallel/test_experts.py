@@ -89,8 +89,12 @@ def expert_worker(ep: int, stage: int, routing: str, extra: dict) -> dict:
     [
         (2, 2, 3, "learned", {}), (4, 2, 3, "learned", {}), (4, 2, 1, "learned", {}), (4, 2, 2, "skewed", {}),
         (2, 2, 3, "skewed", {}), (4, 2, 3, "skewed", dict(activation_checkpointing=True)),
+        (2, 2, 3, "skewed", dict(step_in_backward=True)),
     ],
-    ids=["e2", "e2xdp2", "e2xdp2-stage1", "e2xdp2-stage2-skewed", "e2-skewed", "e2xdp2-skewed-checkpointed"],
+    ids=[
+        "e2", "e2xdp2", "e2xdp2-stage1", "e2xdp2-stage2-skewed", "e2-skewed", "e2xdp2-skewed-checkpointed",
+        "e2-skewed-step-in-backward",
+    ],
 )  # fmt: skip
 def test_trains_the_weights_and_losses_of_one_process(world, ep, stage, routing, extra):
     per_rank = run_ranks(expert_worker, world, ep=ep, stage=stage, routing=routing, extra=extra)

@@ -99,6 +99,10 @@ class ZeroConfig:
     shard_alignment: int = setting(32, "every rank's shard is a multiple of this many elements")
     gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
     max_grad_norm: float | None = setting(None, "clip the global gradient norm to this; unset: no clipping")
+    step_in_backward: bool = setting(
+        False, "step each unit's shard on a thread as soon as its last micro-batch's gradient is reduced, while backward "
+        "goes on (the same weights; with max_grad_norm the step waits for the norm, after backward, as without it)",
+    )  # fmt: skip
     optimizer_state_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "dtype of Adam's two moments (bf16: 12 bytes of model states per parameter instead of 16; Adam, AdamW)"
     )
@@ -178,19 +182,16 @@ class ZeroConfig:
         if self.grad_dtype not in (None, "fp32", self.precision):  # fp16 gradients need the fp16 loss scaler
             require(False, "zero.grad_dtype", self.grad_dtype, f"unset, 'fp32' or {self.precision!r} (the precision)")
         if self.master_dtype != "fp32":
-            require(
-                self.precision == "bf16",
-                "zero.master_dtype",
-                self.master_dtype,
-                "'fp32' unless zero.precision is 'bf16'",
-            )
+            require(self.precision == "bf16", "zero.master_dtype", self.master_dtype, "'fp32' unless zero.precision is 'bf16'")  # fmt: skip
             offload = self.offload.optimizer
-            require(
-                offload == "none",
-                "zero.master_dtype",
-                self.master_dtype,
-                f"'fp32' with zero.offload_optimizer = {offload!r}",
-            )
+            require(offload == "none", "zero.master_dtype", self.master_dtype, f"'fp32' with zero.offload_optimizer = {offload!r}")  # fmt: skip
+        if self.step_in_backward:  # See [Note: the step inside backward]
+            for clash, yes in (
+                ("zero.precision = 'fp16' (its overflow check needs every gradient)", self.precision == "fp16"),
+                ("zero.offload_delayed_update", self.offload.delayed_update),
+                ("an 'nvme' offload (its ring streams the states in unit order)", "nvme" in (self.offload.optimizer, self.offload.params)),
+            ):  # fmt: skip
+                require(not yes, "zero.step_in_backward", True, f"false with {clash}")
         self.qgz.validate(self.key("qgz"))
         self.qwz.validate(self.key("qwz"))
         require(

@@ -53,7 +53,8 @@ from torch.utils.checkpoint import checkpoint
 
 from zeropp.comm.communicator import Communicator
 from zeropp.comm.ledger import PA_GATHER
-from zeropp.topology import Group
+from zeropp.config.sections import ZeroConfig
+from zeropp.topology import Group, Topology
 from zeropp.zero.arena import Arena
 from zeropp.zero.grouping import innermost_units
 from zeropp.zero.unit import FlatUnit
@@ -257,3 +258,23 @@ def kv_cache_off(configs: Sequence[Any]) -> Iterator[None]:
     finally:
         for config, use_cache in changed:
             config.use_cache = use_cache
+
+
+def activation_checkpointing_for(
+    config: ZeroConfig, units: Sequence[FlatUnit], comm: Communicator, topology: Topology
+) -> ActivationCheckpointing | None:
+    """The engine's activation checkpointing as ``zero.activation_checkpointing`` and ZeRO-R's switches
+    ask for it (None: off)."""
+    if not config.activations.enabled:
+        return None
+    options = ActivationCheckpointOptions(
+        partition=config.activations.partition_activations,
+        offload=config.activations.cpu_checkpointing,
+        contiguous=config.contiguous_memory_optimization,
+        bucket_numel=config.allgather_bucket_numel,
+    )
+    # Pa splits each block input over the tensor-parallel ranks, which all hold it whole; with sequence
+    # parallelism each holds its own 1/tp of the sequence already: Pa keeps that (over a group of one)
+    # See [Note: Pa under sequence parallelism] (docs/design.md)
+    group = Group(None, (topology.rank,), 0) if topology.sequence_parallel else topology.tensor_parallel
+    return ActivationCheckpointing(units, comm, group, topology.device, options)

@@ -32,13 +32,14 @@ is gathered once and the hooks reshard none of them ([Note: gathered generation]
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zeropp.comm.communicator import Pending
 from zeropp.runtime.order import ExecutionOrder
 from zeropp.runtime.reductions import ReductionQueue
 from zeropp.zero.offload.disk_params import ParamFiles
@@ -67,6 +68,7 @@ class Runtime:
         self.in_backward = False
         self.held = False  # engine.gathered(): every unit stays gathered, the hooks reshard none
         self._reduce = False
+        self._on_reduced: Callable[[FlatUnit], None] | None = None
         for unit in self.units:
             if not unit.resident:
                 unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
@@ -160,10 +162,13 @@ class Runtime:
 
     # -- backward --------------------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, *, reduce: bool) -> None:
+    def backward(
+        self, loss: torch.Tensor, *, reduce: bool, on_reduced: Callable[[FlatUnit], None] | None = None
+    ) -> None:
         """Backward of `loss` (already scaled); reduce every unit's gradients as they complete when
-        `reduce`, else leave them accumulated in place (a micro-batch before the boundary, stages 0-1)."""
-        self._reduce = reduce
+        `reduce`, else leave them accumulated in place (a micro-batch before the boundary, stages 0-1);
+        `on_reduced(unit)` once a unit's reduction has landed (See [Note: the step inside backward])."""
+        self._reduce, self._on_reduced = reduce, on_reduced
         for unit in self.units:
             unit.begin_backward()
         self.in_backward = True
@@ -207,4 +212,8 @@ class Runtime:
         if self.policy.shard_parameters and not self.held:
             unit.reshard()
         if self._reduce:
-            self.reductions.push(unit.reduce_gradients())
+            pending = unit.reduce_gradients()
+            if self._on_reduced is not None:
+                landed = functools.partial(self._on_reduced, unit)
+                pending = Pending([pending], landed, start_hops=pending.start_ready_hops)
+            self.reductions.push(pending)

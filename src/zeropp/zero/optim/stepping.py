@@ -197,7 +197,7 @@ def step_masters(
     scale: float | None,
     coefficient: torch.Tensor | None,
     batches: Iterable[Sequence[int]],
-    given: list[set[int]] | None = None,
+    given: Sequence[set[int]] | Mapping[int, set[int]] | None = None,
     publish: Callable[[int], None] | None = None,
 ) -> None:
     """Hand each unit of each batch its gradient in the master's dtype (from `copies`, else its reduced

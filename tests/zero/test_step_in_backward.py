@@ -1,0 +1,135 @@
+"""The optimizer step inside backward (``zero.step_in_backward``): the weights bit for bit those of
+stepping after backward (stages 1-3, worlds 1, 2 and 4, clipping on and off, accumulation, offload
+none and cpu), within the exactness bound of one process; the units are stepped before
+``engine.step()``; what cannot step unit by unit is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+from models import ADAM_EPS, TOLERANCE, global_batch, loss_of, make_model, rows
+
+from zeropp.config.sections import ZeroConfig
+from zeropp.errors import ConfigError
+
+STEPS, ACCUMULATION, MAX_NORM = 3, 2, 0.05
+LRS = [1e-2 * 0.8**step for step in range(STEPS)]  # set before each step's forward, as zeropp train does
+
+
+def train(stage: int, in_backward: bool, extra: dict) -> tuple[dict, list[bool]]:
+    """The weights after STEPS steps, and per step whether the masters had moved before engine.step()."""
+    from zeropp import ZeroEngine
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    config = ZeroConfig(
+        stage=stage, gradient_accumulation_steps=ACCUMULATION, step_in_backward=in_backward, **extra
+    )  # fmt: skip
+    engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=LRS[0], eps=ADAM_EPS), config, topology)
+    world, rank = topology.world_size, topology.rank
+    moved = []
+    for step in range(STEPS):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = LRS[step]
+        for micro in range(ACCUMULATION):
+            before = [unit.master.detach().clone() for unit in engine.units]
+            x, y = rows(global_batch("gpt", step, micro, world), rank)
+            engine.backward(loss_of("gpt", engine, x, y))
+        if engine.early is not None:
+            for future in engine.early._running:  # the launched steps, done before engine.step() runs
+                future.result()
+        moved.append(any(not torch.equal(b, unit.master) for b, unit in zip(before, engine.units, strict=True)))
+        assert engine.step()
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}, moved
+
+
+def reference(world: int, max_norm: float | None) -> dict:
+    """One process on the global batch (every micro-batch at once), the rate set before each step."""
+    model = make_model("gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LRS[0], eps=ADAM_EPS)
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[step]
+        x, y = (
+            torch.cat(parts)
+            for parts in zip(*(global_batch("gpt", step, m, world) for m in range(ACCUMULATION)), strict=False)
+        )
+        optimizer.zero_grad()
+        loss_of("gpt", model, x, y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+    return model.state_dict()
+
+
+def compare_worker(stage: int, extra: dict) -> dict:
+    after, moved = train(stage, False, extra)
+    inside, moved_inside = train(stage, True, extra)
+    return dict(after=after, inside=inside, moved=moved, moved_inside=moved_inside)
+
+
+CASES = [
+    (1, 3, {}), (2, 1, {}), (2, 2, {"max_grad_norm": MAX_NORM}), (2, 3, {"offload_optimizer": "cpu"}),
+    (4, 3, {}), (4, 2, {"offload_optimizer": "cpu", "max_grad_norm": MAX_NORM}), (4, 1, {"precision": "bf16"}),
+    (2, 3, {"optimizer_path": "flat"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("world,stage,extra", CASES, ids=[f"w{w}-s{s}-{'-'.join(e) or 'plain'}" for w, s, e in CASES])
+def test_the_weights_are_bit_for_bit_those_of_stepping_after_backward(world, stage, extra):
+    per_rank = run_ranks(compare_worker, world, stage=stage, extra=extra)
+    clipped = "max_grad_norm" in extra
+    for result in per_rank:
+        for name, value in result["after"].items():
+            assert torch.equal(result["inside"][name], value), name
+        assert result["moved"] == [False] * STEPS  # without it, nothing moves before engine.step()
+        # with it, the units are stepped during the boundary's backward, unless clipping needs the norm first
+        assert result["moved_inside"] == [not clipped] * STEPS
+    if extra.get("precision", "fp32") == "fp32":  # and they are one process's weights
+        ref = reference(world, extra.get("max_grad_norm"))
+        for result in per_rank:
+            assert max((result["inside"][k].float() - ref[k]).abs().max().item() for k in ref) <= TOLERANCE
+
+
+@pytest.mark.unit
+def test_what_the_config_cannot_step_in_backward_is_refused_in_one_line(tmp_path):
+    for extra, clash in (
+        (dict(precision="fp16"), "zero.precision = 'fp16'"),
+        (dict(offload_optimizer="cpu", offload_delayed_update=True), "zero.offload_delayed_update"),
+        (dict(offload_optimizer="nvme", offload_path=str(tmp_path)), "an 'nvme' offload"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            ZeroConfig(step_in_backward=True, **extra).validate()
+        message = str(error.value)
+        assert message.startswith(f"zero.step_in_backward = True is not allowed; expected false with {clash}")
+        assert "\n" not in message
+
+
+def refusal_worker() -> list[str]:
+    from zeropp import ZeroEngine
+    from zeropp.topology import init_topology
+
+    class MarkedSGD(torch.optim.SGD):  # element-wise by its author's word: its step may take every unit at once
+        elementwise = True
+
+    topology, messages = init_topology(), []
+    for optimizer in (torch.optim.Adafactor, MarkedSGD, torch.optim.LBFGS):
+        try:
+            ZeroEngine(make_model("gpt"), optimizer, dict(lr=0.01), ZeroConfig(step_in_backward=True), topology)
+        except ConfigError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_an_optimizer_it_cannot_step_unit_by_unit_is_refused_in_one_line_before_any_collective():
+    adafactor, marked, lbfgs = run_ranks(refusal_worker, 1)[0]
+    assert adafactor == (
+        "zero.step_in_backward = True is not allowed; expected false with the 'whole' optimizer path "
+        "(whole parameters on owner ranks: not one unit per step call)"
+    )
+    assert marked == (
+        "zero.step_in_backward = True is not allowed; expected false with MarkedSGD (one unit per "
+        "optimizer.step() call: torch's element-wise optimizers only)"
+    )
+    assert lbfgs.startswith("optimizer LBFGS re-evaluates the model through a closure")
