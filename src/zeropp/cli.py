@@ -253,7 +253,7 @@ def _train_config(args: argparse.Namespace, argv: list[str]) -> tuple[Any, int]:
                 with torch.device("meta"):
                     model = source.build()  # LoRA: targets the model lacks
                 if tp > 1:  # a class without a plan, shapes tp ranks cannot share
-                    plan_for(model, tp, topology.sequence_parallel)
+                    plan_for(model, tp, topology.sequence_parallel, experts_whole=ep > 1)
                 if cp > 1:  # See [Note: Ulysses attention]
                     check_context_parallel(model, cp, tp)
                     check_length(source.block_size, cp)

@@ -13,21 +13,22 @@ from test_experts import OPTIM, moe_model
 SAVED_AT, STEPS = 2, 3
 
 
-def run_worker(folder: str, ep: int, resume: bool) -> dict:
+def run_worker(folder: str, ep: int, resume: bool, tp: int = 1) -> dict:
     from zeropp import ZeroConfig, ZeroEngine
     from zeropp.checkpoint.dcp import find_latest, load_checkpoint, save_checkpoint
     from zeropp.config.sections import TopologyConfig
+    from zeropp.tensor_parallel.apply import parallelize
     from zeropp.topology import init_topology
 
-    topology = init_topology(TopologyConfig(expert_parallel_size=ep, nodes=1))
-    rank, world = topology.rank, topology.world_size
-    engine = ZeroEngine(moe_model(), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
+    topology = init_topology(TopologyConfig(expert_parallel_size=ep, tensor_parallel_size=tp, nodes=1))
+    dp = topology.data_parallel  # tensor-parallel ranks read the same rows
+    engine = ZeroEngine(parallelize(moe_model(), topology), torch.optim.AdamW, OPTIM, ZeroConfig(stage=3), topology)
     start = 0
     if resume:
         load_checkpoint(engine, find_latest(folder))
         start = SAVED_AT
     for step in range(start, STEPS):
-        engine.backward(engine(*rows(global_batch("gpt", step, 0, 2), rank, 4 // world)))
+        engine.backward(engine(*rows(global_batch("gpt", step, 0, 2), dp.rank, 4 // dp.size)))
         engine.step()
         if not resume and step + 1 == SAVED_AT:
             save_checkpoint(engine, folder, SAVED_AT)

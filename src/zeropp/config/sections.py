@@ -287,10 +287,10 @@ class TopologyConfig:
             self.expert_parallel_size,
             "an integer >= 1",
         )
-        if self.expert_parallel_size > 1:
-            for key in ("tensor_parallel_size", "context_parallel_size"):
+        if self.expert_parallel_size > 1:  # tensor parallelism composes: the experts run whole on every tp rank
+            for key, alone in (("context_parallel_size", 1), ("sequence_parallel", False)):
                 require(
-                    getattr(self, key) == 1,
+                    getattr(self, key) == alone,
                     "topology.expert_parallel_size",
                     self.expert_parallel_size,
                     f"1 with topology.{key} = {getattr(self, key)} (not composed yet)",

@@ -9,6 +9,7 @@ import itertools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zeropp.comm.communicator import Communicator
 from zeropp.config.sections import ZeroConfig
@@ -66,6 +67,11 @@ def check_expert_parallel(model: nn.Module, size: int) -> None:
                 raise ConfigError(
                     f"a frozen experts weight ({name}) is not allowed with topology.expert_parallel_size = {size} "
                     "yet (LoRA on a mixture of experts, a frozen base); expected trainable experts, or 1"
+                )
+            if isinstance(param, DTensor):  # a plan of the user's (zeropp.parallelize's leaves them whole)
+                raise ConfigError(
+                    f"topology.expert_parallel_size = {size} cannot split {name}: the tensor-parallel plan split it; "
+                    "expected the experts left out of the plan (each tensor-parallel rank runs them whole)"
                 )
             if not param.dim() or param.shape[0] != experts:
                 raise ConfigError(
@@ -129,8 +135,10 @@ def refuse_expert_parallel(
     """What the engine's mixture of experts cannot do, refused in one line before any collective: a
     single expert as a unit (:func:`zeropp.zero.grouping.refuse_expert_units`), and with expert
     parallelism a model it cannot split (:func:`check_expert_parallel`), stage 0 (each rank's
-    gradient norm would miss the other ranks' experts), offload (not composed yet) and a
-    data-parallel group of ZeRO's other than the topology's (DiLoCo's nodes)."""
+    gradient norm would miss the other ranks' experts), offload (not composed yet), a
+    data-parallel group of ZeRO's other than the topology's (DiLoCo's nodes) and Pa under tensor
+    parallelism (an experts container's checkpointed input, the rows its tokens sent it, differs in
+    size from one tensor-parallel group to the next: the collective sequences could not be compared)."""
     refuse_expert_units(model, units)
     size = comm.topology.expert_parallel.size
     if size == 1:
@@ -141,6 +149,8 @@ def refuse_expert_parallel(
         "zero.offload_optimizer or zero.offload_params (not composed yet)": config.offload.optimizer != "none"
         or config.offload.params != "none",
         "zero.outer_sync_every (DiLoCo)": dense.shard.ranks != comm.topology.data_parallel.ranks,
+        "zero.partition_activations under tensor parallelism (not composed yet)": config.activations.partition_activations
+        and comm.topology.tensor_parallel.size > 1,
     }
     for what, yes in refused.items():
         if yes:

@@ -70,15 +70,15 @@ from zeropp.zero.weights.dtensor_params import is_split, local_tensor
 PLANS: dict[str, Callable[..., Plan]] = {"GPT": gpt_plan, "LlamaForCausalLM": llama_plan, "GPT2LMHeadModel": gpt2_plan}
 
 
-def plan_for(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan:
+def plan_for(model: nn.Module, tp: int, sequence_parallel: bool = False, experts_whole: bool = False) -> Plan:
     """The shipped plan for this model's class (with `sequence_parallel`'s layout when asked), else
-    transformers' own plan translated (:func:`~zeropp.tensor_parallel.hf_plans.hf_plan`); a one-line
-    ConfigError where there is none."""
+    transformers' own plan translated (:func:`~zeropp.tensor_parallel.hf_plans.hf_plan`; `experts_whole`:
+    its experts left whole, as expert parallelism runs them); a one-line ConfigError where there is none."""
     name = type(model).__name__
     if name in PLANS:
         return PLANS[name](model, tp, sequence_parallel=sequence_parallel)
     if has_hf_plan(model) and not sequence_parallel:
-        return hf_plan(model, tp)
+        return hf_plan(model, tp, experts_whole)
     what = "sequence-parallel plan" if has_hf_plan(model) else "tensor-parallel plan"
     raise ConfigError(
         f"no {what} for model class {name} (shipped for {', '.join(sorted(PLANS))}, and translated from "
@@ -94,14 +94,16 @@ def tensor_parallel_mesh(topology: Topology) -> DeviceMesh:
 
 def parallelize(model: nn.Module, topology: Topology, plan: Plan | None = None) -> nn.Module:
     """Split `model` over the topology's tensor-parallel group with `plan` (default: the shipped plan for
-    its class, with ``topology.sequence_parallel``'s layout when set); a no-op without tensor
-    parallelism. Collective over the tensor-parallel group. A plan of your own under
-    ``topology.sequence_parallel`` must hand every block its input split over the sequence
-    (:func:`sequence_parallel_plan`): the engine's Pa keeps a block's input as it is then."""
+    its class, with ``topology.sequence_parallel``'s layout when set, the experts whole under expert
+    parallelism); a no-op without tensor parallelism. Collective over the tensor-parallel group. A plan
+    of your own under ``topology.sequence_parallel`` must hand every block its input split over the
+    sequence (:func:`sequence_parallel_plan`): the engine's Pa keeps a block's input as it is then;
+    under expert parallelism it must leave the experts whole."""
     tp = topology.tensor_parallel
     if tp.size == 1:
         return model
-    plan = plan_for(model, tp.size, topology.sequence_parallel) if plan is None else plan
+    experts_whole = topology.expert_parallel.size > 1
+    plan = plan_for(model, tp.size, topology.sequence_parallel, experts_whole) if plan is None else plan
     parallelize_module(model, tensor_parallel_mesh(topology), plan)
     fork_split_regions(model, plan, tp.rank, topology.device)  # each rank's own dropout masks where parts differ
     if topology.sequence_parallel:

@@ -15,7 +15,8 @@ A Hugging Face plan maps module (or parameter) patterns to style strings:
   q/k norms): its weights ``Replicate`` DTensors whose gradients come back ``Partial`` and are summed
   over the group with the unit's gradients (:meth:`~zeropp.zero.unit.FlatUnit.add_grad`);
 - ``moe_tp_experts`` with its parameters' entries (``packed_colwise`` for ``gate_up_proj``,
-  ``rowwise`` for ``down_proj``): every expert split Megatron's way, :class:`MoeExperts`;
+  ``rowwise`` for ``down_proj``): every expert split Megatron's way, :class:`MoeExperts`; under
+  expert parallelism left out (``experts_whole``): each tensor-parallel rank runs its experts whole;
 - ``all_reduce`` (``gather`` in older releases): the module's output all-reduced;
   ``replicate``: whole. ``local_*`` (older releases: the same split on local tensors) are their
   style without the prefix.
@@ -79,14 +80,19 @@ def has_hf_plan(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
 
 
-def hf_plan(model: nn.Module, tp: int) -> Plan:
+def hf_plan(model: nn.Module, tp: int, experts_whole: bool = False) -> Plan:
     """``model.config.base_model_tp_plan`` as a DTensor plan over tp ranks, named from the model's top;
-    one-line ConfigErrors for a style zeropp has no translation of and for shapes tp ranks cannot share."""
+    one-line ConfigErrors for a style zeropp has no translation of and for shapes tp ranks cannot share.
+    `experts_whole` (expert parallelism): the experts modules' entries (``moe_tp_experts`` and those of
+    their parameters) left out, so every tensor-parallel rank runs them whole (the routers, which
+    transformers' plans leave whole, too)."""
     prefix = base_prefix(model)
     entries = {
         prefix + pattern: _canonical(prefix + pattern, style)
         for pattern, style in model.config.base_model_tp_plan.items()
     }
+    experts = [pattern for pattern, style in entries.items() if experts_whole and style == "moe_tp_experts"]
+    entries = {p: s for p, s in entries.items() if not any(p == e or p.startswith(f"{e}.") for e in experts)}
     _require_divisible(model, tp, entries)
     modules = dict(model.named_modules())
     plan: Plan = {}
@@ -151,10 +157,9 @@ def _require_divisible(model: nn.Module, tp: int, entries: dict[str, str]) -> No
     """Each rank whole heads and equal shares: the config's head counts and widths, then every split
     dimension of a matched linear, checked before any split (one line naming what tp does not divide)."""
     if any(style in ("colwise", "moe_tp_experts") for style in entries.values()):
-        config = model.config
-        require_equal_shares(
-            tp, {k: getattr(config, k) for k in HEAD_KEYS if isinstance(getattr(config, k, None), int)}
-        )
+        config, split_experts = model.config, "moe_tp_experts" in entries.values()
+        keys = [k for k in HEAD_KEYS if split_experts or k != "moe_intermediate_size"]  # whole experts: any width
+        require_equal_shares(tp, {k: getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)})
     for name, module in model.named_modules():
         for pattern, style in entries.items():
             dims = {"colwise": "out_features", "rowwise": "in_features"}

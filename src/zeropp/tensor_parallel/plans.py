@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from zeropp.errors import ConfigError
 from zeropp.tensor_parallel.conv1d import Conv1DColwise, Conv1DRowwise, LocalHeads
 from zeropp.tensor_parallel.hf_plans import Plan, hf_plan, require_equal_shares
 
@@ -28,15 +29,25 @@ def gpt_plan(model: nn.Module, tp: int, sequence_parallel: bool = False) -> Plan
 
     Embeddings, layer norms and the LM head stay whole on every rank: the head is tied to the token
     embedding, and splitting the vocabulary would take a vocabulary-parallel embedding plus a
-    loss-parallel cross-entropy for one vocab x d_model matrix; whole, they cost no traffic.
-    `sequence_parallel`: :func:`sequence_parallel_plan`'s layout on top."""
-    require_equal_shares(tp, {"model.n_head": model.config.n_head})  # the MLP's 4 d_model follows
+    loss-parallel cross-entropy for one vocab x d_model matrix; whole, they cost no traffic. A
+    mixture of experts (``model.n_experts``: router and experts) stays whole too, every rank routing
+    the same tokens (expert parallelism splits its experts over data-parallel ranks instead).
+    `sequence_parallel`: :func:`sequence_parallel_plan`'s layout on top (not with experts, whose
+    gradients would be partial sums over the ranks' slices of the sequence)."""
+    config = model.config
+    require_equal_shares(tp, {"model.n_head": config.n_head})  # the MLP's 4 d_model follows
+    if sequence_parallel and config.n_experts:
+        raise ConfigError(
+            f"topology.sequence_parallel is not allowed with model.n_experts = {config.n_experts} (not composed yet); "
+            "expected false (tensor parallelism without it runs the experts whole on every rank)"
+        )
     plan: Plan = {}
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
         plan[f"blocks.{i}.attn.proj"] = _rowwise(sequence_parallel)
-        plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.2"] = _rowwise(sequence_parallel)
+        if not config.n_experts:  # a dense MLP
+            plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+            plan[f"blocks.{i}.mlp.2"] = _rowwise(sequence_parallel)
     if sequence_parallel:
         block = "blocks.*"
         plan |= sequence_parallel_plan(
