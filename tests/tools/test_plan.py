@@ -20,23 +20,31 @@ CLUSTER = ("h100", 64, 8, 400e9)
 
 def test_ranking_is_by_the_simulators_tokens_per_second():
     ranked, dropped = plan(*CLUSTER, EIGHT_B, sequence=4096, micro_batches=(1, 2))
-    assert ranked and len(ranked) + len(dropped) == len(candidates(8, 8, (1, 2), (False, True)))
+    assert ranked and len(ranked) + len(dropped) == len(candidates(8, 8, (1, 2), (False, True), (1, 2, 4, 8)))
     speeds = [p.tokens_per_s for p in ranked]
     assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
-    for p in (ranked[0], ranked[-1]):  # recomputed with simulate() directly
+    split = next(p for p in ranked if p.candidate.tensor_parallel > 1)
+    for p in (ranked[0], ranked[-1], split):  # recomputed with simulate() directly
         c = p.candidate
+        tokens = c.micro_batch * 4096 // c.tensor_parallel  # a micro-batch per tensor-parallel group
         sim = simulate(
-            *CLUSTER, EIGHT_B.params, c.micro_batch * 4096, c.variant, n_layer=32, d_model=4096,
-            activation_checkpointing=c.activation_checkpointing, zero=c.zero,
+            *CLUSTER, EIGHT_B.params, tokens, c.variant, n_layer=32, d_model=4096,
+            activation_checkpointing=c.activation_checkpointing, zero=c.zero, tensor_parallel=c.tensor_parallel,
+            sequence_parallel=c.sequence_parallel,
         )  # fmt: skip
         assert p.simulation.step_s == pytest.approx(sim.step_s)
-        assert p.tokens_per_s == pytest.approx(64 * c.micro_batch * 4096 / sim.step_s)
+        assert p.tokens_per_s == pytest.approx(64 * tokens / sim.step_s)
 
 
 def test_configurations_that_do_not_fit_are_dropped_with_the_reason():
-    """70B on 64 H100s: only stage 3's 16 bytes a parameter over 64 GPUs fit; DDP and ZeRO-1/2 keep 2 or 4 Ψ whole."""
+    """70B on 64 H100s: only stage 3's 16 bytes a parameter over 64 GPUs fit; DDP and ZeRO-1/2 keep 2 or 4 Ψ
+    whole (with tensor parallelism, Ψ/T: ZeRO-2 fits at T = 8)."""
     ranked, dropped = plan("h100", 64, 8, 400e9, Model("70B", 70 * 10**9, 80, 8192), sequence=4096)
     assert ranked and all(p.simulation.memory_bytes <= 80e9 for p in ranked)
+    assert any(p.candidate.name == "ZeRO-2 + TP 8" for p in ranked)
+    ranked, dropped = plan(
+        "h100", 64, 8, 400e9, Model("70B", 70 * 10**9, 80, 8192), sequence=4096, tensor_parallel=(1,)
+    )
     assert all(p.candidate.zero.get("stage") == 3 for p in ranked)
     for name in ("DDP", "ZeRO-1", "ZeRO-2"):
         out = [p for p in dropped if p.candidate.name == name]

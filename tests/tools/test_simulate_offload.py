@@ -90,13 +90,14 @@ def test_the_planner_offloads_only_what_does_not_fit_without():
     assert ranked and not any(p.candidate.offloaded for p in ranked + dropped)
     seventy = Model("70B", 70 * 10**9, 80, 8192)
     ranked, dropped = plan("h100", 8, 8, 400e9, seventy, tokens_per_gpu=4096)
-    assert len(ranked) + len(dropped) == len(candidates(1, 8, (1,), (False, True)))
+    assert len(ranked) + len(dropped) == len(candidates(1, 8, (1,), (False, True), (1, 2, 4, 8)))
     assert ranked and all(p.candidate.offloaded and p.candidate.name.endswith(" + offload") for p in ranked)
     for p in ranked[:3]:
         c = p.candidate
         without = {k: v for k, v in c.zero.items() if k != "offload_optimizer"}
         sim = simulate("h100", 8, 8, 400e9, seventy.params, 4096, c.variant, n_layer=80, d_model=8192,
-                       activation_checkpointing=c.activation_checkpointing, zero=without)  # fmt: skip
+                       activation_checkpointing=c.activation_checkpointing, zero=without,
+                       tensor_parallel=c.tensor_parallel, sequence_parallel=c.sequence_parallel)  # fmt: skip
         assert not sim.fits and sim.step_s < p.simulation.step_s
         assert "--offload-optimizer" in c.flags("bf16")
     assert all("with offload: " in p.dropped for p in dropped if p.candidate.variant != "ddp")

@@ -12,7 +12,7 @@ from typing import Any
 
 from zeropp.errors import ConfigError
 from zeropp.tools.estimate.cli import OneLineParser, UsageError, count_argument
-from zeropp.tools.plan.model import Model, Planned, hf_model, plan, preset_model
+from zeropp.tools.plan.model import TENSOR_PARALLEL_SIZES, Model, Planned, hf_model, plan, preset_model
 from zeropp.tools.simulate.cli import add_cluster_arguments
 from zeropp.tools.simulate.gpus import GPUS
 
@@ -22,10 +22,10 @@ PRESETS = ("tiny", "small", "medium")
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="zeropp plan",
-        description="The configurations of a training run (ZeRO stage, hpZ, qwZ/qgZ bits, micro-batch, activation "
-        "checkpointing; ZeRO-Offload where a configuration fits only with it) simulated on a cluster (zeropp "
-        "simulate), ranked by predicted tokens/s among those that fit the GPU's memory, with the zeropp train flags "
-        "to run each (docs/simulate.md).",
+        description="The configurations of a training run (ZeRO stage, hpZ, qwZ/qgZ bits, tensor-parallel size, "
+        "micro-batch, activation checkpointing; sequence parallelism and ZeRO-Offload where a configuration fits "
+        "only with them) simulated on a cluster (zeropp simulate), ranked by predicted tokens/s among those that fit "
+        "the GPU's memory, with the zeropp train flags to run each (docs/simulate.md).",
     )
     add_cluster_arguments(parser)
     model = parser.add_argument_group("model (one of --preset, --params, --hf-config)")
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--params", type=count_argument, metavar="P", help="parameters, e.g. 8e9")
     model.add_argument("--n-layer", type=count_argument, metavar="L", help="with --params: blocks")
     model.add_argument("--d-model", type=count_argument, metavar="H", help="with --params: width")
+    model.add_argument(
+        "--n-head", type=count_argument, metavar="A", help="with --params: attention heads (T must divide them)"
+    )
     model.add_argument("--hf-config", type=Path, metavar="PATH", help="a Hugging Face config.json")
     batch = parser.add_argument_group("batch (--tokens-per-gpu, or micro-batch sizes x --sequence-length)")
     batch.add_argument("--sequence-length", type=count_argument, metavar="S", help="default: the preset's")
@@ -45,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: 1 2 4 8",
     )
     batch.add_argument("--tokens-per-gpu", type=count_argument, metavar="T", help="tokens per GPU and step, fixed")
+    batch.add_argument(
+        "--tensor-parallel-sizes", type=count_argument, nargs="+", metavar="T",
+        help=f"tensor-parallel sizes tried (default: those of {' '.join(map(str, TENSOR_PARALLEL_SIZES))} dividing a "
+        "node's GPUs and the heads; 1 on cpu-gloo)",
+    )  # fmt: skip
     batch.add_argument(
         "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
         help="only with (or without) it (default: both)",
@@ -60,13 +68,13 @@ def _model(args: argparse.Namespace) -> Model:
     given = [f for f in ("preset", "params", "hf_config") if getattr(args, f) is not None]
     if len(given) != 1:
         raise UsageError("expected exactly one of --preset, --params, --hf-config")
-    if (args.n_layer or args.d_model) and not args.params:
-        raise UsageError("--n-layer and --d-model go with --params")
+    if (args.n_layer or args.d_model or args.n_head) and not args.params:
+        raise UsageError("--n-layer, --d-model and --n-head go with --params")
     if args.preset:
         return preset_model(args.preset)
     if args.hf_config:
         return hf_model(args.hf_config)
-    return Model(f"{args.params:.3g} parameters", args.params, args.n_layer, args.d_model)
+    return Model(f"{args.params:.3g} parameters", args.params, args.n_layer, args.d_model, heads=args.n_head)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gpu, args.gpus, per_node, args.inter_node_bandwidth, model, sequence=args.sequence_length,
             micro_batches=args.micro_batch_sizes, tokens_per_gpu=args.tokens_per_gpu, checkpointing=checkpointing,
             intra_bits_per_s=args.intra_node_bandwidth, pcie_bits_per_s=args.pcie_bandwidth,
-            host_bits_per_s=args.host_memory_bandwidth,
+            host_bits_per_s=args.host_memory_bandwidth, tensor_parallel=args.tensor_parallel_sizes,
         )  # fmt: skip
     except (UsageError, ConfigError) as error:
         print(f"zeropp plan: error: {error}", file=sys.stderr)
@@ -94,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = {
         "gpu": args.gpu, "gpus": args.gpus, "gpus_per_node": per_node, "inter_node_bits_per_s": args.inter_node_bandwidth,
         "model": model.name, "params": model.params, "candidates": len(ranked) + len(dropped), "fit": len(ranked),
+        "tensor_parallel_sizes": sorted({p.candidate.tensor_parallel for p in (*ranked, *dropped)}),
     }  # fmt: skip
     if args.json:
         result: dict[str, Any] = {"inputs": inputs, "ranked": [p.as_dict(precision) for p in ranked[: args.top]]}
@@ -110,13 +119,14 @@ def _print(inputs: dict[str, Any], top: list[Planned], dropped: list[Planned], p
         f"({inputs['gpus_per_node']} a node), {inputs['inter_node_bits_per_s'] / 1e9:g} Gbit/s a node; "
         f"{inputs['fit']} of {inputs['candidates']} configurations fit, the fastest {len(top)}:"
     )
-    print("| # | configuration | micro-batch | act. ckpt | step (s) | tokens/s | TFLOPs/GPU | memory/GPU (GB) |")
-    print("| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| # | configuration | TP | micro-batch | act. ckpt | step (s) | tokens/s | TFLOPs/GPU | memory/GPU (GB) |")
+    print("| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for i, p in enumerate(top, 1):
         sim, c = p.simulation, p.candidate
         assert sim is not None
         print(
-            f"| {i} | {c.name} | {c.micro_batch} | {'on' if c.activation_checkpointing else 'off'} | {sim.step_s:.3g} | "
+            f"| {i} | {c.name} | {c.tensor_parallel} | {c.micro_batch} | "
+            f"{'on' if c.activation_checkpointing else 'off'} | {sim.step_s:.3g} | "
             f"{p.tokens_per_s:,.0f} | {sim.tflops_per_gpu:.3g} | {sim.memory_bytes / 1e9:.3g} |"
         )
     for i, p in enumerate(top, 1):

@@ -5,9 +5,10 @@ links with NCCL's ring and tree algorithms (:mod:`zeropp.costs.collectives`), co
 datasheet peak and one achieved efficiency, stage 3's overlap (:mod:`zeropp.costs.step_time`).
 
 Modules: ``gpus`` (the catalogue), ``model`` (:func:`simulate`, :class:`Simulation`, :class:`Assumptions`),
-``offload`` (ZeRO-Offload's step on the host), ``papers`` (the ZeRO++ paper's evaluation, the
-calibration, Llama-3 on H100s), ``emulated`` (the ``cpu-gloo`` profile against the stored
-emulated-cluster steps), ``show`` (printing), ``cli`` (``zeropp simulate``'s flags and :func:`main`).
+``offload`` (ZeRO-Offload's step on the host), ``tensor_parallel`` (Megatron's layout over T GPUs of a
+node), ``papers`` (the ZeRO++ paper's evaluation, the calibration, Llama-3 on H100s), ``emulated`` (the
+``cpu-gloo`` profile against the stored emulated-cluster steps), ``show`` (printing), ``cli``
+(``zeropp simulate``'s flags and :func:`main`).
 """
 
 from zeropp.tools.simulate.cli import build_parser, main

@@ -12,8 +12,8 @@ from zeropp.errors import ConfigError
 from zeropp.tools.estimate.cli import OneLineParser, UsageError, bandwidth_argument, count_argument
 from zeropp.tools.simulate.gpus import GPUS
 from zeropp.tools.simulate.model import VARIANTS, Assumptions, default_assumptions, simulate
-from zeropp.tools.simulate.papers import assumptions_dict, llama_table, paper_table
-from zeropp.tools.simulate.show import llama_markdown, paper_markdown, print_simulation
+from zeropp.tools.simulate.papers import assumptions_dict, llama_table, paper_table, tensor_parallel_table
+from zeropp.tools.simulate.show import llama_markdown, paper_markdown, print_simulation, tensor_parallel_markdown
 
 REQUIRED = ("gpu", "gpus", "inter_node_bandwidth", "params", "tokens_per_gpu", "variant")
 
@@ -61,12 +61,25 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_tensor_parallel_arguments(group: argparse._ArgumentGroup) -> None:
+    """Tensor parallelism's flags, named as zeropp train's and zeropp estimate's."""
+    group.add_argument(
+        "--tensor-parallel-size", type=count_argument, default=1, metavar="T",
+        help="GPUs of a node splitting every layer Megatron-style; ZeRO shards over the other GPUs / T (default: 1)",
+    )  # fmt: skip
+    group.add_argument(
+        "--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+        help="with --tensor-parallel-size > 1, Megatron's sequence parallelism: the activations outside the split "
+        "layers split over the sequence too (default: off)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="zeropp simulate",
         description="One training step of a GPU cluster, simulated: step time, achieved TFLOPs per GPU, peak "
         "fraction and memory per GPU of ZeRO-3, ZeRO++ (or one of its parts), DDP or HSDP, optionally with "
-        "ZeRO-Offload (models: docs/simulate.md).",
+        "ZeRO-Offload and tensor parallelism (models: docs/simulate.md).",
     )
     add_cluster_arguments(parser)
     model = parser.add_argument_group("model and batch")
@@ -75,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--d-model", type=count_argument, metavar="H", help="width (default: from P and L, P = 12 L H^2)"
     )
-    model.add_argument("--tokens-per-gpu", type=count_argument, metavar="T", help="tokens each GPU trains on per step")
+    model.add_argument(
+        "--n-head",
+        type=count_argument,
+        metavar="A",
+        help="attention heads (optional: --tensor-parallel-size must divide them)",
+    )
+    model.add_argument(
+        "--tokens-per-gpu", type=count_argument, metavar="T",
+        help="tokens each GPU trains on per step (a tensor-parallel group: its size times that)",
+    )  # fmt: skip
     model.add_argument(
         "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
         help="recompute each block's forward in backward (default: on, as the ZeRO++ paper's runs)",
@@ -85,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-optimizer", choices=("none", "cpu"), default="none",
         help="cpu: ZeRO-Offload, the fp32 masters and Adam's moments on the host, stepped there (default: none)",
     )  # fmt: skip
+    add_tensor_parallel_arguments(model)
     knobs = parser.add_argument_group("assumptions (defaults calibrated on the ZeRO++ paper: docs/simulate.md)")
     knobs.add_argument("--compute-efficiency", type=_fraction, metavar="F", help="achieved matmul share of the peak")
     knobs.add_argument("--nic-efficiency", type=_fraction, metavar="F", help="NCCL's bus bandwidth over the NICs' rate")
@@ -97,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--paper-table", action="store_true", help="the ZeRO++ paper's evaluation (Fig. 11-13, Table 2) simulated"
     )
     out.add_argument("--llama-table", action="store_true", help="Llama-3-8B and 70B on 64-1024 H100s")
+    out.add_argument(
+        "--tensor-parallel-table", action="store_true",
+        help="Llama-3-70B on 64 H100s with and without tensor parallelism",
+    )  # fmt: skip
     return parser
 
 
@@ -104,11 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         assumptions = _assumptions(args)
-        if args.paper_table or args.llama_table:
+        if args.paper_table or args.llama_table or args.tensor_parallel_table:
             return _tables(args, assumptions)
         missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
         if missing:
-            raise UsageError(f"expected {', '.join(missing)} (or --paper-table / --llama-table)")
+            raise UsageError(
+                f"expected {', '.join(missing)} (or --paper-table / --llama-table / --tensor-parallel-table)"
+            )
         per_node = args.gpus_per_node or GPUS[args.gpu].ranks_per_node
         sim = simulate(
             args.gpu, args.gpus, per_node, args.inter_node_bandwidth, args.params, args.tokens_per_gpu, args.variant,
@@ -116,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing, assumptions=assumptions,
             zero={"offload_optimizer": "cpu"} if args.offload_optimizer == "cpu" else None,
             pcie_bits_per_s=args.pcie_bandwidth, host_bits_per_s=args.host_memory_bandwidth,
+            tensor_parallel=args.tensor_parallel_size, sequence_parallel=args.sequence_parallel, heads=args.n_head,
         )  # fmt: skip
     except (UsageError, ConfigError) as error:
         print(f"zeropp simulate: error: {error}", file=sys.stderr)
@@ -141,6 +171,8 @@ def _tables(args: argparse.Namespace, assumptions: Assumptions) -> int:
         result["zeropp_paper"] = paper_table(assumptions)
     if args.llama_table:
         result["llama3_h100"] = llama_table(assumptions)
+    if args.tensor_parallel_table:
+        result["llama3_70b_tensor_parallel"] = tensor_parallel_table(assumptions)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -152,5 +184,10 @@ def _tables(args: argparse.Namespace, assumptions: Assumptions) -> int:
     if args.llama_table:
         print(
             f"\nLlama-3 on H100 (8 per node; TFLOPs per GPU (peak fraction), memory per GPU):\n{llama_markdown(result['llama3_h100'])}"
+        )
+    if args.tensor_parallel_table:
+        print(
+            "\nLlama-3-70B on 64 H100 (8 per node), 8192 tokens per GPU, with tensor parallelism T:\n"
+            + tensor_parallel_markdown(result["llama3_70b_tensor_parallel"])
         )
     return 0

@@ -24,6 +24,11 @@ blocks), HSDP (FSDP2's hybrid sharding: ZeRO-3 inside each node, each rank's gra
 all-reduced with its peers on the other nodes, in the gradient dtype); any other ZeRO keys over a
 variant's (``zero``: stage, bits, hpZ's group, ...), as ``zeropp plan`` enumerates them.
 
+Tensor parallelism (``tensor_parallel`` T, :mod:`~zeropp.tools.simulate.tensor_parallel`): each unit is one
+GPU's 1/T of it and ZeRO runs over the gpus / T data-parallel ranks (the estimator's layout); the
+tensor-parallel collectives run on T GPUs of a node and nothing overlaps them; the activations are split
+where Megatron's layout splits them.
+
 The emulated cluster (``gpu="cpu-gloo"``): every rank shares one host, so its compute, kernels and
 optimizer run at the host's rate over the world; gloo's collectives (:mod:`zeropp.costs.collectives`);
 and :data:`PROFILE_ASSUMPTIONS`: the link's nominal rate, no latency, full overlap, as
@@ -42,13 +47,20 @@ from typing import Any
 from zeropp.comm.ledger import ring_bytes
 from zeropp.config.sections import ZEROPP_SWITCHES, ZeroConfig
 from zeropp.costs.collectives import Fabric, Group, Link, collective_seconds
-from zeropp.costs.memory import BYTES
+from zeropp.costs.memory import BYTES, Activations
 from zeropp.costs.step_time import pass_seconds
 from zeropp.costs.volume import STEP_PHASES, Transfer
 from zeropp.errors import ConfigError
 from zeropp.tools.estimate.model import Estimate, estimate
 from zeropp.tools.simulate.gpus import GPUS, Gpu
 from zeropp.tools.simulate.offload import OffloadStep, offload_step
+from zeropp.tools.simulate.tensor_parallel import (
+    block_activation_bytes,
+    check_tensor_parallel,
+    group_activations,
+    on_tensor_parallel_group,
+    split_units,
+)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
@@ -61,7 +73,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 KERNEL_BYTES_PER_ELEMENT = 3  # a quantize or dequantize pass: 2 bytes of fp16/bf16 and 1 of int8 (int4: 1/2)
 ADAM_BYTES_PER_ELEMENT = 32  # fp32 master, two moments read and written, the gradient read, the weight written
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # one block's activations, bytes per token per d_model (Korthikanti et al. 2022)
 ASPECT = 128  # d_model / n_layer where the shape is not given (GPT-3: 12288 / 96)
 # 12 L H^2 over Ψ for a shape given with it: embeddings make it less than 1 (Llama-3-8B: 0.80, Gemma-2B: 0.36), wider
 # MLPs or grouped attention move it either way; outside these bounds the two do not describe one model
@@ -151,6 +162,10 @@ class Simulation:
     units: int  # what stage 3's overlap pipelines over
     zero: tuple[tuple[str, Any], ...] = ()  # ZeRO keys over the variant's
     offload: OffloadStep | None = None  # ZeRO-Offload's step (optimizer_s is its makespan)
+    tensor_parallel: int = 1  # GPUs of a node splitting every layer (each trains its group's micro-batch)
+    sequence_parallel: bool = False
+    # the tensor-parallel collectives per phase: on the critical path, not overlapped
+    tensor_parallel_s: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
 
     @property
     def flops(self) -> float:
@@ -160,17 +175,19 @@ class Simulation:
     @property
     def passes_s(self) -> dict[str, float]:
         """Each pass: the flow shop over the blocks (:func:`~zeropp.costs.step_time.pass_seconds`) of its
-        compute and the share `overlap` of its communication, the rest exposed after it."""
+        compute and the share `overlap` of ZeRO's communication, the rest exposed after it, and the
+        tensor-parallel collectives, which nothing hides."""
         units, overlap = self.units, self.assumptions.overlap
         return {
             p: pass_seconds(self.compute_s[p] + self.kernel_s[p], overlap * self.comm_s[p], units)
             + (1 - overlap) * self.comm_s[p]
+            + self.tensor_parallel_s[p]
             for p in ("forward", "backward")
         }
 
     @property
     def step_s(self) -> float:
-        return sum(self.passes_s.values()) + self.comm_s["step"] + self.optimizer_s
+        return sum(self.passes_s.values()) + self.comm_s["step"] + self.tensor_parallel_s["step"] + self.optimizer_s
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -212,10 +229,12 @@ class Simulation:
             "gpu": self.gpu.name, "gpus": self.gpus, "gpus_per_node": self.ranks_per_node,
             "nodes": self.gpus // self.ranks_per_node, "variant": self.variant, "params": self.params,
             "n_layer": self.shape.n_layer, "d_model": self.shape.d_model, "shape_given": self.shape.given,
-            "units": self.units, "zero": dict(self.zero),
+            "units": self.units, "zero": dict(self.zero), "tensor_parallel_size": self.tensor_parallel,
+            "sequence_parallel": self.sequence_parallel, "data_parallel_size": self.gpus // self.tensor_parallel,
             "tokens_per_gpu": self.tokens_per_gpu, "activation_checkpointing": self.activation_checkpointing,
             "assumptions": dataclasses.asdict(self.assumptions),
             "step_seconds": self.step_s, "passes_seconds": self.passes_s, "comm_seconds": self.comm_s,
+            "tensor_parallel_seconds": self.tensor_parallel_s,
             "kernel_seconds": self.kernel_s, "compute_seconds": self.compute_s, "optimizer_seconds": self.optimizer_s,
             "flops_per_gpu": self.flops, "tflops_per_gpu": self.tflops_per_gpu, "peak_fraction": self.peak_fraction,
             "memory_bytes_per_gpu": self.memory_bytes, "memory_bytes_per_gpu_by_kind": self.memory,
@@ -240,29 +259,36 @@ def fabric_for(
     )
 
 
-def group_of(transfer: Transfer, gpus: int, nodes: int) -> Group:
-    """The group a transfer's collective runs over, from its crossing share: 0, inside one node (hpZ's
-    group, qgZ's first hop, anything on one node); 1, one rank per node (qgZ's second hop, HSDP's
-    all-reduce); between, the world's ring."""
+def group_of(transfer: Transfer, gpus: int, nodes: int, tp: int = 1) -> Group:
+    """The group a transfer's collective runs over: a tensor-parallel one's, its `tp` GPUs of a node; ZeRO's
+    from its crossing share over the data-parallel ranks (gpus / tp): 0, inside one node (hpZ's group,
+    qgZ's first hop, anything on one node); 1, one rank per node (qgZ's second hop, HSDP's all-reduce);
+    between, the data-parallel ring (the world's, for the step's scalars over every rank)."""
+    if on_tensor_parallel_group(transfer):
+        return Group(tp)
+    data_parallel = gpus // tp
     if transfer.crossing == 0:
-        return Group(gpus // nodes)
+        return Group(data_parallel // nodes)
     if transfer.crossing == 1:
         return Group(nodes, nodes)
-    return Group(gpus, nodes)
+    return Group(gpus if transfer.over_world else data_parallel, nodes)
 
 
 def phase_seconds(
-    transfers: Iterable[Transfer], gpus: int, nodes: int, fabric: Fabric, backend: str = "nccl"
+    transfers: Iterable[Transfer], gpus: int, nodes: int, fabric: Fabric, backend: str = "nccl", tp: int = 1
 ) -> dict[str, float]:
+    """Seconds on the wire per phase, each collective one after the other (the ledger's ``tp.all_reduce``
+    is an all-reduce)."""
     seconds = dict.fromkeys(STEP_PHASES, 0.0)
     for t in transfers:
-        seconds[t.phase] += collective_seconds(t.op, t.sent, group_of(t, gpus, nodes), fabric, backend)
+        op = t.op.rpartition(".")[2]
+        seconds[t.phase] += collective_seconds(op, t.sent, group_of(t, gpus, nodes, tp), fabric, backend)
     return seconds
 
 
 def hsdp_transfers(est: Estimate, nodes: int) -> list[Transfer]:
     """HSDP's all-reduce of every unit's gradient shard (its node's 1/G) with its peers on the other nodes."""
-    grad, per_node = BYTES[est.zero.grad_dtype or est.zero.precision], est.layout.world_size
+    grad, per_node = BYTES[est.zero.grad_dtype or est.zero.precision], est.data_parallel.world_size
     return [
         Transfer("all_reduce", "backward", ring_bytes(u.padded // per_node * grad, nodes, 2), 1.0) for u in est.units
     ]
@@ -272,7 +298,7 @@ def kernel_seconds(est: Estimate, gpu: Gpu, a: Assumptions) -> dict[str, float]:
     """The quantization kernels per pass: qwZ dequantizes every gathered unit (in backward too unless hpZ
     gathers there), qgZ quantizes and dequantizes the gradient at its intra-node hop and its 1/G again
     at the inter-node one."""
-    zero, per_node = est.zero, est.layout.ranks_per_node
+    zero, per_node = est.zero, est.data_parallel.ranks_per_node
     psi = sum(u.padded for u in est.gathered_per_use)
     elements = dict.fromkeys(STEP_PHASES, 0.0)
     if zero.qwz.enabled:
@@ -302,13 +328,19 @@ def simulate(
     units: Sequence[int | Sequence[int]] | None = None,
     pcie_bits_per_s: float | None = None,
     host_bits_per_s: float | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    heads: int | None = None,
 ) -> Simulation:
     """One step of `params` parameters on `gpus` GPUs of kind `gpu`, `ranks_per_node` per node joined by
     `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`)
     with the ZeRO keys `zero` over its own; `units`: the model's units as the engine wraps them (numels,
     or their parameters' numels; default: one per block). With ``offload_optimizer = "cpu"`` in `zero`:
     `pcie_bits_per_s` (a GPU's link, one direction) and `host_bits_per_s` (a node's host memory)
-    override the GPU's datasheet. Raises ConfigError for what it does not know or cannot lay out."""
+    override the GPU's datasheet. `tensor_parallel` GPUs of a node split every layer (Megatron's layout,
+    with `sequence_parallel` or not; :mod:`~zeropp.tools.simulate.tensor_parallel`), each group training
+    on `tensor_parallel` x `tokens_per_gpu` tokens; `heads`, where known, must be divisible by it.
+    Raises ConfigError for what it does not know or cannot lay out."""
     kind, a = gpu_named(gpu), assumptions or default_assumptions(gpu)
     if variant not in VARIANTS:
         raise ConfigError(f"variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
@@ -320,14 +352,23 @@ def simulate(
     if min(*efficiencies, a.pcie_efficiency, a.host_memory_efficiency) <= 0:
         raise ConfigError("the efficiencies must be > 0")
     _refuse_unmodelled_offload(zero or {})
+    tp = tensor_parallel
+    check_tensor_parallel(tp, ranks_per_node, heads, sequence_parallel)
     nodes, shape = gpus // ranks_per_node, Shape.of(params, n_layer, d_model)
     if units is None:
         block = params // shape.n_layer
         units = (*[block] * (shape.n_layer - 1), params - block * (shape.n_layer - 1))  # one unit per block
-    units = tuple(u if isinstance(u, int) else tuple(u) for u in units)
+    units = split_units(units, tp)
     keys = tuple(sorted((zero or {}).items()))
-    est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes, keys)
+    acts = group_activations(
+        shape.n_layer, shape.d_model, tp * tokens_per_gpu, activation_checkpointing, sequence_parallel
+    )
+    priced = (tp, acts if tp > 1 else None)  # at T = 1 the activations price no collective
+    est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes, keys, *priced)
     fabric = fabric_for(kind, ranks_per_node, inter_bits_per_s, intra_bits_per_s, a)
+    comm, tensor_parallel_s = _comm_seconds(
+        units, variant, kind.precision, gpus, nodes, fabric, keys, kind.backend, *priced
+    )
     sharing = gpus if kind.shared_host else 1  # ranks sharing one host's compute and memory bandwidth
     offload = offload_of(est, kind, ranks_per_node, a, pcie_bits_per_s, host_bits_per_s)
     rate = kind.peak_flops * a.compute_efficiency / sharing
@@ -336,12 +377,11 @@ def simulate(
     total = (8 if activation_checkpointing else 6) * params * tokens_per_gpu / rate
     return Simulation(
         kind, gpus, ranks_per_node, variant, params, tokens_per_gpu, shape, activation_checkpointing, a, est,
-        comm_s=_comm_seconds(units, variant, kind.precision, gpus, nodes, fabric, keys, kind.backend),
-        kernel_s={p: s * sharing for p, s in kernel_seconds(est, kind, a).items()},
+        comm_s=comm, kernel_s={p: s * sharing for p, s in kernel_seconds(est, kind, a).items()},
         compute_s={"forward": forward, "backward": total - forward},
         optimizer_s=offload.seconds if offload else adam_s * sharing,
-        memory=memory_bytes(est, shape, tokens_per_gpu, activation_checkpointing),
-        units=len(units), zero=keys, offload=offload,
+        memory=memory_bytes(est, acts, tp), units=len(units), zero=keys, offload=offload,
+        tensor_parallel=tp, sequence_parallel=sequence_parallel, tensor_parallel_s=tensor_parallel_s,
     )  # fmt: skip
 
 
@@ -377,12 +417,20 @@ def offload_of(
 
 @functools.lru_cache(maxsize=256)
 def _estimate(
-    units: tuple[Any, ...], gpus: int, variant: str, precision: str, nodes: int, keys: tuple[tuple[str, Any], ...] = ()
+    units: tuple[Any, ...],
+    gpus: int,
+    variant: str,
+    precision: str,
+    nodes: int,
+    keys: tuple[tuple[str, Any], ...] = (),
+    tp: int = 1,
+    acts: Activations | None = None,
 ) -> Estimate:
     """The estimator's step (cached: a calibration simulates the same runs under many assumptions);
-    HSDP's on one node (`gpus`: one node's)."""
+    HSDP's on one node (`gpus`: one node's); `units` on one of `tp` tensor-parallel GPUs, `acts` pricing
+    their collectives."""
     zero = ZeroConfig(precision=precision, **{**VARIANTS[variant], **dict(keys)})
-    return estimate(list(units), gpus, 1 if variant == "hsdp" else nodes, zero)
+    return estimate(list(units), gpus, 1 if variant == "hsdp" else nodes, zero, tensor_parallel=tp, activations=acts)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -395,22 +443,32 @@ def _comm_seconds(
     fabric: Fabric,
     keys: tuple[tuple[str, Any], ...] = (),
     backend: str = "nccl",
-) -> dict[str, float]:
-    """Seconds on the wire per phase (cached beside :func:`_estimate`), HSDP's all-reduce between nodes added."""
-    est = _estimate(units, fabric.ranks_per_node if variant == "hsdp" else gpus, variant, precision, nodes, keys)
+    tp: int = 1,
+    acts: Activations | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds on the wire per phase (cached beside :func:`_estimate`) of ZeRO's collectives, HSDP's
+    all-reduce between nodes added, and of the tensor-parallel ones."""
+    est = _estimate(
+        units, fabric.ranks_per_node if variant == "hsdp" else gpus, variant, precision, nodes, keys, tp, acts
+    )
     transfers = [*est.transfers, *(hsdp_transfers(est, nodes) if variant == "hsdp" else ())]
-    return phase_seconds(transfers, gpus, nodes, fabric, backend)
+    zero = [t for t in transfers if not on_tensor_parallel_group(t)]
+    tensor_parallel = [t for t in transfers if on_tensor_parallel_group(t)]
+    return (
+        phase_seconds(zero, gpus, nodes, fabric, backend, tp),
+        phase_seconds(tensor_parallel, gpus, nodes, fabric, backend, tp),
+    )
 
 
-def memory_bytes(est: Estimate, shape: Shape, tokens: int, checkpointing: bool) -> dict[str, float]:
-    """Per GPU: the estimator's model states on the device and stage 3's transient buffers, the activation checkpoints
-    (one block input per block) and the activations of the blocks held whole (one, recomputed, with
-    checkpointing; all without)."""
-    element = BYTES[est.zero.precision]
-    block = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * tokens * shape.d_model
+def memory_bytes(est: Estimate, acts: Activations, tp: int = 1) -> dict[str, float]:
+    """Per GPU: the estimator's model states on the device and stage 3's transient buffers (one of `tp`
+    tensor-parallel GPUs' share), the activation checkpoints (one block input per block, 1/tp of it with
+    sequence parallelism) and the activations of the blocks held whole (one, recomputed, with
+    checkpointing; all without), split as tensor parallelism splits them."""
+    block = block_activation_bytes(acts.batch * acts.seq, acts.hidden, tp, acts.sequence_parallel)
     return {
         "model_states": est.model_state_bytes_on("device"),
         "stage3_transient": sum((est.transient_bytes() or {}).values()),
-        "activation_checkpoints": shape.n_layer * tokens * shape.d_model * element if checkpointing else 0,
-        "activations": block * (1 if checkpointing else shape.n_layer),
+        "activation_checkpoints": acts.checkpoint_bytes(tp, BYTES[est.zero.precision]),
+        "activations": block * (1 if acts.activation_checkpointing else acts.layers),
     }

@@ -179,5 +179,41 @@ def llama_table(assumptions: Assumptions | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+# Llama-3-70B on 64 H100s with tensor parallelism: (label, variant, ZeRO keys, T, sequence parallelism)
+TENSOR_PARALLEL_ROWS = (
+    ("ZeRO-3", "zero3", None, 1, False),
+    ("ZeRO++", "zeropp", None, 1, False),
+    ("ZeRO++, T 2", "zeropp", None, 2, False),
+    ("ZeRO-3, T 8 + SP", "zero3", None, 8, True),
+    ("ZeRO++, T 8 + SP", "zeropp", None, 8, True),
+    ("ZeRO-2, T 8 + SP", "zero3", {"stage": 2}, 8, True),
+    ("ZeRO-2, T 8", "zero3", {"stage": 2}, 8, False),
+)
+TENSOR_PARALLEL_GPUS = 64
+
+
+def tensor_parallel_table(assumptions: Assumptions | None = None) -> list[dict[str, Any]]:
+    """Llama-3-70B on 64 H100s (8 per node), 8192 tokens per GPU, at 100 and 400 Gbit/s per node, with and
+    without tensor parallelism: TFLOPs per GPU, peak fraction, step time, the tensor-parallel collectives'
+    seconds and memory per GPU of each row of :data:`TENSOR_PARALLEL_ROWS`."""
+    a = assumptions or Assumptions()
+    params, layers, width = LLAMA3["Llama-3-70B"]
+    rows = []
+    for label, variant, zero, tp, sequence in TENSOR_PARALLEL_ROWS:
+        row: dict[str, Any] = {"configuration": label, "tensor_parallel": tp, "sequence_parallel": sequence}
+        for bits in LLAMA_BANDWIDTHS:
+            sim = simulate(
+                "h100", TENSOR_PARALLEL_GPUS, 8, bits, params, LLAMA_TOKENS, variant, n_layer=layers, d_model=width,
+                assumptions=a, zero=zero, tensor_parallel=tp, sequence_parallel=sequence,
+            )  # fmt: skip
+            row[f"{bits / 1e9:g}"] = {
+                "tflops": sim.tflops_per_gpu, "peak_fraction": sim.peak_fraction, "step_s": sim.step_s,
+                "tensor_parallel_s": sum(sim.tensor_parallel_s.values()),
+            }  # fmt: skip
+        row.update(memory_gb=sim.memory_bytes / 1e9, fits=sim.fits)
+        rows.append(row)
+    return rows
+
+
 def assumptions_dict(a: Assumptions | None = None) -> dict[str, float]:
     return dataclasses.asdict(a or Assumptions())

@@ -20,6 +20,13 @@ def print_simulation(sim: Simulation, inter_bits_per_s: float, intra_bits_per_s:
         f"zeropp simulate: {NAMES[sim.variant]} on {sim.gpus} {sim.gpu.name} ({nodes} node(s) x {sim.ranks_per_node}), "
         f"{si(inter_bits_per_s, 'bit/s')} per node between nodes, {si(intra_bits_per_s, 'bit/s')} per GPU inside"
     )
+    if sim.tensor_parallel > 1:
+        sequence = ", sequence parallelism" if sim.sequence_parallel else ""
+        print(
+            f"tensor parallelism: {sim.tensor_parallel} GPUs a group{sequence}, ZeRO over "
+            f"{sim.gpus // sim.tensor_parallel} data-parallel ranks, each group trains on "
+            f"{sim.tensor_parallel * sim.tokens_per_gpu} tokens"
+        )
     print(
         f"model: {sim.params / 1e9:.3g}B parameters, {sim.shape.n_layer} layers x d_model {sim.shape.d_model}{shape}, "
         f"{sim.tokens_per_gpu} tokens per GPU, activation checkpointing {'on' if sim.activation_checkpointing else 'off'}"
@@ -28,11 +35,10 @@ def print_simulation(sim: Simulation, inter_bits_per_s: float, intra_bits_per_s:
         f"step: {sim.step_s:.3g} s (forward {passes['forward']:.3g} s, backward {passes['backward']:.3g} s, "
         f"step's collectives {sim.comm_s['step']:.2g} s, optimizer {sim.optimizer_s:.2g} s)"
     )
-    for name, seconds in (
-        ("compute", sim.compute_s),
-        ("communication", sim.comm_s),
-        ("quantization kernels", sim.kernel_s),
-    ):
+    parts = [("compute", sim.compute_s), ("communication", sim.comm_s), ("quantization kernels", sim.kernel_s)]
+    if sim.tensor_parallel > 1:
+        parts.append(("tensor-parallel collectives (not overlapped)", sim.tensor_parallel_s))
+    for name, seconds in parts:
         print(f"  {name}: forward {seconds['forward']:.3g} s, backward {seconds['backward']:.3g} s")
     print(
         f"achieved: {sim.tflops_per_gpu:.1f} TFLOPs per GPU, peak_fraction {sim.peak_fraction:.3f} "
@@ -97,5 +103,24 @@ def llama_markdown(rows: list[dict[str, Any]]) -> str:
             gb.append(f"{cell['memory_gb']:.0f}" + ("" if cell["fits"] else " (OOM)"))
         lines.append(
             f"| {r['model']} | {r['gpus']} | {' | '.join(tflops)} | {' | '.join(gb)} | {r['zeropp@100 / zero3@400']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def tensor_parallel_markdown(rows: list[dict[str, Any]]) -> str:
+    """Each configuration's TFLOPs per GPU (peak fraction) and step at each bandwidth, its tensor-parallel
+    collectives' seconds (the same at both) and memory per GPU."""
+    speeds = [k for k in rows[0] if k[0].isdigit()]
+    head = " | ".join(f"{k}G: TFLOPs (peak) | {k}G: step (s)" for k in speeds)
+    lines = [
+        f"| configuration | T | {head} | tensor-parallel collectives (s) | memory/GPU (GB) |",
+        "| --- | ---: |" + " ---: |" * (2 * len(speeds) + 2),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[k]['tflops']:.0f} ({r[k]['peak_fraction']:.0%}) | {r[k]['step_s']:.1f}" for k in speeds)
+        memory = f"{r['memory_gb']:.0f}" + ("" if r["fits"] else " (OOM)")
+        lines.append(
+            f"| {r['configuration']} | {r['tensor_parallel']} | {cells} | {r[speeds[0]]['tensor_parallel_s']:.2f} "
+            f"| {memory} |"
         )
     return "\n".join(lines)
