@@ -214,3 +214,18 @@ def test_zeropp_train_with_tensor_and_expert_parallelism(tmp_path):
     assert two["world_size"] == 4 and two["zeropp"]["quantized_weights"]
     assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-4)
     assert {"ep.all_to_all", "tp.all_reduce"} <= set(two["ledger"]) and "ep.all_to_all" not in one["ledger"]
+    # zeropp estimate of the same runs: every collective's bytes as the ledger counted them (tensor
+    # parallelism's one all-reduce per block and direction, attention's: the experts run whole), but
+    # the all-to-alls of the tokens, which it prices for routing spread evenly
+    import json
+
+    from zeropp.tools.estimate import main
+
+    for ep, summary in ((1, one), (2, two)):
+        out = tmp_path / f"estimate{ep}.json"
+        argv = ["--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel-size", str(ep)]
+        argv += ["--tensor-parallel-size", "2", "--world", "4", "--nodes", "1", "--micro-batch-size", "4"]
+        assert main([*argv, "--quantized-weights", "--quantized-gradients", "--json", str(out)]) == 0
+        estimated = json.loads(out.read_text())
+        measured = {op: v for op, v in summary["ledger"].items() if op != "ep.all_to_all"}
+        assert {op: v for op, v in estimated["ledger"].items() if op != "ep.all_to_all"} == measured

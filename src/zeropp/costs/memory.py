@@ -259,6 +259,9 @@ class Activations:
     # non-reentrant checkpoint stops recomputing once backward has every tensor it needs, and the MLP's
     # all-reduce feeds none; the ZeRO paper (§8) counts the whole forward, 2
     recomputed_all_reduces: int = RUNTIME_RECOMPUTED_ALL_REDUCES
+    # the sub-layers per block Megatron's layout splits (each all-reduces its row-wise output): attention
+    # and the MLP; 1 where the MLP is a mixture of experts, whole on every tensor-parallel rank
+    split_sublayers: int = 2
     # Megatron's sequence parallelism: each tensor-parallel rank holds 1/tp of the sequence between the
     # split layers (block inputs, so checkpoints, included); `norm_parameters` vectors of `hidden` elements
     # (the norms' weights and biases) are whole on every rank and get partial gradients there

@@ -205,13 +205,16 @@ def step_transfers(
         )
 
 
-def megatron_transfers(block_elements: int, element_bytes: int, tp: int, recomputed: int = 0) -> Iterator[Transfer]:
+def megatron_transfers(
+    block_elements: int, element_bytes: int, tp: int, recomputed: int = 0, sublayers: int = 2
+) -> Iterator[Transfer]:
     """One block's tensor-parallel all-reduces in one micro-batch under Megatron's layout (a ring over
-    the tp ranks, 2 (tp-1)/tp of the buffer each): the row-wise linears' outputs in forward (2), the
-    column-wise linears' input gradients in backward (2), and `recomputed` of the forward's 2 again
-    in recomputation, which runs in backward (0 without activation checkpointing)."""
+    the tp ranks, 2 (tp-1)/tp of the buffer each): the row-wise linears' outputs in forward (one per
+    split sub-layer, `sublayers`: attention and the MLP, or attention alone before a mixture of
+    experts), the column-wise linears' input gradients in backward (as many), and `recomputed` of the
+    forward's again in recomputation, which runs in backward (0 without activation checkpointing)."""
     sent = ring_bytes(block_elements * element_bytes, tp, passes=2)
-    for phase, count in (("forward", 2), ("backward", 2 + recomputed)):
+    for phase, count in (("forward", sublayers), ("backward", sublayers + min(recomputed, sublayers))):
         for _ in range(count):
             yield Transfer("tp.all_reduce", phase, sent, 0.0)
 
@@ -284,7 +287,9 @@ def activation_transfers(activations: Activations, tp: int, element_bytes: int, 
                     activations.block_elements, element_bytes, tp, SEQUENCE_PARALLEL_RECOMPUTED[recomputed]
                 )
                 continue
-            yield from megatron_transfers(activations.block_elements, element_bytes, tp, recomputed)
+            yield from megatron_transfers(
+                activations.block_elements, element_bytes, tp, recomputed, activations.split_sublayers
+            )
             if activations.partition_activations:
                 yield Transfer(PA_GATHER, "backward", ring_bytes(gathered, tp), 0.0)
 

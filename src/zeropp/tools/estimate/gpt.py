@@ -57,7 +57,8 @@ def gpt_activations(model: ModelConfig, micro_batch: int, **switches: Any) -> Ac
     return Activations(
         gpt.n_layer, gpt.d_model, gpt.block_size, micro_batch, norm_parameters=gpt_norm_parameters(gpt.n_layer),
         # the saved activations' formula is the dense MLP's: not priced for a mixture of experts
-        heads=0 if gpt.n_experts else gpt.n_head, vocab=gpt.vocab_size, logit_tiles=gpt.logit_tiles, **switches,
+        heads=0 if gpt.n_experts else gpt.n_head, vocab=gpt.vocab_size, logit_tiles=gpt.logit_tiles,
+        split_sublayers=1 if gpt.n_experts else 2, **switches,  # a mixture of experts runs whole on every tp rank
     )  # fmt: skip
 
 
