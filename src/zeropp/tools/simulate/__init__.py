@@ -6,7 +6,8 @@ datasheet peak and one achieved efficiency, stage 3's overlap (:mod:`zeropp.cost
 
 Modules: ``gpus`` (the catalogue), ``model`` (:func:`simulate`, :class:`Simulation`, :class:`Assumptions`),
 ``offload`` (ZeRO-Offload's step on the host), ``tensor_parallel`` (Megatron's layout over T GPUs of a
-node), ``papers`` (the ZeRO++ paper's evaluation, the calibration, Llama-3 on H100s), ``emulated`` (the
+node), ``papers`` (the ZeRO++ paper's evaluation, the calibration, Llama-3 on H100s), ``zero_paper`` (the ZeRO
+paper's throughput and memory figures), ``emulated`` (the
 ``cpu-gloo`` profile against the stored emulated-cluster steps), ``show`` (printing), ``cli``
 (``zeropp simulate``'s flags and :func:`main`).
 """
@@ -15,6 +16,7 @@ from zeropp.tools.simulate.cli import build_parser, main
 from zeropp.tools.simulate.gpus import GPUS, Gpu
 from zeropp.tools.simulate.model import VARIANTS, Assumptions, Shape, Simulation, simulate
 from zeropp.tools.simulate.papers import CELLS, calibrate, llama_table, paper_table
+from zeropp.tools.simulate.zero_paper import zero_paper_table
 
 __all__ = [
     "CELLS",
@@ -30,4 +32,5 @@ __all__ = [
     "main",
     "paper_table",
     "simulate",
+    "zero_paper_table",
 ]

@@ -13,7 +13,14 @@ from zeropp.tools.estimate.cli import OneLineParser, UsageError, bandwidth_argum
 from zeropp.tools.simulate.gpus import GPUS
 from zeropp.tools.simulate.model import VARIANTS, Assumptions, default_assumptions, simulate
 from zeropp.tools.simulate.papers import assumptions_dict, llama_table, paper_table, tensor_parallel_table
-from zeropp.tools.simulate.show import llama_markdown, paper_markdown, print_simulation, tensor_parallel_markdown
+from zeropp.tools.simulate.show import (
+    llama_markdown,
+    paper_markdown,
+    print_simulation,
+    tensor_parallel_markdown,
+    zero_paper_markdown,
+)
+from zeropp.tools.simulate.zero_paper import zero_paper_table
 
 REQUIRED = ("gpu", "gpus", "inter_node_bandwidth", "params", "tokens_per_gpu", "variant")
 
@@ -119,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--paper-table", action="store_true", help="the ZeRO++ paper's evaluation (Fig. 11-13, Table 2) simulated"
     )
+    out.add_argument(
+        "--zero-paper-table", action="store_true",
+        help="the ZeRO paper's throughput and memory figures (v1 Tables 4-8, SC20 §X) simulated",
+    )  # fmt: skip
     out.add_argument("--llama-table", action="store_true", help="Llama-3-8B and 70B on 64-1024 H100s")
     out.add_argument(
         "--tensor-parallel-table", action="store_true",
@@ -131,12 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         assumptions = _assumptions(args)
-        if args.paper_table or args.llama_table or args.tensor_parallel_table:
+        if args.paper_table or args.zero_paper_table or args.llama_table or args.tensor_parallel_table:
             return _tables(args, assumptions)
         missing = [f"--{name.replace('_', '-')}" for name in REQUIRED if getattr(args, name) is None]
         if missing:
             raise UsageError(
-                f"expected {', '.join(missing)} (or --paper-table / --llama-table / --tensor-parallel-table)"
+                f"expected {', '.join(missing)} (or --paper-table / --zero-paper-table / --llama-table / "
+                "--tensor-parallel-table)"
             )
         per_node = args.gpus_per_node or GPUS[args.gpu].ranks_per_node
         sim = simulate(
@@ -169,6 +181,8 @@ def _tables(args: argparse.Namespace, assumptions: Assumptions) -> int:
     result = {"assumptions": assumptions_dict(assumptions)}
     if args.paper_table:
         result["zeropp_paper"] = paper_table(assumptions)
+    if args.zero_paper_table:
+        result["zero_paper"] = zero_paper_table(assumptions)
     if args.llama_table:
         result["llama3_h100"] = llama_table(assumptions)
     if args.tensor_parallel_table:
@@ -180,6 +194,11 @@ def _tables(args: argparse.Namespace, assumptions: Assumptions) -> int:
     if args.paper_table:
         print(
             f"\nZeRO++ paper (V100, DGX-2, TFLOPs per GPU; ratio = simulated / paper):\n{paper_markdown(result['zeropp_paper'])}"
+        )
+    if args.zero_paper_table:
+        print(
+            "\nZeRO paper (V100, DGX-2 nodes of 16, 800 Gbit/s a node; ratio = simulated / paper):\n"
+            + zero_paper_markdown(result["zero_paper"])
         )
     if args.llama_table:
         print(

@@ -331,6 +331,7 @@ def simulate(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     heads: int | None = None,
+    partition_activations: bool = False,
 ) -> Simulation:
     """One step of `params` parameters on `gpus` GPUs of kind `gpu`, `ranks_per_node` per node joined by
     `inter_bits_per_s` per node, each training on `tokens_per_gpu` tokens, under `variant` (:data:`VARIANTS`)
@@ -339,8 +340,9 @@ def simulate(
     `pcie_bits_per_s` (a GPU's link, one direction) and `host_bits_per_s` (a node's host memory)
     override the GPU's datasheet. `tensor_parallel` GPUs of a node split every layer (Megatron's layout,
     with `sequence_parallel` or not; :mod:`~zeropp.tools.simulate.tensor_parallel`), each group training
-    on `tensor_parallel` x `tokens_per_gpu` tokens; `heads`, where known, must be divisible by it.
-    Raises ConfigError for what it does not know or cannot lay out."""
+    on `tensor_parallel` x `tokens_per_gpu` tokens; `heads`, where known, must be divisible by it;
+    `partition_activations` (ZeRO-R's Pa, with activation checkpointing) splits each checkpoint over the
+    group and all-gathers it before its recomputation. Raises ConfigError for what it does not know or cannot lay out."""
     kind, a = gpu_named(gpu), assumptions or default_assumptions(gpu)
     if variant not in VARIANTS:
         raise ConfigError(f"variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
@@ -361,8 +363,9 @@ def simulate(
     units = split_units(units, tp)
     keys = tuple(sorted((zero or {}).items()))
     acts = group_activations(
-        shape.n_layer, shape.d_model, tp * tokens_per_gpu, activation_checkpointing, sequence_parallel
-    )
+        shape.n_layer, shape.d_model, tp * tokens_per_gpu, activation_checkpointing, sequence_parallel,
+        partition_activations,
+    )  # fmt: skip
     priced = (tp, acts if tp > 1 else None)  # at T = 1 the activations price no collective
     est = _estimate(units, ranks_per_node if variant == "hsdp" else gpus, variant, kind.precision, nodes, keys, *priced)
     fabric = fabric_for(kind, ranks_per_node, inter_bits_per_s, intra_bits_per_s, a)

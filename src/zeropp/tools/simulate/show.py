@@ -124,3 +124,39 @@ def tensor_parallel_markdown(rows: list[dict[str, Any]]) -> str:
             f"| {memory} |"
         )
     return "\n".join(lines)
+
+
+def _zero_paper_value(value: Any, unit: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return f"{value:.2f}x" if unit == "x" else f"{value:.3g}"
+
+
+def zero_paper_markdown(rows: list[dict[str, Any]]) -> str:
+    """The ZeRO paper's cells: paper against simulated, the ratio, memory per GPU, and why a cell is not
+    simulated where the simulator cannot represent it."""
+    lines = [
+        "| source | cell | unit | paper | simulated | ratio | memory/GPU (GB) | agrees | reading |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        bound = {">": "over ", "<": "under "}.get(r["bound"], "")
+        paper = f"{bound}{_zero_paper_value(r['paper'], r['unit'])}"
+        if r["unrepresentable"]:
+            lines.append(
+                f"| {r['source']} | {r['label']} | {r['unit']} | {paper} | not simulated | | | | {r['unrepresentable']} |"
+            )
+            continue
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else ""
+        agrees = {True: "yes", False: "**no**", None: ""}[r["agrees"]]
+        simulated = _zero_paper_value(r["simulated"], r["unit"])
+        if r["quantity"] == "memory":
+            simulated = "fits" if r["memory_gb"] <= 32 else "OOM"
+        reading = "; ".join(x for x in (r["configuration"], r["reading"]) if x)
+        lines.append(
+            f"| {r['source']} | {r['label']} | {r['unit']} | {paper} | {simulated} | {ratio} | "
+            f"{r['memory_gb']:.1f}{' (OOM)' if r['memory_gb'] > 32 else ''} | {agrees} | {reading} |"
+        )
+    return "\n".join(lines)

@@ -50,13 +50,20 @@ def split_units(units: Sequence[int | Sequence[int]], tp: int) -> tuple[Any, ...
 
 
 def group_activations(
-    n_layer: int, d_model: int, group_tokens: int, checkpointing: bool, sequence_parallel: bool
+    n_layer: int,
+    d_model: int,
+    group_tokens: int,
+    checkpointing: bool,
+    sequence_parallel: bool,
+    partition_activations: bool = False,
 ) -> Activations:
     """The estimator's activations of one tensor-parallel group's micro-batch (`group_tokens` tokens),
-    for its ``tp.*`` transfers and the checkpoints (the norms': the embedded GPT's, two per block)."""
+    for its ``tp.*`` transfers and the checkpoints (the norms': the embedded GPT's, two per block); with
+    `partition_activations` (ZeRO-R's Pa) each checkpoint split over the group and all-gathered before
+    its recomputation (the ledger's ``pa.all_gather``)."""
     return Activations(
-        n_layer, d_model, group_tokens, 1, checkpointing, sequence_parallel=sequence_parallel,
-        norm_parameters=gpt_norm_parameters(n_layer),
+        n_layer, d_model, group_tokens, 1, checkpointing, partition_activations=partition_activations,
+        sequence_parallel=sequence_parallel, norm_parameters=gpt_norm_parameters(n_layer),
     )  # fmt: skip
 
 
