@@ -58,7 +58,7 @@ from zeropp.zero.materialize import InitFn
 from zeropp.zero.offload.delayed import DelayedUpdate
 from zeropp.zero.offload.disk_params import disk_tiers_for, resident
 from zeropp.zero.offload.states import KINDS, StateOffloader, StatesMoved
-from zeropp.zero.optim.in_backward import BackwardStep, refuse_step_in_backward
+from zeropp.zero.optim.in_backward import backward_step, refuse_step_in_backward
 from zeropp.zero.optim.outer import OuterStep, refuse_fragments, runs_outer_loop
 from zeropp.zero.optim.owners import WholeParameterStep, refuse_whole_with
 from zeropp.zero.optim.segments import SegmentStep
@@ -142,11 +142,7 @@ class ZeroEngine:
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
-        self.early = (
-            BackwardStep(self.stepper, self.config, self.comm, self.groups.shard)
-            if self.config.step_in_backward
-            else None
-        )
+        self.early = backward_step(self.config, self.stepper, self.comm, self.groups.shard)  # or None
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         ordered = self.topology.expert_parallel.size > 1  # experts' collectives share qgZ's second hops' ranks
@@ -313,6 +309,8 @@ class ZeroEngine:
         if not self._at_boundary:
             return False
         self.states.require_on_device("step")
+        if self.early is not None:  # nothing below reads a state the worker may still be writing
+            self.early.wait()
         self._at_boundary = False
         for unit in self.units:  # no gathered copy may outlive the weights it was gathered from
             unit.reshard()
@@ -328,7 +326,7 @@ class ZeroEngine:
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
-                elif self.early is not None and self.early.finish():
+                elif self.early is not None and self.early.publish():
                     pass  # stepped in backward, published now
                 else:
                     self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
@@ -424,8 +422,14 @@ class ZeroEngine:
         """The masters and optimizer states complete (a delayed step waited for) and in memory for the block, where
         the disk tier keeps them in files; `changes`: the block writes them (they go back to the files), and
         the compute shards the parameters' disk tier keeps, which follow the masters, too."""
-        self.update.wait()
+        self._settle_steps("reading or writing the model states")
         return resident(self.disk, self.param_disk, changes)
+
+    def _settle_steps(self, what: str) -> None:
+        """The delayed step waited for; `what` refused while units stepped in backward await engine.step()."""
+        self.update.wait()
+        if self.early is not None:
+            self.early.require_published(what)
 
     # -- modes, state, measurement ---------------------------------------------------------------
 
@@ -433,6 +437,7 @@ class ZeroEngine:
         """Move the states of `include` (optimizer, master, gradients) that live on the device to host
         memory (pinned on CUDA) and free their device copies; forward and generation still run,
         backward and step wait for :meth:`reload_states` (:mod:`zeropp.zero.offload.states`)."""
+        self._settle_steps("offload_states()")
         return self.states.offload(include)
 
     def reload_states(self) -> StatesMoved:

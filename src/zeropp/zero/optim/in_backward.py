@@ -22,8 +22,15 @@ those of stepping after backward:
 - The compute weights follow the masters at ``engine.step()``, in unit order on the main thread:
   at stages 1-2 that publication is a collective, and every rank must issue it at the same point.
 - The worker only reads gradients and steps masters: the gradient buffer is taken from the unit's
-  pool on the main thread (:meth:`~zeropp.zero.unit.FlatUnit.reduced_gradient`); on CUDA its copy to
-  a host master is issued there too and the worker waits for it (an event).
+  pool on the main thread (:meth:`~zeropp.zero.unit.FlatUnit.reduced_gradient`). On CUDA the main
+  thread records an event on its stream after the gradient (and its copy to a host master); the
+  worker's kernels wait for it (a host master: the worker waits), and the worker synchronizes its
+  stream before the step counts as done, so the publication reads finished masters.
+- ``engine.step()`` waits for the worker before it reads anything; what reads or moves the model
+  states between a boundary backward and ``engine.step()`` (state dicts, checkpoints, loads,
+  ``offload_states``) is refused in one line (the masters moved, the weights and the step count
+  not yet), and so is a boundary backward after one that ``engine.step()`` did not follow (a
+  failed backward): its units would be stepped twice.
 
 - The segment step (See [Note: segments]) learns which parameters some rank gave a gradient per unit,
   as that unit lands: one all-reduce (max) of a byte per parameter issued on the main thread, in
@@ -36,6 +43,7 @@ than torch's element-wise ones.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -67,28 +75,36 @@ class BackwardStep:
         self.waits_for_norm = config.max_grad_norm is not None  # every step after backward, as without it
         self._index = {id(unit): k for k, unit in enumerate(stepper.units)}
         self._thread = ThreadPoolExecutor(1, "zeropp-step-in-backward")
+        weakref.finalize(self, self._thread.shutdown, wait=False)
         self._running: list[Future] = []
         self._stepped: list[int] = []
 
     def begin(self, boundary: bool) -> Callable[[FlatUnit], None] | None:
         """Before a micro-batch's backward: what the runtime calls as each unit's reduction lands (None:
-        not the boundary, or the step waits for the norm). What a failed backward launched is waited
-        for and forgotten."""
-        for future in self._running:
-            future.exception()
-        self._running, self._stepped = [], []
+        not the boundary, or the step waits for the norm). Units stepped in an earlier backward and
+        never published (no engine.step() after it) refuse the run: stepping them again would step
+        them twice."""
+        self.wait()
+        if self._stepped:
+            raise RuntimeError(
+                "zeropp: zero.step_in_backward stepped units in the last accumulation boundary's backward, which "
+                "engine.step() did not follow (a failed backward?); expected engine.step() after it, or a checkpoint restored"
+            )
         return self.on_reduced if boundary and not self.waits_for_norm else None
 
     def on_reduced(self, unit: FlatUnit) -> None:
         """`unit`'s reduction landed on the boundary micro-batch: launch its step."""
         k = self._index[id(unit)]
         grad, ready = unit.reduced_gradient(), None
-        if grad.device.type == "cuda" and self.host_copies:  # issued here, in stream order; the worker waits
-            grad = grad.to(unit.master.device, unit.master.dtype, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        if grad.device.type == "cuda":  # the worker's kernels wait for what this thread's stream has issued
+            stream = torch.cuda.current_stream(grad.device)
+            if self.host_copies:  # issued here, in stream order
+                grad = grad.to(unit.master.device, unit.master.dtype, non_blocking=True)
+            ready = stream.record_event()
         given = None
-        if self.segments:  # which parameters some rank gave a gradient: this unit's byte per parameter, async
+        if self.segments and self.group.size == 1:
+            given = {k: set(unit.with_grad)}
+        elif self.segments:  # which parameters some rank gave a gradient: this unit's byte per parameter, async
             flags = torch.tensor([i in unit.with_grad for i in range(len(unit.params))], dtype=torch.uint8)
             flags = flags.to(unit.options.device)
             given = (flags, self.comm.all_reduce(flags, self.group, reduce="max", async_op=True))
@@ -98,22 +114,40 @@ class BackwardStep:
     def _step(
         self, k: int, grad: torch.Tensor, ready: torch.cuda.Event | None, given: tuple[torch.Tensor, Pending] | None
     ) -> None:
-        if ready is not None:
+        master = self.stepper.units[k].master
+        if ready is not None and master.device.type == "cuda":  # the step's kernels after the gradient's
+            torch.cuda.current_stream(master.device).wait_event(ready)
+        elif ready is not None:  # a host master reads the copy once it has arrived
             ready.synchronize()
-        if given is not None:
+        if isinstance(given, tuple):
             flags, reduced = given
             reduced.wait()
             given = {k: {i for i, flag in enumerate(flags.tolist()) if flag}}
-        master = self.stepper.units[k].master
         copies = {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches: not written
         step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], given)
+        if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
+            torch.cuda.current_stream(master.device).synchronize()
 
-    def finish(self) -> bool:
-        """Wait for the steps launched in backward and publish every unit stepped, in unit order; whether
-        this step's units were stepped in backward (False: none was launched)."""
+    def wait(self) -> None:
+        """Wait for the steps launched in backward (their errors raised here)."""
         running, self._running = self._running, []
         for future in running:
             future.result()
+
+    def require_published(self, what: str) -> None:
+        """Refuse `what` (reading or moving the model states) while units stepped in backward wait for
+        engine.step(): their masters have moved, their weights and the step count not yet."""
+        self.wait()
+        if self._stepped:
+            raise RuntimeError(
+                f"zeropp: {what} between engine.backward() and engine.step() is not allowed with "
+                "zero.step_in_backward (the units were stepped in backward); expected engine.step() first"
+            )
+
+    def publish(self) -> bool:
+        """Publish every unit stepped in backward, in unit order, once all are done; whether this step's
+        units were stepped in backward (False: none was launched)."""
+        self.wait()
         stepped, self._stepped = self._stepped, []
         if not stepped:
             return False
@@ -139,3 +173,9 @@ def refuse_step_in_backward(config: ZeroConfig, spec: OptimizerSpec, path: str, 
     for what, yes in refused.items():
         if yes:
             raise ConfigError(f"zero.step_in_backward = True is not allowed; expected false with {what}")
+
+
+def backward_step(config: ZeroConfig, stepper: Stepper, comm: Communicator, group: Group) -> BackwardStep | None:
+    """The engine's :class:`BackwardStep` where ``zero.step_in_backward`` asks for one, after
+    :func:`refuse_step_in_backward`."""
+    return BackwardStep(stepper, config, comm, group) if config.step_in_backward else None
