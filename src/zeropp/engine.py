@@ -142,7 +142,7 @@ class ZeroEngine:
         if self.disk is not None:
             self.disk.attach(self.optimizer)
         self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
-        self.early = backward_step(self.config, self.stepper, self.comm, self.groups.shard)  # or None
+        self.early = backward_step(self.config, self.stepper, self.comm, self.groups.shard, self.disk)  # or None
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         ordered = self.topology.expert_parallel.size > 1  # experts' collectives share qgZ's second hops' ranks

@@ -5,6 +5,8 @@ none and cpu), within the exactness bound of one process; the units are stepped 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from launcher import run_ranks
@@ -23,23 +25,29 @@ def train(stage: int, in_backward: bool, extra: dict) -> tuple[dict, list[bool]]
     from zeropp.topology import init_topology
 
     topology = init_topology()
+    if "offload_path" in extra:  # each engine its own disk tier's folder
+        folder = Path(extra["offload_path"]) / f"in-backward-{in_backward}"
+        folder.mkdir(exist_ok=True)
+        extra = {**extra, "offload_path": str(folder)}
     config = ZeroConfig(
         stage=stage, gradient_accumulation_steps=ACCUMULATION, step_in_backward=in_backward, **extra
     )  # fmt: skip
     engine = ZeroEngine(make_model("gpt"), torch.optim.AdamW, dict(lr=LRS[0], eps=ADAM_EPS), config, topology)
     world, rank = topology.world_size, topology.rank
     moved = []
+    # the disk tier's masters are in memory only while stepped; its units publish their compute shards then
+    probed = (lambda unit: unit.compute_shard) if "offload_path" in extra else (lambda unit: unit.master)
     for step in range(STEPS):
         for group in engine.optimizer.param_groups:
             group["lr"] = LRS[step]
         for micro in range(ACCUMULATION):
-            before = [unit.master.detach().clone() for unit in engine.units]
+            before = [probed(unit).detach().clone() for unit in engine.units]
             x, y = rows(global_batch("gpt", step, micro, world), rank)
             engine.backward(loss_of("gpt", engine, x, y))
         if step == 0:  # the first step: were the masters stepped before engine.step()? (the later ones:
             if engine.early is not None:  # engine.step() waits for the worker itself)
                 engine.early.wait()
-            moved.append([not torch.equal(b, unit.master) for b, unit in zip(before, engine.units, strict=True)])
+            moved.append([not torch.equal(b, probed(unit)) for b, unit in zip(before, engine.units, strict=True)])
         assert engine.step()
     return {k: v.clone() for k, v in engine.full_state_dict().items()}, moved
 
@@ -73,11 +81,14 @@ CASES = [
     (1, 3, {}), (2, 1, {}), (2, 2, {"max_grad_norm": MAX_NORM}), (2, 3, {"offload_optimizer": "cpu"}),
     (4, 3, {}), (4, 2, {"offload_optimizer": "cpu", "max_grad_norm": MAX_NORM}), (4, 1, {"precision": "bf16"}),
     (2, 3, {"optimizer_path": "flat"}), (2, 3, {"precision": "bf16", "optimizer_state_dtype": "bf16"}),
+    (2, 3, {"offload_optimizer": "nvme"}), (2, 3, {"offload_optimizer": "nvme", "precision": "bf16"}),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("world,stage,extra", CASES, ids=[f"w{w}-s{s}-{'-'.join(e) or 'plain'}" for w, s, e in CASES])
-def test_the_weights_are_bit_for_bit_those_of_stepping_after_backward(world, stage, extra):
+def test_the_weights_are_bit_for_bit_those_of_stepping_after_backward(world, stage, extra, tmp_path):
+    if extra.get("offload_optimizer") == "nvme":  # the disk tier steps the flat masters
+        extra = {**extra, "offload_path": str(tmp_path), "optimizer_path": "flat"}
     per_rank = run_ranks(compare_worker, world, stage=stage, extra=extra)
     clipped = "max_grad_norm" in extra
     for result in per_rank:
@@ -97,7 +108,8 @@ def test_what_the_config_cannot_step_in_backward_is_refused_in_one_line(tmp_path
     for extra, clash in (
         (dict(precision="fp16"), "zero.precision = 'fp16'"),
         (dict(offload_optimizer="cpu", offload_delayed_update=True), "zero.offload_delayed_update"),
-        (dict(offload_optimizer="nvme", offload_path=str(tmp_path)), "an 'nvme' offload"),
+        (dict(offload_params="nvme", offload_path=str(tmp_path)), "zero.offload_params = 'nvme'"),
+        (dict(stage=2, offload_optimizer="nvme", offload_path=str(tmp_path)), "zero.offload_params = 'nvme', or"),
     ):
         with pytest.raises(ConfigError) as error:
             ZeroConfig(step_in_backward=True, **extra).validate()

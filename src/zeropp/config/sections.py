@@ -189,7 +189,7 @@ class ZeroConfig:
             for clash, yes in (
                 ("zero.precision = 'fp16' (its overflow check needs every gradient)", self.precision == "fp16"),
                 ("zero.offload_delayed_update", self.offload.delayed_update),
-                ("an 'nvme' offload (its ring streams the states in unit order)", "nvme" in (self.offload.optimizer, self.offload.params)),
+                ("zero.offload_params = 'nvme', or the optimizer's at stages 1-2 or with persistence_threshold (a collective publication)", self.offload.params == "nvme" or (self.offload.optimizer == "nvme" and (self.stage < 3 or self.persistence_threshold > 0))),
             ):  # fmt: skip
                 require(not yes, "zero.step_in_backward", True, f"false with {clash}")
         self.qgz.validate(self.key("qgz"))

@@ -21,6 +21,9 @@ those of stepping after backward:
   backward (a scheduler steps after ``engine.step()``, as usual).
 - The compute weights follow the masters at ``engine.step()``, in unit order on the main thread:
   at stages 1-2 that publication is a collective, and every rank must issue it at the same point.
+  With the optimizer's disk tier (stage 3 only) the worker reads a unit's states in, steps them,
+  publishes its compute shard (a copy, no collective) while the master is in memory, and writes
+  them back, one unit at a time (no read-ahead: units land in backward's order, not the ring's).
 - The worker only reads gradients and steps masters: the gradient buffer is taken from the unit's
   pool on the main thread (:meth:`~zeropp.zero.unit.FlatUnit.reduced_gradient`). On CUDA the main
   thread records an event on its stream after the gradient (and its copy to a host master); the
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     from zeropp.comm.communicator import Communicator, Pending
     from zeropp.config.sections import ZeroConfig
     from zeropp.topology import Group
+    from zeropp.zero.offload.disk import DiskTier
     from zeropp.zero.optim.spec import OptimizerSpec
     from zeropp.zero.optim.stepping import Stepper
     from zeropp.zero.unit import FlatUnit
@@ -67,9 +71,12 @@ class BackwardStep:
     """Steps the units of the boundary micro-batch's backward as their reductions land (See [Note: the
     step inside backward])."""
 
-    def __init__(self, stepper: Stepper, config: ZeroConfig, comm: Communicator, group: Group) -> None:
-        """`comm`, `group`: where the segment step learns which parameters some rank gave a gradient."""
-        self.stepper, self.comm, self.group = stepper, comm, group
+    def __init__(
+        self, stepper: Stepper, config: ZeroConfig, comm: Communicator, group: Group, disk: DiskTier | None = None
+    ) -> None:
+        """`comm`, `group`: where the segment step learns which parameters some rank gave a gradient;
+        `disk`: the optimizer's disk tier, where the states live in files."""
+        self.stepper, self.comm, self.group, self.disk = stepper, comm, group, disk
         self.segments = isinstance(stepper, SegmentStep)
         self.host_copies = config.offload.optimizer == "cpu"  # the masters live in host memory
         self.waits_for_norm = config.max_grad_norm is not None  # every step after backward, as without it
@@ -124,7 +131,13 @@ class BackwardStep:
             reduced.wait()
             given = {k: {i for i, flag in enumerate(flags.tolist()) if flag}}
         copies = {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches: not written
-        step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], given)
+        if self.disk is None:
+            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], given)
+        else:  # read in, stepped and published while in memory (stage 3: not a collective), written back
+            publish = lambda j: publish_unit(self.stepper.units[j], None)  # noqa: E731
+            step_masters(
+                self.stepper, self.stepper.optimizers, copies, None, None, self.disk.streamed([[k]]), given, publish
+            )
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()
 
@@ -152,7 +165,7 @@ class BackwardStep:
         if not stepped:
             return False
         assert sorted(stepped) == list(range(len(self.stepper.units))), "a unit was not stepped in backward"
-        for unit in self.stepper.units:
+        for unit in self.stepper.units if self.disk is None else ():  # the disk tier's: published when stepped
             publish_unit(unit, None)
         return True
 
@@ -175,7 +188,9 @@ def refuse_step_in_backward(config: ZeroConfig, spec: OptimizerSpec, path: str, 
             raise ConfigError(f"zero.step_in_backward = True is not allowed; expected false with {what}")
 
 
-def backward_step(config: ZeroConfig, stepper: Stepper, comm: Communicator, group: Group) -> BackwardStep | None:
+def backward_step(
+    config: ZeroConfig, stepper: Stepper, comm: Communicator, group: Group, disk: DiskTier | None
+) -> BackwardStep | None:
     """The engine's :class:`BackwardStep` where ``zero.step_in_backward`` asks for one, after
     :func:`refuse_step_in_backward`."""
-    return BackwardStep(stepper, config, comm, group) if config.step_in_backward else None
+    return BackwardStep(stepper, config, comm, group, disk) if config.step_in_backward else None
