@@ -134,12 +134,18 @@ class BackwardStep:
         if self.disk is None:
             step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], given)
         else:  # read in, stepped and published while in memory (stage 3: not a collective), written back
-            publish = lambda j: publish_unit(self.stepper.units[j], None)  # noqa: E731
-            step_masters(
-                self.stepper, self.stepper.optimizers, copies, None, None, self.disk.streamed([[k]]), given, publish
-            )
+            batches = self.disk.streamed([[k]])
+            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, given, self._publish_now)
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()
+
+    def _publish_now(self, k: int) -> None:
+        """Unit `k`'s compute shard from its master while the disk tier holds it in memory; on CUDA the
+        copy is done before the ring's slot is written back and reused."""
+        unit = self.stepper.units[k]
+        publish_unit(unit, None)
+        if unit.options.device.type == "cuda":
+            torch.cuda.current_stream(unit.options.device).synchronize()
 
     def wait(self) -> None:
         """Wait for the steps launched in backward (their errors raised here)."""
