@@ -326,9 +326,7 @@ class ZeroEngine:
                 coefficient = clip_coefficient(self._grad_norm, self.config.max_grad_norm)
                 if self.whole is not None:
                     self.whole.step(self.scaler, coefficient)
-                elif self.early is not None and self.early.publish():
-                    pass  # stepped in backward, published now
-                else:
+                elif self.early is None or not self.early.publish():  # publish(): stepped in backward
                     self.optimizer_spec.follow_sources(self.optimizers)  # the user's scheduler's rate
                     given = self.stepper.given_gradients(self.comm, self.groups.shard)
                     self.update.step(self.scaler, coefficient, given)

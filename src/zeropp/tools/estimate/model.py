@@ -133,8 +133,7 @@ class Estimate:
         device and no secondary copy: stage 2's formula. DiLoCo's state is the whole shard's (its
         exchange pads each fragment's shard at once), beside the masters."""
         zero, world, offload = self.zero, self.shard_layout.world_size, self.zero.offload
-        ep = self.layout.expert_parallel_size  # an experts unit: over world / E ranks, hpZ over its holders
-        experts_hpz = self.layout.expert_hpz_group_size(self.hpz_group_size)
+        ep, experts_hpz = self.layout.expert_parallel_size, self.layout.expert_hpz_group_size(self.hpz_group_size)
         # the whole-parameter owners' state and DiLoCo's, held once per rank rather than per unit
         held = owner_state_bytes(self.psi, world) if self.whole_parameters and where in ("device", "all") else 0
         beside_masters = "host" if offload.optimizer != "none" else "device"  # the disk tier is refused with it

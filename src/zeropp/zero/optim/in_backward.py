@@ -34,14 +34,14 @@ those of stepping after backward:
   ``offload_states``) is refused in one line (the masters moved, the weights and the step count
   not yet), and so is a boundary backward after one that ``engine.step()`` did not follow (a
   failed backward): its units would be stepped twice.
-
 - The segment step (See [Note: segments]) learns which parameters some rank gave a gradient per unit,
   as that unit lands: one all-reduce (max) of a byte per parameter issued on the main thread, in
   program order, and waited for by the worker; without it, one all-reduce for all units at the step.
 
-Refused in one line (the config, the engine): fp16, the delayed update, the disk tiers (their ring
-streams states in unit order), DiLoCo's outer loop, the whole-parameter path and optimizers other
-than torch's element-wise ones.
+Refused in one line (the config, the engine): fp16, the delayed update, the parameters' disk tier
+and the optimizer's at stages 1-2 or with ``persistence_threshold`` (their publication is a
+collective), DiLoCo's outer loop, the whole-parameter path and optimizers other than torch's
+element-wise ones.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch
 
 from zeropp.errors import ConfigError
 from zeropp.zero.optim.segments import SegmentStep
-from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, publish_unit, step_masters
+from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, given_of, gradient_flags, publish_unit, step_masters
 
 if TYPE_CHECKING:
     from zeropp.comm.communicator import Communicator, Pending
@@ -109,11 +109,8 @@ class BackwardStep:
                 grad = grad.to(unit.master.device, unit.master.dtype, non_blocking=True)
             ready = stream.record_event()
         given = None
-        if self.segments and self.group.size == 1:
-            given = {k: set(unit.with_grad)}
-        elif self.segments:  # which parameters some rank gave a gradient: this unit's byte per parameter, async
-            flags = torch.tensor([i in unit.with_grad for i in range(len(unit.params))], dtype=torch.uint8)
-            flags = flags.to(unit.options.device)
+        if self.segments:  # which parameters some rank gave a gradient: this unit's byte per parameter, async
+            flags = gradient_flags([unit])
             given = (flags, self.comm.all_reduce(flags, self.group, reduce="max", async_op=True))
         self._stepped.append(k)
         self._running.append(self._thread.submit(self._step, k, grad, ready, given))
@@ -126,16 +123,17 @@ class BackwardStep:
             torch.cuda.current_stream(master.device).wait_event(ready)
         elif ready is not None:  # a host master reads the copy once it has arrived
             ready.synchronize()
-        if isinstance(given, tuple):
+        chosen = None  # the segment step's: the parameters some rank gave a gradient
+        if given is not None:
             flags, reduced = given
             reduced.wait()
-            given = {k: {i for i, flag in enumerate(flags.tolist()) if flag}}
+            chosen = {k: given_of([self.stepper.units[k]], flags)[0]}
         copies = {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches: not written
         if self.disk is None:
-            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], given)
+            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], chosen)
         else:  # read in, stepped and published while in memory (stage 3: not a collective), written back
             batches = self.disk.streamed([[k]])
-            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, given, self._publish_now)
+            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, chosen, self._publish_now)
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()
 

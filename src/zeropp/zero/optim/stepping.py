@@ -166,10 +166,19 @@ def parameters_given_a_gradient(units: Sequence[FlatUnit], comm: Communicator, g
     per parameter, read on the host (on CUDA, the step's host synchronization); none on one rank."""
     if group.size == 1:
         return [set(unit.with_grad) for unit in units]
-    device = units[0].options.device
-    flags = torch.tensor([i in u.with_grad for u in units for i in range(len(u.params))], dtype=torch.uint8)
-    flags = flags.to(device)
+    flags = gradient_flags(units)
     comm.all_reduce(flags, group, reduce="max")
+    return given_of(units, flags)
+
+
+def gradient_flags(units: Sequence[FlatUnit]) -> torch.Tensor:
+    """A byte per parameter of `units`, in order: 1 where this rank gave it a gradient since the last step."""
+    flags = torch.tensor([i in u.with_grad for u in units for i in range(len(u.params))], dtype=torch.uint8)
+    return flags.to(units[0].options.device)
+
+
+def given_of(units: Sequence[FlatUnit], flags: torch.Tensor) -> list[set[int]]:
+    """Per unit, the indices of the parameters whose byte in `flags` (:func:`gradient_flags`) is set."""
     given, values = [], iter(flags.tolist())
     for unit in units:
         given.append({i for i in range(len(unit.params)) if next(values)})
