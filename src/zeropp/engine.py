@@ -130,7 +130,8 @@ class ZeroEngine:
         self.expert_units, self.expert_groups = split_experts(model, self.comm, self.groups)
         unit_modules = [*(repeated_blocks(model) if unit_modules is None else unit_modules), *self.expert_units]
         shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
-        self.disk, self.param_disk = disk_tiers_for(self.config, self.topology.rank, model, shard_ranks)
+        self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
+        self.disk, self.param_disk = disk_tiers_for(self.config, self.topology, model, shard_ranks, self.scaler)
         for tier in (t for t in (self.disk, self.param_disk) if t is not None):
             weakref.finalize(self, tier.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
@@ -144,7 +145,6 @@ class ZeroEngine:
         self.update = DelayedUpdate(self.stepper, self.config.offload, self.disk, self.param_disk)
         self.early = backward_step(self.config, self.stepper, self.comm, self.groups.shard, self.disk)  # or None
         self.outer = OuterStep(self.units, self.comm, self.topology.inter_node, self.config) if outer else None
-        self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         ordered = self.topology.expert_parallel.size > 1  # experts' collectives share qgZ's second hops' ranks
         self.runtime = Runtime(self.units, self.policy, self.config.prefetch, self.param_disk, ordered)
         self.states = StateOffloader(self.units, self.stepper, self.optimizers, self.topology.device, self.whole.masters() if self.whole else [])  # fmt: skip
@@ -235,7 +235,7 @@ class ZeroEngine:
             del flat, views
             built.extend([unit] if unit is not None else [])
             if unit is not None and self.disk is not None:  # to its file before the next unit is built
-                self.disk.add(unit.master)
+                self.disk.add(unit.master, unit)
             if unit is not None and self.param_disk is not None:
                 self.param_disk.add(unit)
             if unit is not None and self.config.master_dtype != "fp32":
@@ -318,7 +318,8 @@ class ZeroEngine:
             self.update.settle()  # the last step's delayed update: See [Note: the delayed parameter update]
             self.measured_model_state_bytes = self.model_state_bytes()
             count_whole = self.topology.tensor_parallel.rank == 0
-            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole)
+            parked = self.disk.gradients if self.disk is not None else None  # See [Note: gradients on disk]
+            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole, parked)
             overflow = self._any_overflow(finite) if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:

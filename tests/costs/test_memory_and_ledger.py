@@ -242,9 +242,18 @@ def test_the_disk_tiers_and_bf16_states_in_table_1():
     assert tiers() == [16 * psi / n, 0, 0]
     assert tiers(optimizer_bytes=4) == [12 * psi / n, 0, 0]  # optimizer_state_dtype = "bf16": 2 + 2 + 4 + 4
     assert tiers(offload_optimizer=True, offload_params=True) == [2 * psi / n, 14 * psi / n, 0]
-    assert tiers(optimizer_on_disk=True) == [4 * psi / n, 0, 12 * psi / n]
+    # the optimizer's disk tier takes the reduced gradients too (stages 2-3: See [Note: gradients on disk])
+    assert tiers(optimizer_on_disk=True) == [2 * psi / n, 0, 14 * psi / n]
     assert tiers(offload_optimizer=True, params_on_disk=True) == [2 * psi / n, 12 * psi / n, 2 * psi / n]
-    assert tiers(optimizer_on_disk=True, params_on_disk=True, optimizer_bytes=4) == [2 * psi / n, 0, 10 * psi / n]
+    assert tiers(optimizer_on_disk=True, params_on_disk=True, optimizer_bytes=4) == [0, 0, 12 * psi / n]
+    stage2 = [
+        analytic_model_state_bytes(psi, n, 2, "bf16", where=w, optimizer_on_disk=True) for w in ("device", "disk")
+    ]
+    assert stage2 == [2 * psi, 14 * psi / n]  # the whole bf16 weights stay; gradients and states go
+    stage1 = [
+        analytic_model_state_bytes(psi, n, 1, "bf16", where=w, optimizer_on_disk=True) for w in ("device", "disk")
+    ]
+    assert stage1 == [4 * psi, 12 * psi / n]  # whole gradients (not sharded) stay in memory
     # the rings: depth + 1 units of fp32 master and moments; window + 1 compute shards
     assert disk_tier_ring_bytes(1000, depth=2) == 3 * 12 * 1000
     assert disk_tier_ring_bytes(1000, depth=2, optimizer_bytes=4) == 3 * 8 * 1000

@@ -498,7 +498,7 @@ def test_cli_bad_input_is_one_line_naming_the_flag(capsys, argv, names):
 
 def test_the_estimate_of_the_disk_tiers_and_bf16_states(tmp_path):
     """One flat unit of Ψ = 8 x 10^6 on 4 ranks, bf16, Adam with bf16 moments: 12Ψ/N in all; with both disk
-    tiers 2Ψ/N stays on the device, 10Ψ/N goes to disk, the host holds the two rings."""
+    tiers all 12Ψ/N go to disk (the gradients with the optimizer's states), the host holds the three rings."""
     psi, n = 8_000_000, 4
     bf16 = dict(stage=3, precision="bf16", optimizer_state_dtype="bf16", persistence_threshold=0)
     plain = estimate(psi, n, zero=ZeroConfig(**bf16))
@@ -506,12 +506,14 @@ def test_the_estimate_of_the_disk_tiers_and_bf16_states(tmp_path):
     disk = dict(offload_optimizer="nvme", offload_params="nvme", offload_path=str(tmp_path), offload_buffer_count=3)
     est = estimate(psi, n, zero=ZeroConfig(**bf16, **disk, gradient_accumulation_steps=2))
     tiers = {w: est.model_state_bytes_on(w) for w in ("device", "host", "disk")}
-    assert tiers == {"device": 2 * psi / n, "host": 0, "disk": 10 * psi / n}
+    assert tiers == {"device": 0, "host": 0, "disk": 12 * psi / n}
     shard = psi // n
     assert est.disk_tiers() == {
-        "host_ring_bytes": 4 * 8 * shard + 4 * 2 * shard,  # (3 + 1) units of master + moments; (max(3, 1) + 1) shards
-        "read_bytes_per_step": 8 * shard + 2 * 2 * 2 * shard,  # the optimizer's states; 2 gathers x 2 micro-batches
-        "written_bytes_per_step": 8 * shard + 2 * shard,
+        # (3 + 1) units of master + moments; of gradients; (max(3, 1) + 1) compute shards
+        "host_ring_bytes": 4 * 8 * shard + 4 * 2 * shard + 4 * 2 * shard,
+        # the optimizer's states; the gradient read back at micro-batch 2 and at the step; 2 gathers x 2 micro-batches
+        "read_bytes_per_step": 8 * shard + 2 * 2 * shard + 2 * 2 * 2 * shard,
+        "written_bytes_per_step": 8 * shard + 2 * 2 * shard + 2 * shard,  # states; a gradient per micro-batch; weights
     }
 
 

@@ -16,9 +16,11 @@ import torch
 from launcher import run_ranks
 from models import ADAM_EPS, global_batch, loss_of, make_model, rows
 
-from zeropp.config.sections import ZeroConfig
+from zeropp.config.sections import LossScaleConfig, ZeroConfig
 from zeropp.costs.memory import (
     analytic_model_state_bytes,
+    disk_gradients_ring_bytes,
+    disk_gradients_step_bytes,
     disk_params_ring_bytes,
     disk_params_step_bytes,
     disk_tier_ring_bytes,
@@ -40,6 +42,7 @@ def train(
     topology = init_topology(TopologyConfig(nodes=simulated_nodes))
     world, rank = topology.world_size, topology.rank
     config = ZeroConfig(stage=stage, gradient_accumulation_steps=2, max_grad_norm=0.05, **offload)
+    held_gradients = []  # with the gradients on disk, their bytes in memory at each write and read
 
     def build():
         torch.manual_seed(0)
@@ -47,6 +50,7 @@ def train(
 
     engine, held = build(), []  # held: with the parameters on disk, the shard bytes in memory at each read
     _watch_shards(engine, held)
+    _watch_gradients(engine, held_gradients)
     io = []
     for step in range(STEPS):
         if step == resume_at:  # saved, and a new engine resumed from the checkpoint
@@ -56,7 +60,9 @@ def train(
             engine = build()
             _watch_shards(engine, held)
             load_checkpoint(engine, saved)
-        tiers = [t for t in (engine.disk, engine.param_disk) if t is not None]
+            _watch_gradients(engine, held_gradients)
+        gradients = engine.disk.gradients if engine.disk is not None else None
+        tiers = [t for t in (engine.disk, gradients, engine.param_disk) if t is not None]
         before = [(t.bytes_read, t.bytes_written) for t in tiers]
         held.clear()
         for micro in range(2):
@@ -68,7 +74,9 @@ def train(
     files = engine.param_disk
     return dict(state=engine.full_state_dict(), io=io, psi_shard=sum(u.master.numel() for u in engine.units),
                 resident_bytes=engine.measured_model_state_bytes, psi=engine.param_count,
-                on_disk=[u.master.numel() for u in files.units] if files else [], window=files.window if files else 0)  # fmt: skip
+                on_disk=[u.master.numel() for u in files.units] if files else [], window=files.window if files else 0,
+                largest_shard=max(u.master.numel() for u in engine.units), held_gradients=max(held_gradients, default=0),
+                skipped=engine.scaler.enabled and engine.scaler.scale < config.loss_scale.initial_scale)  # fmt: skip
 
 
 def _watch_shards(engine, held: list) -> None:
@@ -83,6 +91,26 @@ def _watch_shards(engine, held: list) -> None:
         held.append(sum(u.compute_shard.untyped_storage().nbytes() for u in files.units))
 
     files._read_in = counted
+
+
+def _watch_gradients(engine, held: list) -> None:
+    """Record the gradient bytes the disk tier holds in memory after each park (the shards waiting to be
+    written) and at each read (those read back), for the ring's bound."""
+    files = engine.disk.gradients if engine.disk is not None else None
+    if files is None:
+        return
+    park, read_in = files.park, files._read_in
+    largest = max(u.master.numel() for u in files.units) * files.units[0].grad_dtype.itemsize
+
+    def parked(*args) -> None:
+        park(*args)
+        held.append(len(files._writes) * largest + sum(t.untyped_storage().nbytes() for t in files._gradients))
+
+    def read(index: int) -> None:
+        read_in(index)
+        held.append(sum(t.untyped_storage().nbytes() for t in files._gradients))
+
+    files.park, files._read_in = parked, read
 
 
 def nvme(path, **more) -> dict:
@@ -101,12 +129,32 @@ def test_disk_tier_trains_bit_for_bit_like_no_offload(stage, world, tmp_path):
         assert per_step == 12 * streamed["psi_shard"]
         assert [io[0] for io in streamed["io"][1:]] == [(per_step, per_step)] * (STEPS - 1)
         assert streamed["io"][0][0] == (4 * streamed["psi_shard"], per_step)  # the first step creates the moments
-        if stage == 3:  # in memory when the step starts: the fp32 parameters' and the gradients' shards
+        if stage >= 2:  # the reduced gradients on disk: written at each micro-batch, read back at the next and the step
+            gradients_io = disk_gradients_step_bytes(streamed["psi_shard"], "fp32", micro_batches=2)
+            assert [io[1] for io in streamed["io"]] == [gradients_io] * STEPS
+            assert gradients_io == (8 * streamed["psi_shard"], 8 * streamed["psi_shard"])
+            ring = disk_gradients_ring_bytes(streamed["largest_shard"], "fp32", depth=2)
+            assert 0 < streamed["held_gradients"] <= ring
+        if stage == 3:  # in memory when the step starts: the fp32 parameters' shard alone (the gradients are on disk)
             kept = analytic_model_state_bytes(streamed["psi"], world, 3, "fp32", optimizer_on_disk=True, where="device")
             assert streamed["resident_bytes"] == pytest.approx(kept, rel=0.02)
+            assert kept == pytest.approx(4 * streamed["psi"] / world)
             disk = analytic_model_state_bytes(streamed["psi"], world, 3, "fp32", optimizer_on_disk=True, where="disk")
-            assert per_step == pytest.approx(disk, rel=0.02)
+            assert per_step + gradients_io[1] // 2 == pytest.approx(disk, rel=0.02)  # states and one gradient shard
     assert not any((tmp_path / "zeropp-offload").glob("rank-*/*.bin"))  # removed with the engine
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_on_disk_keep_fp16s_overflow_check_and_loss_scale_bit_for_bit(stage, tmp_path):
+    """fp16: each parked gradient's statistics divide out the loss scale of its backward; a step
+    skipped for overflow forgets its parked gradients (the next accumulates from nothing)."""
+    fp16 = dict(precision="fp16", loss_scale=LossScaleConfig(initial_scale=2.0**30, backoff_factor=2.0**-14))
+    off = run_ranks(train, 2, stage=stage, offload=fp16)
+    disk = run_ranks(train, 2, stage=stage, offload=nvme(tmp_path, **fp16))
+    assert off[0]["skipped"] and disk[0]["skipped"]  # the first step overflowed, the scale fell to 2**16
+    for plain, streamed in zip(off, disk, strict=True):
+        for key, tensor in plain["state"].items():
+            assert torch.equal(tensor, streamed["state"][key]), key
 
 
 def test_disk_tier_world4_two_nodes_with_depth_1_and_resume(tmp_path):
@@ -183,7 +231,7 @@ def _build_on(path: str, **offload) -> str:
     from zeropp.topology import init_topology
 
     offload = offload or dict(offload_optimizer="nvme")
-    needs = "optimizer states" if offload["offload_optimizer"] == "nvme" else "parameters"
+    needs = "optimizer states and gradients" if offload["offload_optimizer"] == "nvme" else "parameters"
     try:
         config = ZeroConfig(stage=3, offload_path=path, **offload)
         ZeroEngine(make_model("gpt"), torch.optim.AdamW, {}, config, init_topology())

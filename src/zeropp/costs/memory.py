@@ -20,10 +20,11 @@ the master never aliases the parameters then) to host memory, and offload_params
 shard pΨ/N too: stage 3 with both keeps only gΨ/N of gradients on the device between uses, plus the
 units being gathered. offload_params alone (DeepSpeed's ``offload_param`` without ``offload_optimizer``)
 keeps the master and optimizer state on the device and moves pΨ/N to the host: the master is then a
-copy of its own in fp32 too. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead: in
-host memory only their rings stay (a few units' worth, :func:`disk_tier_ring_bytes`,
+copy of its own in fp32 too. ZeRO-Infinity's disk tiers (``"nvme"``) move the same bytes to disk instead,
+and the optimizer's at stages 2-3 the reduced gradients gΨ/N too: in host memory only their rings stay (a
+few units' worth, :func:`disk_tier_ring_bytes`, :func:`disk_gradients_ring_bytes`,
 :func:`disk_params_ring_bytes`, whatever the model's size), and each step moves
-:func:`disk_tier_step_bytes` and :func:`disk_params_step_bytes` through them.
+:func:`disk_tier_step_bytes`, :func:`disk_gradients_step_bytes` and :func:`disk_params_step_bytes` through them.
 
 Frozen parameters (Ψf of them, ``requires_grad`` False: a LoRA run's base) cost their compute-dtype
 bytes only, pΨf at stages 0-2 (whole on every rank) and pΨf/N at stage 3 (sharded in their units),
@@ -66,6 +67,7 @@ from zeropp.runtime.reductions import MAX_IN_FLIGHT
 from zeropp.zero.weights.dtensor_params import local_tensor
 
 if TYPE_CHECKING:
+    from zeropp.config.sections import ZeroConfig
     from zeropp.zero.unit import FlatUnit
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -97,7 +99,8 @@ def analytic_model_state_bytes(
     """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
-    bytes, and the host holds the ring (:func:`disk_tier_ring_bytes`), not counted here; with
+    bytes, and at stages 2-3 the gradient shard gΨ/N (See [Note: gradients on disk]), and the host holds
+    the rings (:func:`disk_tier_ring_bytes`, :func:`disk_gradients_ring_bytes`), not counted here; with
     `params_on_disk` (offload_params = "nvme") the compute-dtype shard pΨ/N too (its ring:
     :func:`disk_params_ring_bytes`). `optimizer_bytes`: 8 for Adam, 4 with its moments in bf16
     (``optimizer_state_dtype = "bf16"``: bf16 weights and gradients, fp32 master, bf16 moments are
@@ -133,6 +136,7 @@ def analytic_model_state_bytes(
     secondary += p * psi / n if qwd_reference and stage >= 3 else 0
     disk = (states if optimizer_on_disk else 0) + (params if params_on_disk else 0)
     host = (states if offload_optimizer else 0) - disk + (params if offload_params else 0)
+    disk += grads if optimizer_on_disk and stage >= 2 else 0
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
     return {"all": total, "device": total - host - disk, "host": host, "disk": disk}[where]
@@ -169,6 +173,21 @@ def disk_tier_step_bytes(shard_numel: int, optimizer_bytes: int = 8) -> tuple[in
     return per_step, per_step
 
 
+def disk_gradients_ring_bytes(largest_shard: int, grad_dtype: str, depth: int) -> int:
+    """Host bytes of reduced gradients the optimizer's disk tier holds at most (stages 2-3): in backward
+    `depth` shards waiting to be written and one read back to add a micro-batch to, in the step the
+    unit stepped and the `depth` read ahead of it, `largest_shard` elements each (See [Note: gradients on
+    disk]); beside them the step's fp32 copy of one unit's gradient, as without the disk tier."""
+    return (depth + 1) * BYTES[grad_dtype] * largest_shard
+
+
+def disk_gradients_step_bytes(shard_numel: int, grad_dtype: str, micro_batches: int) -> tuple[int, int]:
+    """(read, written) bytes of the reduced gradients on disk per optimizer step (stages 2-3): each
+    micro-batch writes the shard, each after the first reads back the sum so far, the step reads it once."""
+    shard = BYTES[grad_dtype] * shard_numel
+    return micro_batches * shard, micro_batches * shard
+
+
 def disk_params_ring_bytes(largest_shard: int, precision: str, window: int) -> int:
     """Host bytes of compute shards the parameters' disk tier (offload_params = "nvme") holds at most
     while the model runs: the unit being gathered and the `window` (``max(offload_buffer_count,
@@ -183,6 +202,31 @@ def disk_params_step_bytes(shard_numel: int, precision: str, micro_batches: int,
     until the weights change); the step writes each shard once."""
     shard = BYTES[precision] * shard_numel
     return (shard if hpz else 2 * micro_batches * shard), shard
+
+
+def disk_tier_bytes(
+    zero: ZeroConfig, shards: Sequence[tuple[int, bool]], optimizer_bytes: int, hpz: bool
+) -> dict[str, int]:
+    """The disk tiers of `zero` on one rank: the host bytes their rings hold at most and the bytes a
+    step reads and writes (after the first, which creates the optimizer state), for each unit's
+    (elements on this rank, whether sharded at stage 3: the parameters' tier holds only those)."""
+    offload, steps = zero.offload, zero.gradient_accumulation_steps
+    elements = [n for n, _ in shards]
+    sharded = [n for n, is_sharded in shards if is_sharded]
+    ring, read, written = 0, 0, 0
+    if offload.optimizer == "nvme":
+        ring += disk_tier_ring_bytes(max(elements), offload.buffer_count, optimizer_bytes)
+        read, written = disk_tier_step_bytes(sum(elements), optimizer_bytes)
+    if offload.optimizer == "nvme" and zero.stage >= 2:  # the reduced gradients too
+        grad_dtype = zero.grad_dtype or zero.precision
+        ring += disk_gradients_ring_bytes(max(elements), grad_dtype, offload.buffer_count)
+        grads = disk_gradients_step_bytes(sum(elements), grad_dtype, steps)
+        read, written = read + grads[0], written + grads[1]
+    if offload.params == "nvme" and sharded:
+        ring += disk_params_ring_bytes(max(sharded), zero.precision, max(offload.buffer_count, zero.prefetch))
+        params = disk_params_step_bytes(sum(sharded), zero.precision, steps, hpz)
+        read, written = read + params[0], written + params[1]
+    return {"host_ring_bytes": ring, "read_bytes_per_step": read, "written_bytes_per_step": written}
 
 
 def outer_state_bytes(shards: int | Sequence[int], outer: OuterLoop, nodes: int) -> int:

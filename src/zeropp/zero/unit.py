@@ -18,6 +18,8 @@ Which modules form units is :mod:`zeropp.zero.grouping`'s concern; when hooks fi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -35,6 +37,9 @@ from zeropp.zero.weights.dtensor_params import is_split, local_tensor, point_at
 from zeropp.zero.weights.frozen import FrozenWeights
 from zeropp.zero.weights.gather import start_weight_gather
 from zeropp.zero.weights.reference import WeightReference
+
+if TYPE_CHECKING:
+    from zeropp.zero.offload.disk_gradients import GradientFiles
 
 _RELEASED = torch.empty(0)
 
@@ -115,6 +120,7 @@ class FlatUnit:
         self._hold_weights(self._take_parameters(initial_flat, broadcast_initial))
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self.gradient_files: GradientFiles | None = None  # where the reduced shards go instead (the disk tier)
         # gradient buffers (MD: ranges of the preallocated gradient arena)
         self._gradients = Loans(options.grad_arena or Arena(device, pinned=False, contiguous=False))
         if not policy.shard_gradients:
@@ -387,6 +393,9 @@ class FlatUnit:
         self._unwritten = None
 
     def _accumulate_reduced(self, shard: torch.Tensor) -> None:
+        if self.gradient_files is not None:  # See [Note: gradients on disk]
+            self.gradient_files.park(self, shard, lambda: self._gradients.give_back(shard))
+            return
         if self.grad_shard is None:
             self.grad_shard = shard
         else:
@@ -419,6 +428,8 @@ class FlatUnit:
 
     def clear_gradients(self) -> None:
         self.with_grad.clear()
+        if self.gradient_files is not None:
+            self.gradient_files.forget(self)
         if self.policy.shard_gradients:
             self._gradients.give_back(self.grad_shard)
             self._gradients.give_back(self.grad_flat)

@@ -36,10 +36,7 @@ from zeropp.costs.memory import (
     BYTES,
     Activations,
     analytic_model_state_bytes,
-    disk_params_ring_bytes,
-    disk_params_step_bytes,
-    disk_tier_ring_bytes,
-    disk_tier_step_bytes,
+    disk_tier_bytes,
     outer_state_bytes,
     owner_state_bytes,
     stage3_transient_bytes,
@@ -163,25 +160,12 @@ class Estimate:
         )
 
     def disk_tiers(self) -> dict[str, int] | None:
-        """ZeRO-Infinity's disk tiers per rank (None without them): the host bytes their rings hold at
-        most and the bytes a step reads and writes (after the first, which creates the optimizer state)."""
-        offload, zero = self.zero.offload, self.zero
-        if "nvme" not in (offload.optimizer, offload.params):
+        """ZeRO-Infinity's disk tiers per rank (None without them): :func:`disk_tier_bytes`."""
+        if "nvme" not in (self.zero.offload.optimizer, self.zero.offload.params):
             return None
-        world = self.shard_layout.world_size if zero.stage >= 1 else 1
-        shards = [math.ceil(u.padded / world) for u in self.units]
-        sharded = [s for s, u in zip(shards, self.units, strict=True) if not u.resident]
-        ring, read, written = 0, 0, 0
-        if offload.optimizer == "nvme":
-            ring += disk_tier_ring_bytes(max(shards), offload.buffer_count, self.optimizer_bytes)
-            read, written = disk_tier_step_bytes(sum(shards), self.optimizer_bytes)
-        if offload.params == "nvme" and sharded:
-            window = max(offload.buffer_count, zero.prefetch)
-            ring += disk_params_ring_bytes(max(sharded), zero.precision, window)
-            steps = zero.gradient_accumulation_steps
-            params = disk_params_step_bytes(sum(sharded), zero.precision, steps, self.hpz_group_size > 1)
-            read, written = read + params[0], written + params[1]
-        return {"host_ring_bytes": ring, "read_bytes_per_step": read, "written_bytes_per_step": written}
+        world = self.shard_layout.world_size if self.zero.stage >= 1 else 1
+        shards = [(math.ceil(u.padded / world), not u.resident) for u in self.units]
+        return disk_tier_bytes(self.zero, shards, self.optimizer_bytes, self.hpz_group_size > 1)
 
     @property
     def qgz_residual_layout(self) -> tuple[int, int, bool] | None:

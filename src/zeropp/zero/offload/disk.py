@@ -31,12 +31,17 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zeropp.errors import ConfigError
 from zeropp.zero.optim.stepping import steps_unit_by_unit
+
+if TYPE_CHECKING:
+    from zeropp.zero.offload.disk_gradients import GradientFiles
+    from zeropp.zero.unit import FlatUnit
 
 ALIGN = 4096  # direct I/O's alignment of buffers, offsets and lengths (the page size)
 STAGING_BYTES = 4 << 20  # the page-aligned buffer each I/O thread copies through
@@ -131,7 +136,7 @@ class DiskFiles:
         (each one's padding to ALIGN, under 4 KiB, is not counted)."""
         offset, payload = 0, 0
         for tensor in self.tensors(index):
-            buffer = _bytes_of(tensor)
+            buffer = bytes_of(tensor)
             try:
                 write_at(self._files[index], buffer, offset)
             except OSError as error:
@@ -144,7 +149,7 @@ class DiskFiles:
         offset, payload = 0, 0
         for tensor in self.tensors(index):
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-            buffer = _bytes_of(tensor)
+            buffer = bytes_of(tensor)
             try:
                 read_at(self._files[index], buffer, offset)
             except OSError as error:
@@ -152,12 +157,17 @@ class DiskFiles:
             offset, payload = offset + _aligned(len(buffer)), payload + len(buffer)
         self.bytes_read += payload
 
+    def _free(self, index: int) -> None:
+        for tensor in self.tensors(index):
+            tensor.untyped_storage().resize_(0)
+
     def in_memory(self, index: int) -> bool:
         return all(t.untyped_storage().nbytes() > 0 for t in self.tensors(index))
 
-    def streamed(self, batches: Sequence[Sequence[int]]) -> Iterator[Sequence[int]]:
+    def streamed(self, batches: Sequence[Sequence[int]], write_back: bool = True) -> Iterator[Sequence[int]]:
         """Yield each batch of unit indices once its states are in memory; write it back (and free
-        it) when the caller asks for the next one. See [Note: the disk tier's ring]."""
+        it; only free it where not `write_back`) when the caller asks for the next one. See [Note:
+        the disk tier's ring]."""
         reads: dict[int, Future] = {}
 
         def read_ahead(position: int) -> None:
@@ -170,7 +180,8 @@ class DiskFiles:
         for position, batch in enumerate(batches):
             reads.pop(position).result()
             yield batch
-            writes.append(self._io.submit(lambda batch=batch: [self._write_out(i) for i in batch]))
+            done = self._write_out if write_back else self._free
+            writes.append(self._io.submit(lambda batch=batch, done=done: [done(i) for i in batch]))
             read_ahead(position + self.depth)
         for write in writes:
             write.result()
@@ -197,8 +208,7 @@ class DiskFiles:
                     if self._changed:
                         self._write_out(index)
                     else:
-                        for tensor in self.tensors(index):
-                            tensor.untyped_storage().resize_(0)
+                        self._free(index)
                 self._changed = False
 
     @property
@@ -226,11 +236,22 @@ class DiskTier(DiskFiles):
         super().__init__(folder, depth)
         self.masters: list[nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.gradients: GradientFiles | None = None  # the reduced gradients' files (stages 2-3)
 
-    def add(self, master: nn.Parameter) -> None:
-        """Take a unit's master (before the optimizer is built on it): written out, its memory freed."""
+    def add(self, master: nn.Parameter, unit: FlatUnit | None = None) -> None:
+        """Take a unit's master (before the optimizer is built on it): written out, its memory freed;
+        the `unit`'s reduced gradients go to :attr:`gradients` where it holds them (See [Note:
+        gradients on disk])."""
         self.masters.append(master)
         self._open()
+        if unit is not None and self.gradients is not None:
+            self.gradients.add(unit)
+            unit.gradient_files = self.gradients
+
+    def close(self) -> None:
+        if self.gradients is not None:
+            self.gradients.close()
+        super().close()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer built on the masters; its per-element states join them in the files."""
@@ -251,7 +272,7 @@ class DiskTier(DiskFiles):
         return [master.data, *per_element]
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable in place, for as long as the tensor lives (not
     through ``numpy()``, which would make its storage impossible to resize, hence to free)."""
     nbytes = tensor.numel() * tensor.element_size()

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from zeropp.config.sections import ZeroConfig
+from zeropp.topology import Topology
 from zeropp.zero.offload.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
-from zeropp.zero.precision import DTYPES
+from zeropp.zero.offload.disk_gradients import GradientFiles
+from zeropp.zero.precision import DTYPES, LossScaler
 from zeropp.zero.unit import FlatUnit
 from zeropp.zero.unit_states import ShardState
 
@@ -110,24 +112,34 @@ class ParamFiles(DiskFiles):
 
 
 def disk_tiers_for(
-    config: ZeroConfig, rank: int, model: nn.Module, shard_ranks: int
+    config: ZeroConfig, topology: Topology, model: nn.Module, shard_ranks: int, scaler: LossScaler
 ) -> tuple[DiskTier | None, ParamFiles | None]:
-    """The optimizer's disk tier where ``zero.offload_optimizer`` is "nvme", the parameters' where
-    ``zero.offload_params`` is (None otherwise), in one folder per rank checked for room before any unit
-    is built: `shard_ranks` share the optimizer state and the parameters (stage 3)."""
+    """The optimizer's disk tier where ``zero.offload_optimizer`` is "nvme" (at stages 2-3 with its
+    gradients' files), the parameters' where ``zero.offload_params`` is (None otherwise), in one folder
+    per rank checked for room before any unit is built: `shard_ranks` share the optimizer state, the
+    gradients and the parameters (stage 3); `scaler`: fp16's, whose scale the gradients' statistics divide out."""
     offload = config.offload
     optimizer, params = offload.optimizer == "nvme", offload.params == "nvme"
     compute_bytes = DTYPES[config.precision].itemsize
     if not (optimizer or params):
         return None, None
-    folder = rank_folder(offload.path, rank)
+    folder = rank_folder(offload.path, topology.rank)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    needed = {"optimizer states": 12 if optimizer else 0, "parameters": compute_bytes if params else 0}
+    gradients = optimizer and config.stage >= 2  # sharded: See [Note: gradients on disk]
+    grad_bytes = DTYPES[config.grad_dtype or config.precision].itemsize
+    needed = {
+        "optimizer states": 12 if optimizer else 0,
+        "gradients": grad_bytes if gradients else 0,
+        "parameters": compute_bytes if params else 0,
+    }
     what = " and ".join(name for name, per_param in needed.items() if per_param)
     check_free_space(folder, sum(needed.values()) * trainable // shard_ranks, what)
     fix_mmap_threshold()
     depth = offload.buffer_count
     disk = DiskTier(folder, depth) if optimizer else None
+    if gradients:
+        count_whole = topology.tensor_parallel.rank == 0  # the norm counts whole parameters on this rank
+        disk.gradients = GradientFiles(folder, depth, count_whole, scaler)
     return disk, (ParamFiles(folder, depth, config.prefetch) if params else None)
 
 
@@ -142,6 +154,8 @@ def resident(disk: DiskTier | None, params: ParamFiles | None, changes: bool) ->
 
 
 def io_bytes(*tiers: DiskFiles | None) -> tuple[int, int]:
-    """(read, written) bytes of the disk tiers given (None: absent), since their construction."""
+    """(read, written) bytes of the disk tiers given (None: absent) and the optimizer tier's gradients,
+    since their construction."""
     present = [tier for tier in tiers if tier is not None]
+    present += [tier.gradients for tier in present if isinstance(tier, DiskTier) and tier.gradients is not None]
     return sum(t.bytes_read for t in present), sum(t.bytes_written for t in present)

@@ -102,8 +102,11 @@ class BackwardStep:
     def on_reduced(self, unit: FlatUnit) -> None:
         """`unit`'s reduction landed on the boundary micro-batch: launch its step."""
         k = self._index[id(unit)]
-        grad, ready = unit.reduced_gradient(), None
-        if grad.device.type == "cuda":  # the worker's kernels wait for what this thread's stream has issued
+        parked = self.disk is not None and self.disk.gradients is not None  # the worker reads it back
+        grad, ready = (None if parked else unit.reduced_gradient()), None
+        if (
+            grad is not None and grad.device.type == "cuda"
+        ):  # the worker's kernels wait for what this thread's stream has issued
             stream = torch.cuda.current_stream(grad.device)
             if self.host_copies:  # issued here, in stream order
                 grad = grad.to(unit.master.device, unit.master.dtype, non_blocking=True)
@@ -116,7 +119,11 @@ class BackwardStep:
         self._running.append(self._thread.submit(self._step, k, grad, ready, given))
 
     def _step(
-        self, k: int, grad: torch.Tensor, ready: torch.cuda.Event | None, given: tuple[torch.Tensor, Pending] | None
+        self,
+        k: int,
+        grad: torch.Tensor | None,
+        ready: torch.cuda.Event | None,
+        given: tuple[torch.Tensor, Pending] | None,
     ) -> None:
         master = self.stepper.units[k].master
         if ready is not None and master.device.type == "cuda":  # the step's kernels after the gradient's
@@ -128,11 +135,13 @@ class BackwardStep:
             flags, reduced = given
             reduced.wait()
             chosen = {k: given_of([self.stepper.units[k]], flags)[0]}
-        copies = {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches: not written
+        copies = {} if grad is None else {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches
         if self.disk is None:
             step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], chosen)
         else:  # read in, stepped and published while in memory (stage 3: not a collective), written back
             batches = self.disk.streamed([[k]])
+            if grad is None:  # the gradient back from its file (after its write: one I/O thread)
+                batches = self.disk.gradients.taken([[k]], batches, copies)
             step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, chosen, self._publish_now)
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()

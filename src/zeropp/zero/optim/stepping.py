@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from zeropp.comm.communicator import Communicator
     from zeropp.topology import Group
     from zeropp.zero.offload.disk import DiskTier
+    from zeropp.zero.offload.disk_gradients import GradientFiles
     from zeropp.zero.offload.disk_params import ParamFiles
     from zeropp.zero.optim.spec import OptimizerSpec
     from zeropp.zero.unit import FlatUnit
@@ -71,20 +72,40 @@ def step_batches(optimizers: Sequence[torch.optim.Optimizer], units: Sequence[Un
 
 
 def gradient_statistics(
-    units: Sequence[FlatUnit], scaler: LossScaler, device: torch.device, count_whole: bool
+    units: Sequence[FlatUnit],
+    scaler: LossScaler,
+    device: torch.device,
+    count_whole: bool,
+    on_disk: GradientFiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether this rank's gradients are all finite (checked under fp16 only), and the sum of their
     squares (parameters whole on every tensor-parallel rank counted where `count_whole`), in one pass
-    over the units' reduced gradients that holds one unit's fp32 gradient at a time. Device tensors."""
+    over the units' reduced gradients that holds one unit's fp32 gradient at a time (each unit's own
+    from `on_disk`, computed as its gradient was parked: See [Note: gradients on disk]). Device tensors."""
+    if on_disk is not None:
+        on_disk.settle()
     finite = torch.ones((), dtype=torch.bool, device=device)
     squares = torch.zeros(1, dtype=torch.float32, device=device)
+    scale = scaler.scale if scaler.enabled else None
     for unit in units:
-        grad = unit.reduced_gradient().to(torch.float32)  # the buffer itself where it is fp32: not written
-        if scaler.enabled:
-            grad = grad / scaler.scale
-            finite &= torch.isfinite(grad).all()
-        squares += unit.grad_squares(grad, count_whole)
+        parked = on_disk.statistics_of_step(unit) if on_disk is not None else None
+        unit_finite, unit_squares = parked or unit_statistics(unit, unit.reduced_gradient(), scale, count_whole)
+        if unit_finite is not None:
+            finite &= unit_finite.to(device)
+        squares += unit_squares.to(device)
     return finite, squares
+
+
+def unit_statistics(
+    unit: FlatUnit, gradient: torch.Tensor, scale: float | None, count_whole: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One unit's part of :func:`gradient_statistics` from its reduced `gradient`: whether it is finite
+    once the loss `scale` is divided out (None without one) and its sum of squares."""
+    grad = gradient.to(torch.float32)  # the buffer itself where it is fp32: not written
+    if scale is None:
+        return None, unit.grad_squares(grad, count_whole)
+    grad = grad / scale
+    return torch.isfinite(grad).all(), unit.grad_squares(grad, count_whole)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
@@ -254,12 +275,15 @@ def step_units(
     """Step the optimizers over the batches of :func:`step_batches` (:func:`step_masters`), publishing
     each unit's weights after its step. `host_copies`: the masters live in host memory
     (:func:`host_gradients`). `disk`: the states stream through the disk tier, `params`: the compute
-    shards are written back to theirs (See [Note: the disk tier's ring])."""
+    shards are written back to theirs (See [Note: the disk tier's ring]); the reduced gradients come
+    back from theirs with the states where the disk tier holds them (See [Note: gradients on disk])."""
     units = stepper.units
     copies = host_gradients(units) if host_copies else {}
-    batches = step_batches(stepper.optimizers, list(range(len(units))))
-    if disk is not None:
-        batches = disk.streamed(batches)
+    order = step_batches(stepper.optimizers, list(range(len(units))))
+    batches = order if disk is None else disk.streamed(order)
+    if disk is not None and disk.gradients is not None:
+        disk.gradients.settle()
+        batches = disk.gradients.taken(order, batches, copies)
     scale = scaler.scale if scaler.enabled else None
     step_masters(
         stepper,
