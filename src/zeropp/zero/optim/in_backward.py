@@ -46,6 +46,7 @@ element-wise ones.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,6 +86,10 @@ class BackwardStep:
         weakref.finalize(self, self._thread.shutdown, wait=False)
         self._running: list[Future] = []
         self._stepped: list[int] = []
+        # the last boundary backward's: (unit, landed, step started, step done) in perf_counter seconds, and
+        # how long engine.step() waited for the worker (``zeropp bench optimizer --in-backward``)
+        self.timeline: list[tuple[int, float, float, float]] = []
+        self.waited_s = 0.0
 
     def begin(self, boundary: bool) -> Callable[[FlatUnit], None] | None:
         """Before a micro-batch's backward: what the runtime calls as each unit's reduction lands (None:
@@ -97,7 +102,10 @@ class BackwardStep:
                 "zeropp: zero.step_in_backward stepped units in the last accumulation boundary's backward, which "
                 "engine.step() did not follow (a failed backward?); expected engine.step() after it, or a checkpoint restored"
             )
-        return self.on_reduced if boundary and not self.waits_for_norm else None
+        if not boundary or self.waits_for_norm:
+            return None
+        self.timeline, self.waited_s = [], 0.0
+        return self.on_reduced
 
     def on_reduced(self, unit: FlatUnit) -> None:
         """`unit`'s reduction landed on the boundary micro-batch: launch its step."""
@@ -116,7 +124,7 @@ class BackwardStep:
             flags = gradient_flags([unit])
             given = (flags, self.comm.all_reduce(flags, self.group, reduce="max", async_op=True))
         self._stepped.append(k)
-        self._running.append(self._thread.submit(self._step, k, grad, ready, given))
+        self._running.append(self._thread.submit(self._step, k, grad, ready, given, time.perf_counter()))
 
     def _step(
         self,
@@ -124,7 +132,9 @@ class BackwardStep:
         grad: torch.Tensor | None,
         ready: torch.cuda.Event | None,
         given: tuple[torch.Tensor, Pending] | None,
+        landed: float,
     ) -> None:
+        started = time.perf_counter()
         master = self.stepper.units[k].master
         if ready is not None and master.device.type == "cuda":  # the step's kernels after the gradient's
             torch.cuda.current_stream(master.device).wait_event(ready)
@@ -145,6 +155,7 @@ class BackwardStep:
             step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, chosen, self._publish_now)
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()
+        self.timeline.append((k, landed, started, time.perf_counter()))
 
     def _publish_now(self, k: int) -> None:
         """Unit `k`'s compute shard from its master while the disk tier holds it in memory; on CUDA the
@@ -156,9 +167,10 @@ class BackwardStep:
 
     def wait(self) -> None:
         """Wait for the steps launched in backward (their errors raised here)."""
-        running, self._running = self._running, []
+        running, self._running, tick = self._running, [], time.perf_counter()
         for future in running:
             future.result()
+        self.waited_s += time.perf_counter() - tick
 
     def require_published(self, what: str) -> None:
         """Refuse `what` (reading or moving the model states) while units stepped in backward wait for

@@ -14,6 +14,12 @@ and write counted), the bound a step that only streams its operands would meet.
 
     zeropp bench optimizer [--params 50e6] [--units 16] [--repeats 5] [--threads N] [--only NAME ...]
                            [--out results/bench_optimizer.json]
+
+With ``--in-backward`` it times the step inside backward instead: the share of the host step hidden
+behind backward and a timeline of one step (:mod:`zeropp.tools.bench.speed.host_overlap`).
+
+    zeropp bench optimizer --in-backward [--n-layer 12] [--d-model 512] [--steps 6] [--offload cpu|nvme]
+                           [--offload-path DIR] [--out results/bench_optimizer_in_backward.json]
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from zeropp.tools.bench.runs import output_file
+from zeropp.tools.bench.runs import cpu_model, output_file
+from zeropp.tools.bench.speed import host_overlap
 
 LR = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 ADAMW_BYTES = 28  # read p, g, exp_avg, exp_avg_sq; write p, exp_avg, exp_avg_sq: 7 fp32 values a parameter
@@ -98,10 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these optimizers alone (names as printed)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_optimizer.json"))
+    parser.add_argument("--out", type=Path, default=None, help="default: results/bench_optimizer[_in_backward].json")
+    host_overlap.add_arguments(parser)
     args = parser.parse_args(argv)
-    args.out = output_file(parser, args.out, "bench_optimizer.json")
+    name = "bench_optimizer_in_backward.json" if args.in_backward else "bench_optimizer.json"
+    args.out = output_file(parser, args.out or Path("results") / name, name)
     torch.set_num_threads(args.threads)
+    if args.in_backward:
+        if args.offload == "nvme" and args.offload_path is None:
+            parser.error("--offload nvme needs --offload-path DIR (the disk tier's folder)")
+        return _in_backward(args)
     found = candidates()
     unknown = sorted(set(args.only or ()) - set(found))
     if unknown:
@@ -138,6 +151,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
     }
     args.out.write_text(json.dumps(record))
+    return 0
+
+
+def _in_backward(args: argparse.Namespace) -> int:
+    result = host_overlap.measure(args)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(
+        f"{cpu_model()}, {args.threads} threads, {when}; GPT {args.n_layer} x {args.d_model}, stage 3, offload {args.offload}"
+    )
+    host_overlap.report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    setup = {k: getattr(args, k) for k in ("n_layer", "d_model", "block_size", "steps", "offload", "threads")}
+    args.out.write_text(json.dumps({"cpu": cpu_model(), "date": when, **setup, **result}, indent=2))
     return 0
 
 
