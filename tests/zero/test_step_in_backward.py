@@ -5,12 +5,13 @@ none and cpu), within the exactness bound of one process; the units are stepped 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from launcher import run_ranks
-from models import ADAM_EPS, TOLERANCE, global_batch, loss_of, make_model, rows
+from models import ADAM_EPS, GPT_TEST, TOLERANCE, global_batch, loss_of, make_model, rows
 
 from zeropp.config.sections import ZeroConfig
 from zeropp.errors import ConfigError
@@ -183,3 +184,44 @@ def test_reading_the_states_before_the_step_and_a_second_boundary_backward_are_r
         "zeropp: zero.step_in_backward stepped units in the last accumulation boundary's backward, which "
         "engine.step() did not follow"
     )
+
+
+def failed_backward_worker(path: str) -> str:
+    """With the disk tier: a step, then a boundary backward that fails half-way (the stream waits for
+    units that never land), then another backward."""
+    from zeropp import ZeroEngine
+    from zeropp.app.models.gpt import GPT
+    from zeropp.topology import init_topology
+
+    topology = init_topology()
+    config = ZeroConfig(stage=3, step_in_backward=True, offload_optimizer="nvme", offload_path=path)
+    deep = GPT(dataclasses.replace(GPT_TEST, n_layer=6))  # units land while backward goes on (2 in flight)
+    engine = ZeroEngine(deep, torch.optim.AdamW, dict(lr=LRS[0], eps=ADAM_EPS), config, topology)
+    x, y = rows(global_batch("gpt", 0, 0, topology.world_size), topology.rank)
+    engine.backward(loss_of("gpt", engine, x, y))
+    assert engine.step()
+
+    def fail(*_):
+        raise ValueError("a failure in backward")
+
+    hook = engine.module.blocks[0].register_full_backward_hook(fail)  # the first block: the last to land
+    try:
+        engine.backward(loss_of("gpt", engine, x, y))
+    except ValueError:
+        pass
+    else:
+        return "backward did not fail"
+    hook.remove()
+    if not engine.early._stepped:
+        return "no unit was stepped before the failure"
+    try:
+        engine.backward(loss_of("gpt", engine, x, y))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_boundary_backward_that_fails_with_the_disk_tier_stops_its_stream_and_refuses_the_next(tmp_path):
+    messages = run_ranks(failed_backward_worker, 2, path=str(tmp_path))  # returns: nothing hangs
+    for message in messages:
+        assert message.startswith("zeropp: zero.step_in_backward stepped units in the last accumulation boundary's")

@@ -46,9 +46,10 @@ element-wise ones.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,10 @@ class BackwardStep:
         weakref.finalize(self, self._thread.shutdown, wait=False)
         self._running: list[Future] = []
         self._stepped: list[int] = []
+        # the disk tier's boundary: one task streams the states (See _stream), fed as units land
+        self._landed: list[tuple | None] = []  # per unit, _step's arguments once it has landed
+        self._arrivals: list[threading.Event] = []
+        self._landing_order: list[int] = []  # the last boundary's
         # the last boundary backward's: (unit, landed, step started, step done) in perf_counter seconds, and
         # how long engine.step() waited for the worker (``zeropp bench optimizer --in-backward``)
         self.timeline: list[tuple[int, float, float, float]] = []
@@ -105,6 +110,13 @@ class BackwardStep:
         if not boundary or self.waits_for_norm:
             return None
         self.timeline, self.waited_s = [], 0.0
+        if self.disk is not None:
+            self._landed = [None] * len(self.stepper.units)
+            self._arrivals = [threading.Event() for _ in self.stepper.units]
+            landed = self._landing_order  # then the rest, last first (the first boundary: all of them)
+            order = landed + [k for k in reversed(range(len(self.stepper.units))) if k not in landed]
+            self._running.append(self._thread.submit(self._stream, order))
+            self._landing_order = []
         return self.on_reduced
 
     def on_reduced(self, unit: FlatUnit) -> None:
@@ -112,9 +124,7 @@ class BackwardStep:
         k = self._index[id(unit)]
         parked = self.disk is not None and self.disk.gradients is not None  # the worker reads it back
         grad, ready = (None if parked else unit.reduced_gradient()), None
-        if (
-            grad is not None and grad.device.type == "cuda"
-        ):  # the worker's kernels wait for what this thread's stream has issued
+        if grad is not None and grad.device.type == "cuda":  # the worker's kernels wait for this stream's work
             stream = torch.cuda.current_stream(grad.device)
             if self.host_copies:  # issued here, in stream order
                 grad = grad.to(unit.master.device, unit.master.dtype, non_blocking=True)
@@ -124,7 +134,26 @@ class BackwardStep:
             flags = gradient_flags([unit])
             given = (flags, self.comm.all_reduce(flags, self.group, reduce="max", async_op=True))
         self._stepped.append(k)
-        self._running.append(self._thread.submit(self._step, k, grad, ready, given, time.perf_counter()))
+        landed = (k, grad, ready, given, time.perf_counter())
+        if self.disk is None:
+            self._running.append(self._thread.submit(self._step, *landed))
+        else:  # to the stream (it may be waiting for this unit)
+            self._landing_order.append(k)
+            self._landed[k] = landed
+            self._arrivals[k].set()
+
+    def _stream(self, order: list[int]) -> None:
+        """The disk tier's boundary: the units' states read ahead through the ring in `order` (the
+        order they landed in at the last boundary), each stepped once it has landed and written back.
+        Stops where a unit will not land (:meth:`wait` was called: backward is over) or the process
+        is exiting (a worker blocked here would hold up the interpreter's exit)."""
+        for [k] in self.disk.streamed([[k] for k in order]):
+            while not self._arrivals[k].wait(timeout=1.0):
+                if not threading.main_thread().is_alive():
+                    return
+            if self._landed[k] is None:  # woken by wait(): it never landed
+                return
+            self._step(*self._landed[k])
 
     def _step(
         self,
@@ -146,13 +175,12 @@ class BackwardStep:
             reduced.wait()
             chosen = {k: given_of([self.stepper.units[k]], flags)[0]}
         copies = {} if grad is None else {k: grad.to(master.device, master.dtype)}  # the buffer itself where it matches
-        if self.disk is None:
-            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, [[k]], chosen)
-        else:  # read in, stepped and published while in memory (stage 3: not a collective), written back
-            batches = self.disk.streamed([[k]])
-            if grad is None:  # the gradient back from its file (after its write: one I/O thread)
-                batches = self.disk.gradients.taken([[k]], batches, copies)
-            step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, chosen, self._publish_now)
+        batches: Iterable[Sequence[int]] = [[k]]
+        if grad is None:  # the gradient back from its file (after its write: one I/O thread)
+            batches = self.disk.gradients.taken([[k]], batches, copies)
+        # the disk tier's states are in memory (_stream): published now (stage 3: not a collective)
+        publish = None if self.disk is None else self._publish_now
+        step_masters(self.stepper, self.stepper.optimizers, copies, None, None, batches, chosen, publish)
         if master.device.type == "cuda":  # publication (main thread's stream) reads the stepped master
             torch.cuda.current_stream(master.device).synchronize()
         self.timeline.append((k, landed, started, time.perf_counter()))
@@ -166,7 +194,10 @@ class BackwardStep:
             torch.cuda.current_stream(unit.options.device).synchronize()
 
     def wait(self) -> None:
-        """Wait for the steps launched in backward (their errors raised here)."""
+        """Wait for the steps launched in backward (their errors raised here). Backward is over: no
+        unit lands after this, so the disk tier's stream stops at one that has not (a failed backward)."""
+        for arrival in self._arrivals:
+            arrival.set()
         running, self._running, tick = self._running, [], time.perf_counter()
         for future in running:
             future.result()
