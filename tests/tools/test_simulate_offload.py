@@ -1,6 +1,7 @@
 """zeropp simulate and zeropp plan with ZeRO-Offload (offload_optimizer = "cpu"): the step's PCIe and host
 terms against their closed forms, the memory per GPU against zeropp.costs.memory, the planner offloading
-only where a configuration needs it to fit, and the one-line refusals (docs/simulate.md)."""
+only where a configuration needs it to fit, the host step inside backward (step_in_backward) against its
+closed forms, and the one-line refusals (docs/simulate.md)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from zeropp.errors import ConfigError
 from zeropp.tools.plan import Model, candidates, plan
 from zeropp.tools.plan import main as plan_main
 from zeropp.tools.simulate import GPUS, Assumptions, main, simulate
+from zeropp.tools.simulate.offload import host_step_left_after_backward
 
 pytestmark = pytest.mark.unit
 
 OFFLOAD = {"offload_optimizer": "cpu"}
+IN_BACKWARD = {**OFFLOAD, "step_in_backward": True}
 A = Assumptions()
 H100_PCIE = 64e9 * A.pcie_efficiency  # bytes/s each way, achieved
 H100_HOST = 2 * 8 * 38.4e9 * A.host_memory_efficiency / 8  # a DGX H100's host memory over its 8 GPUs
@@ -61,6 +64,49 @@ def test_clipping_and_fp16s_loss_scale_add_host_passes_and_the_flags_override_th
     fast = _sim(OFFLOAD)
     assert slow.offload.to_host_s == pytest.approx(2 * fast.offload.to_host_s)
     assert slow.offload.host_s == pytest.approx(2 * fast.offload.host_s)
+
+
+@pytest.mark.parametrize(("unit_s", "backward_s", "left"), [([1.0] * 4, 8.0, 1.0), ([3.0] * 4, 4.0, 9.0)])
+def test_the_host_step_inside_backward_is_the_closed_form(unit_s, backward_s, left):
+    """L equal units of s seconds landing at k B / L, one worker: max(s, L s + B/L - B) left after backward."""
+    s, units = unit_s[0], len(unit_s)
+    assert left == max(s, units * s + backward_s / units - backward_s)
+    assert host_step_left_after_backward(unit_s, backward_s) == left
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_host_step_shorter_than_backward_leaves_one_units_step_and_the_parameters_back(stage):
+    """8B on 64 H100s: each unit's copy and host step (s) is done before the next unit lands (s <= B/L), so
+    after backward the GPU waits for the last unit's (s) and every unit's parameters back (stage 3: 4S/β;
+    stages 1-2: converted on the host, 6S/h, and 2S/β); the passes unchanged."""
+    after, sim = _sim({"stage": stage, **OFFLOAD}), _sim({"stage": stage, **IN_BACKWARD})
+    o, units, backward = sim.offload, sim.units, sim.passes_s["backward"]
+    assert len(set(sim.estimate.unit_shard_numels)) == 1  # equal units: the closed form holds exactly
+    shard = sim.estimate.shard_numel
+    s = shard * (4 / H100_PCIE + 28 / H100_HOST) / units
+    cast_s = 6 * shard / H100_HOST if stage < 3 else 0.0
+    assert s <= backward / units and o.in_backward and not after.offload.in_backward
+    assert sim.optimizer_s == o.seconds == pytest.approx(s + o.to_device_s + cast_s)
+    assert sim.passes_s == after.passes_s and sim.step_s - after.step_s == pytest.approx(o.seconds - after.optimizer_s)
+    assert sim.step_s < after.step_s
+
+
+def test_a_host_step_longer_than_backward_leaves_its_excess():
+    """A host step far longer than backward (1 GB/s of host memory a node): the worker never waits after the first
+    unit lands (B/L), so what is left is the host's total less backward plus that arrival, then the shards back."""
+    sim = _sim(IN_BACKWARD, host_bits_per_s=8e9)
+    o, units, backward = sim.offload, sim.units, sim.passes_s["backward"]
+    assert o.to_host_s + o.host_s > 10 * backward
+    expected = o.to_host_s + o.host_s - backward + backward / units + o.to_device_s
+    assert o.seconds == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_clipping_the_step_waits_for_backward(stage):
+    """max_grad_norm: the norm needs every gradient, so the step runs after backward, as without the switch."""
+    clipped = {"stage": stage, "max_grad_norm": 1.0}
+    sim, after = _sim({**IN_BACKWARD, **clipped}), _sim({**OFFLOAD, **clipped})
+    assert not sim.offload.in_backward and sim.offload == after.offload and sim.step_s == after.step_s
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -114,6 +160,9 @@ def test_cli_prints_and_json_the_offload(capsys):
     assert result["fits"] and result["offload"]["to_host_s"] == pytest.approx(
         result["offload"]["to_host_bytes"] / (32e9 * A.pcie_efficiency)
     )
+    assert main([*argv, "--offload-optimizer", "cpu", "--step-in-backward", "--json"]) == 0
+    inside = json.loads(capsys.readouterr().out)
+    assert inside["offload"]["in_backward"] and inside["zero"]["step_in_backward"]
     assert plan_main([*argv[:6], "--params", "70e9", "--n-layer", "80", "--d-model", "8192",
                       "--tokens-per-gpu", "4096"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -127,6 +176,8 @@ def test_cli_prints_and_json_the_offload(capsys):
         ("h100", ["--offload-optimizer", "cpu", "--pcie-bandwidth", "fast"], "argument --pcie-bandwidth"),
         ("h100", ["--host-memory-bandwidth", "0GB/s"], "argument --host-memory-bandwidth"),
         ("cpu-gloo", ["--offload-optimizer", "cpu"], "its ranks are the host already"),
+        ("h100", ["--step-in-backward"], "(--step-in-backward) without offload_optimizer 'cpu' is not modelled"),
+        ("v100", ["--offload-optimizer", "cpu", "--step-in-backward"], "expected false with zero.precision = 'fp16'"),
     ],
 )
 def test_bad_offload_input_is_refused_in_one_line(capsys, gpu, extra, says):
@@ -142,3 +193,5 @@ def test_offloads_it_does_not_model_are_refused():
     for zero in ({"offload_optimizer": "nvme"}, {"offload_params": "cpu", **OFFLOAD}):
         with pytest.raises(ConfigError, match="is not modelled; expected offload_optimizer 'none' or 'cpu'"):
             _sim(zero)
+    with pytest.raises(ConfigError, match="expected it with --offload-optimizer cpu"):
+        _sim({"step_in_backward": True})

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-optimizer", choices=("none", "cpu"), default="none",
         help="cpu: ZeRO-Offload, the fp32 masters and Adam's moments on the host, stepped there (default: none)",
     )  # fmt: skip
+    model.add_argument(
+        "--step-in-backward", action="store_true",
+        help="with --offload-optimizer cpu: each unit's host step as its gradient lands, overlapping backward "
+        "(zero.step_in_backward; default: after backward)",
+    )  # fmt: skip
     add_tensor_parallel_arguments(model)
     knobs = parser.add_argument_group("assumptions (defaults calibrated on the ZeRO++ paper: docs/simulate.md)")
     knobs.add_argument("--compute-efficiency", type=_fraction, metavar="F", help="achieved matmul share of the peak")
@@ -155,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gpu, args.gpus, per_node, args.inter_node_bandwidth, args.params, args.tokens_per_gpu, args.variant,
             intra_bits_per_s=args.intra_node_bandwidth, n_layer=args.n_layer, d_model=args.d_model,
             activation_checkpointing=args.activation_checkpointing, assumptions=assumptions,
-            zero={"offload_optimizer": "cpu"} if args.offload_optimizer == "cpu" else None,
+            zero=_zero_keys(args),
             pcie_bits_per_s=args.pcie_bandwidth, host_bits_per_s=args.host_memory_bandwidth,
             tensor_parallel=args.tensor_parallel_size, sequence_parallel=args.sequence_parallel, heads=args.n_head,
         )  # fmt: skip
@@ -168,6 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         intra = args.intra_node_bandwidth or sim.gpu.nvlink_bits_per_s
         print_simulation(sim, args.inter_node_bandwidth, intra)
     return 0
+
+
+def _zero_keys(args: argparse.Namespace) -> dict[str, object]:
+    """The ZeRO keys the offload flags set over the variant's."""
+    keys: dict[str, object] = {"offload_optimizer": "cpu"} if args.offload_optimizer == "cpu" else {}
+    return {**keys, "step_in_backward": True} if args.step_in_backward else keys
 
 
 def _assumptions(args: argparse.Namespace) -> Assumptions:

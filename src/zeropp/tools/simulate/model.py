@@ -378,7 +378,7 @@ def simulate(
     adam_s = est.shard_numel * ADAM_BYTES_PER_ELEMENT / kind.hbm_bytes_per_s
     forward = 2 * params * tokens_per_gpu / rate
     total = (8 if activation_checkpointing else 6) * params * tokens_per_gpu / rate
-    return Simulation(
+    sim = Simulation(
         kind, gpus, ranks_per_node, variant, params, tokens_per_gpu, shape, activation_checkpointing, a, est,
         comm_s=comm, kernel_s={p: s * sharing for p, s in kernel_seconds(est, kind, a).items()},
         compute_s={"forward": forward, "backward": total - forward},
@@ -386,15 +386,25 @@ def simulate(
         memory=memory_bytes(est, acts, tp), units=len(units), zero=keys, offload=offload,
         tensor_parallel=tp, sequence_parallel=sequence_parallel, tensor_parallel_s=tensor_parallel_s,
     )  # fmt: skip
+    if offload and est.zero.step_in_backward:  # the host's step inside backward: priced against the pass
+        offload = offload_of(est, kind, ranks_per_node, a, pcie_bits_per_s, host_bits_per_s, sim.passes_s["backward"])
+        sim = dataclasses.replace(sim, optimizer_s=offload.seconds, offload=offload)
+    return sim
 
 
 def _refuse_unmodelled_offload(zero: Mapping[str, Any]) -> None:
-    """ZeRO-Offload of the optimizer to the host is the one offload priced; refuse the others in one line."""
+    """ZeRO-Offload of the optimizer to the host is the one offload priced, and the step inside backward
+    only with it (the host's); refuse the others in one line."""
     optimizer, params = zero.get("offload_optimizer", "none"), zero.get("offload_params", "none")
     if optimizer not in ("none", "cpu") or params != "none":
         raise ConfigError(
             f"offload_optimizer {optimizer!r}, offload_params {params!r} is not modelled; expected offload_optimizer "
             "'none' or 'cpu' and offload_params 'none'"
+        )
+    if zero.get("step_in_backward") and optimizer != "cpu":
+        raise ConfigError(
+            "step_in_backward (--step-in-backward) without offload_optimizer 'cpu' is not modelled (the GPU's step); "
+            "expected it with --offload-optimizer cpu"
         )
 
 
@@ -405,17 +415,19 @@ def offload_of(
     a: Assumptions,
     pcie_bits_per_s: float | None = None,
     host_bits_per_s: float | None = None,
+    backward_s: float | None = None,
 ) -> OffloadStep | None:
     """ZeRO-Offload's step where `est` offloads the optimizer (else None): the GPU's PCIe link and its
     node's host memory (the given rates, else the datasheet's) at the assumed efficiencies, the host's
-    shared by the node's `ranks_per_node` GPUs."""
+    shared by the node's `ranks_per_node` GPUs; inside a backward pass of `backward_s` where given and
+    `est` steps there."""
     if est.zero.offload.optimizer == "none":
         return None
     if gpu.pcie_bytes_per_s is None or gpu.host_bytes_per_s is None:
         raise ConfigError(f"offload_optimizer 'cpu' on {gpu.name}: its ranks are the host already; expected a GPU")
     pcie = (pcie_bits_per_s / 8 if pcie_bits_per_s else gpu.pcie_bytes_per_s) * a.pcie_efficiency
     host = (host_bits_per_s / 8 if host_bits_per_s else gpu.host_bytes_per_s) * a.host_memory_efficiency
-    return offload_step(est, pcie, host / ranks_per_node)
+    return offload_step(est, pcie, host / ranks_per_node, backward_s)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,7 +1,8 @@
 """ZeRO-Offload's optimizer step (``zero.offload_optimizer = "cpu"``) as zeropp runs it, timed.
 
 The fp32 masters and Adam's moments live in the host's (pinned) memory; after backward the step
-(:func:`~zeropp.zero.optim.stepping.step_units`) does, with nothing of it overlapping backward:
+(:func:`~zeropp.zero.optim.stepping.step_units`) does, with nothing of it overlapping backward (but
+for the step inside backward, below):
 
 1. **gradients to the host**: every unit's reduced gradient shard copied with ``.to(cpu, fp32,
    non_blocking=True)``: a non-blocking copy converts on the GPU, so 4 bytes an element cross PCIe;
@@ -16,6 +17,12 @@ The fp32 masters and Adam's moments live in the host's (pinned) memory; after ba
    ones) is converted on the host (6 bytes an element more) and sent in the compute dtype by a
    blocking copy, so its step and its copy add up. (Stage 0's whole master: non-blocking, fp32.)
 
+With ``zero.step_in_backward`` and no clipping (:func:`host_step_left_after_backward`), each unit's
+gradient copy and host step run on one worker thread as its reduction lands, while backward goes on;
+every unit's parameters go back at ``engine.step()``, after backward, with no step left to hide behind
+(See [Note: the step inside backward]). With clipping the step waits for the norm, after backward, as
+above; fp16 (unscaled in place) the config refuses.
+
 Time: PCIe bytes over the GPU's link (one direction, x ``pcie_efficiency``); host bytes over the
 node's memory bandwidth (x ``host_memory_efficiency``), shared by the node's GPUs, each stepping its
 own shard at once. Host memory per GPU: the estimator's (the master and moments, 12 Ψ/N with Adam)
@@ -25,6 +32,7 @@ plus the step's pinned fp32 gradient copies (4 Ψ/N).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zeropp.costs.step_time import pass_seconds
@@ -42,7 +50,8 @@ HOST_CAST_BYTES = 6  # a whole unit's fp32 master read, its compute-dtype copy w
 @dataclass(frozen=True)
 class OffloadStep:
     """One GPU's offloaded optimizer step: bytes over PCIe each way and through the host's memory,
-    their seconds, the step's makespan and the host memory it keeps."""
+    their seconds, what the GPU waits for after backward (`seconds`: all of the step, or what is left of
+    it where it ran `in_backward`) and the host memory it keeps."""
 
     to_host_bytes: float
     to_device_bytes: float
@@ -52,14 +61,30 @@ class OffloadStep:
     to_device_s: float
     seconds: float
     host_memory_bytes: float
+    in_backward: bool = False  # stepped inside backward (zero.step_in_backward, no clipping)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | bool]:
         return dataclasses.asdict(self)
 
 
-def offload_step(est: Estimate, pcie_bytes_per_s: float, host_bytes_per_s: float) -> OffloadStep:
+def host_step_left_after_backward(unit_s: Sequence[float], backward_s: float) -> float:
+    """What is left after backward of the host's steps inside it: `unit_s` are the units' seconds (a
+    gradient's copy to the host, then its host step) in the order backward reduces them. Assumes the
+    units land evenly over the pass (the k-th of U at k/U of `backward_s`, B, as the flow shop splits it),
+    one worker thread (a unit's step starts once it has landed and the one before is done), and that
+    neither the copies nor the host slow backward. For U equal units of s seconds: max(s, U s + B/U - B)."""
+    done = 0.0
+    for k, seconds in enumerate(unit_s, 1):
+        done = max(done, k * backward_s / len(unit_s)) + seconds
+    return done - backward_s
+
+
+def offload_step(
+    est: Estimate, pcie_bytes_per_s: float, host_bytes_per_s: float, backward_s: float | None = None
+) -> OffloadStep:
     """The step of `est` (offload_optimizer = "cpu") on a PCIe link of `pcie_bytes_per_s` each way and
-    `host_bytes_per_s` of host memory bandwidth for this GPU (both achieved rates)."""
+    `host_bytes_per_s` of host memory bandwidth for this GPU (both achieved rates); inside a backward pass of
+    `backward_s` where given and `est` steps there (``step_in_backward`` without ``max_grad_norm``)."""
     zero, shard_world = est.zero, est.shard_layout.world_size if est.zero.stage >= 1 else 1
     per_element = HOST_ADAM_BYTES + (HOST_CLIP_BYTES if zero.max_grad_norm else 0)
     per_element += HOST_UNSCALE_BYTES if zero.precision == "fp16" else 0
@@ -69,12 +94,18 @@ def offload_step(est: Estimate, pcie_bytes_per_s: float, host_bytes_per_s: float
     to_host = GRADIENT_BYTES * sum(shards)
     to_device = SHARD_BYTES * sum(piped) + WHOLE_BYTES * whole
     host = per_element * sum(shards) + HOST_CAST_BYTES * whole
-    piped_s = pass_seconds(
-        per_element * sum(piped) / host_bytes_per_s, SHARD_BYTES * sum(piped) / pcie_bytes_per_s, len(piped)
-    )
-    whole_s = (per_element + HOST_CAST_BYTES) * whole / host_bytes_per_s + WHOLE_BYTES * whole / pcie_bytes_per_s
+    in_backward = backward_s is not None and zero.step_in_backward and not zero.max_grad_norm
+    if in_backward:  # each unit's copy and step as it lands; every unit's parameters back at engine.step()
+        unit_s = [n * (GRADIENT_BYTES / pcie_bytes_per_s + per_element / host_bytes_per_s) for n in reversed(shards)]
+        seconds = host_step_left_after_backward(unit_s, backward_s)
+        seconds += to_device / pcie_bytes_per_s + HOST_CAST_BYTES * whole / host_bytes_per_s
+    else:  # after backward: all gradients to the host, then the host step beside the parameters back
+        piped_s = pass_seconds(
+            per_element * sum(piped) / host_bytes_per_s, SHARD_BYTES * sum(piped) / pcie_bytes_per_s, len(piped)
+        )
+        whole_s = (per_element + HOST_CAST_BYTES) * whole / host_bytes_per_s + WHOLE_BYTES * whole / pcie_bytes_per_s
+        seconds = to_host / pcie_bytes_per_s + piped_s + whole_s
     return OffloadStep(
         to_host, to_device, host, to_host / pcie_bytes_per_s, host / host_bytes_per_s, to_device / pcie_bytes_per_s,
-        to_host / pcie_bytes_per_s + piped_s + whole_s,
-        est.model_state_bytes_on("host") + GRADIENT_BYTES * sum(shards),
+        seconds, est.model_state_bytes_on("host") + GRADIENT_BYTES * sum(shards), in_backward,
     )  # fmt: skip

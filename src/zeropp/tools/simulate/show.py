@@ -55,11 +55,19 @@ def print_offload(sim: Simulation) -> None:
     """ZeRO-Offload's step: PCIe each way, the host step, the host memory of a node."""
     o, host = sim.offload, sim.gpu.host_memory_bytes
     assert o is not None
-    print(
-        f"offload (after backward, not overlapping it): {o.seconds:.3g} s = gradients to the host "
-        f"{si(o.to_host_bytes)} in {o.to_host_s:.3g} s, then the host step ({si(o.host_bytes)} through host memory, "
-        f"{o.host_s:.3g} s) pipelined with the parameters back ({si(o.to_device_bytes)}, {o.to_device_s:.3g} s)"
-    )
+    if o.in_backward:
+        print(
+            f"offload (the host step inside backward): {o.seconds:.3g} s left after backward = the last units' "
+            f"steps (of gradients to the host {si(o.to_host_bytes)} in {o.to_host_s:.3g} s and the host step, "
+            f"{si(o.host_bytes)} through host memory in {o.host_s:.3g} s, as units land) and the parameters back "
+            f"({si(o.to_device_bytes)}, {o.to_device_s:.3g} s)"
+        )
+    else:
+        print(
+            f"offload (after backward, not overlapping it): {o.seconds:.3g} s = gradients to the host "
+            f"{si(o.to_host_bytes)} in {o.to_host_s:.3g} s, then the host step ({si(o.host_bytes)} through host memory, "
+            f"{o.host_s:.3g} s) pipelined with the parameters back ({si(o.to_device_bytes)}, {o.to_device_s:.3g} s)"
+        )
     print(
         f"host memory per node: {si(o.host_memory_bytes * sim.ranks_per_node)}"
         + (f" of {si(host)}" if host else "")
