@@ -7,12 +7,14 @@ DeepSpeed ZeRO-3 with ``zero.Init``), depths
 are tried from ``--depths`` in increasing order inside a memory cgroup limited to ``--limit-gib``
 (cgroup v1, root), so that running out of memory kills the attempt and nothing else on the machine;
 the deepest depth that succeeds is the answer, and the first failure's cause is recorded (out of
-memory, timeout, or the error's last line) with the cgroup's peak usage, the steps per second, and
+memory, timeout, or the error's last line) with the cgroup's peak usage, the page cache charged to it
+at the end (each attempt starts from none), the steps per second, and
 for the disk tiers the bytes they read and wrote per step. AdamW, ZeRO-3 without ZeRO++, one sequence of ``--block-size``
 tokens per rank, zeropp in ``--precision`` (fp32 by default; the rivals in fp32).
 
     zeropp bench largest [--world 4] [--d-model 2048] [--depths 8 12 16 20 24 28] [--limit-gib 20]
-                         [--precision fp32] [--offload-path results/offload] [--out results/bench_largest.json]
+                         [--precision fp32] [--max-grad-norm N] [--offload-path results/offload]
+                         [--out results/bench_largest.json]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from zeropp.app.summary import RunSummary
 from zeropp.config.model import ModelConfig
 from zeropp.tools.bench.memory.peak import VARIANTS
 from zeropp.tools.bench.memory.rivals import RIVALS, worker_command, worker_env
-from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, output_file
+from zeropp.tools.bench.runs import ZEROPP_OFF_FLAGS, cpu_model, output_file
 
 CGROUP = Path("/sys/fs/cgroup/memory/zeropp-bench-largest")
 ZEROPP_VARIANTS = {  # the memory tiers: in memory, host offload, the disk tiers, and bf16 moments
@@ -55,6 +57,7 @@ def command(variant: str, world: int, depth: int, args: argparse.Namespace) -> l
             "--micro-batch-size", "1", "--steps", "2", "--eval-interval", "3", "--eval-batches", "1",
             "--stage", "3", *ZEROPP_OFF_FLAGS, "--nproc-per-node", str(world), "--nodes", "1",
             "--precision", args.precision, *ZEROPP_VARIANTS[variant],
+            *(["--max-grad-norm", str(args.max_grad_norm)] if args.max_grad_norm is not None else []),
             *(["--offload-path", str(args.offload_path)] if "nvme" in ZEROPP_VARIANTS[variant] else [])]  # fmt: skip
 
 
@@ -70,6 +73,7 @@ def run_limited(cmd: list[str], world: int, timeout_s: float, summary: bool = Tr
     step time, each rank's step peak and the disk tier's bytes read and written per step (rank 0)."""
     summary_path = Path(tempfile.mkdtemp()) / "summary.json"
     kills_before = oom_kills()
+    (CGROUP / "memory.force_empty").write_text("0")  # the page cache charged by earlier attempts, reclaimed
     (CGROUP / "memory.max_usage_in_bytes").write_text("0")
     start = time.perf_counter()
 
@@ -92,6 +96,7 @@ def run_limited(cmd: list[str], world: int, timeout_s: float, summary: bool = Tr
         "outcome": failure or "trains",
         "seconds": round(time.perf_counter() - start, 1),
         "peak_gib": round(int((CGROUP / "memory.max_usage_in_bytes").read_text()) / 2**30, 2),
+        "page_cache_mib_end": round(cgroup_stat("total_cache") / 2**20, 1),  # charged to the cgroup, at the end
     }
     if failure is None and summary_path.exists():
         summary = RunSummary.from_json(summary_path.read_text())
@@ -110,6 +115,10 @@ def limit_cgroup(limit_bytes: int) -> None:
     """The benchmarks' memory cgroup (cgroup v1, made once), its limit set."""
     CGROUP.mkdir(exist_ok=True)
     (CGROUP / "memory.limit_in_bytes").write_text(str(limit_bytes))
+
+
+def cgroup_stat(field: str) -> int:
+    return int(dict(line.split() for line in (CGROUP / "memory.stat").read_text().splitlines())[field])
 
 
 def oom_kills() -> int:
@@ -133,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit-gib", type=float, default=20.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="zeropp's compute dtype")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="zeropp's gradient clipping (default: none)")
     parser.add_argument("--offload-path", type=Path, default=Path("results/offload"), help="the disk tier's folder")
     parser.add_argument(
         "--variants", nargs="+", choices=[*ZEROPP_VARIANTS, *RIVALS], default=[*ZEROPP_VARIANTS, *RIVALS]
@@ -158,13 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "GiB written per step") if "disk_read_gib_per_step" in result else ""  # fmt: skip
             rate = f", {result['steps_per_s']:.3f} steps/s" if "steps_per_s" in result else ""
             print(f"{variant}: depth {depth} ({params / 1e9:.2f}B parameters): {result['outcome']} "
-                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.1f} GiB{rate}{disk})", flush=True)  # fmt: skip
+                  f"({result['seconds']:.0f} s, cgroup peak {result['peak_gib']:.2f} GiB, page cache at the end "
+                  f"{result['page_cache_mib_end']:.0f} MiB{rate}{disk})", flush=True)  # fmt: skip
             if result["outcome"] != "trains":
                 break
             largest = {"depth": depth, "params": params}
         rows.append({"variant": variant, "largest": largest, "attempts": tried})
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"world": args.world, "limit_gib": args.limit_gib, "precision": args.precision,
+                                        "max_grad_norm": args.max_grad_norm, "block_size": args.block_size,
+                                        "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                         "rows": rows}, indent=2))  # fmt: skip
     return 0
 
