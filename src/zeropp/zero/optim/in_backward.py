@@ -21,9 +21,13 @@ those of stepping after backward:
   backward (a scheduler steps after ``engine.step()``, as usual).
 - The compute weights follow the masters at ``engine.step()``, in unit order on the main thread:
   at stages 1-2 that publication is a collective, and every rank must issue it at the same point.
-  With the optimizer's disk tier (stage 3 only) the worker reads a unit's states in, steps them,
-  publishes its compute shard (a copy, no collective) while the master is in memory, and writes
-  them back, one unit at a time (no read-ahead: units land in backward's order, not the ring's).
+  With the optimizer's disk tier (stage 3 only) one task on the worker streams the states through
+  the ring in the order the units landed at the last boundary (the first: last unit first), so
+  reads run ahead and writes behind as in the step after backward; it steps each unit once it has
+  landed, publishes its compute shard (a copy, no collective) while the master is in memory, and
+  the ring writes the states back. Its gradient comes back from the disk (See [Note: gradients on
+  disk]). A unit that never lands (a backward that failed half-way) stops the stream when
+  :meth:`BackwardStep.wait` says backward is over.
 - The worker only reads gradients and steps masters: the gradient buffer is taken from the unit's
   pool on the main thread (:meth:`~zeropp.zero.unit.FlatUnit.reduced_gradient`). On CUDA the main
   thread records an event on its stream after the gradient (and its copy to a host master); the
