@@ -49,6 +49,9 @@ def train(stage: int, in_backward: bool, extra: dict) -> tuple[dict, list[bool]]
             if engine.early is not None:  # engine.step() waits for the worker itself)
                 engine.early.wait()
             moved.append([not torch.equal(b, probed(unit)) for b, unit in zip(before, engine.units, strict=True)])
+            moved.append(
+                [unit.known_statistics is not None for unit in engine.units]
+            )  # the norm's parts, as they landed
         assert engine.step()
     return {k: v.clone() for k, v in engine.full_state_dict().items()}, moved
 
@@ -83,6 +86,7 @@ CASES = [
     (4, 3, {}), (4, 2, {"offload_optimizer": "cpu", "max_grad_norm": MAX_NORM}), (4, 1, {"precision": "bf16"}),
     (2, 3, {"optimizer_path": "flat"}), (2, 3, {"precision": "bf16", "optimizer_state_dtype": "bf16"}),
     (2, 3, {"offload_optimizer": "nvme"}), (2, 3, {"offload_optimizer": "nvme", "precision": "bf16"}),
+    (2, 3, {"offload_optimizer": "nvme", "max_grad_norm": MAX_NORM}),
 ]  # fmt: skip
 
 
@@ -96,8 +100,13 @@ def test_the_weights_are_bit_for_bit_those_of_stepping_after_backward(world, sta
         for name, value in result["after"].items():
             assert torch.equal(result["inside"][name], value), name
         assert not any(result["moved"][0])  # without it, nothing moves before engine.step()
-        # with it, every unit is stepped during the boundary's backward, unless clipping needs the norm first
+        # with it, every unit is stepped during the boundary's backward, unless clipping needs the norm first;
+        # then each unit's part of the norm is computed as it lands (the disk tier's, as it is parked)
         assert all(result["moved_inside"][0]) if not clipped else not any(result["moved_inside"][0])
+        if clipped:
+            assert all(result["moved_inside"][1])
+        parked = extra.get("offload_optimizer") == "nvme" and stage >= 2
+        assert all(result["moved"][1]) if parked else not any(result["moved"][1])  # after backward: at the step
     if extra.get("precision", "fp32") == "fp32":  # and they are one process's weights
         ref = reference(world, extra.get("max_grad_norm"))
         for result in per_rank:

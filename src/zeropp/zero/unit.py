@@ -121,6 +121,8 @@ class FlatUnit:
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.gradient_files: GradientFiles | None = None  # where the reduced shards go instead (the disk tier)
+        # the step's (finite, sum of squares) of the reduced gradient, where computed as it landed
+        self.known_statistics: tuple[torch.Tensor | None, torch.Tensor] | None = None
         # gradient buffers (MD: ranges of the preallocated gradient arena)
         self._gradients = Loans(options.grad_arena or Arena(device, pinned=False, contiguous=False))
         if not policy.shard_gradients:
@@ -430,6 +432,7 @@ class FlatUnit:
         self.with_grad.clear()
         if self.gradient_files is not None:
             self.gradient_files.forget(self)
+        self.known_statistics = None
         if self.policy.shard_gradients:
             self._gradients.give_back(self.grad_shard)
             self._gradients.give_back(self.grad_flat)

@@ -15,9 +15,10 @@ master and optimizer state when the step streams them through the ring:
   the shard in memory: IEEE addition is commutative), then writes it again.
 - The gradient statistics the step needs first (every gradient finite under fp16, the sum of
   squares for the norm) are computed on the I/O thread from the value it writes, exactly as
-  :func:`~zeropp.zero.optim.stepping.gradient_statistics` computes them from the buffer in memory:
-  the norm is known when backward ends, without reading the gradients back; the step reads each
-  unit's gradient once, with its states (:meth:`GradientFiles.taken`).
+  :func:`~zeropp.zero.optim.stepping.gradient_statistics` computes them from the buffer in memory,
+  and kept on the unit (``FlatUnit.known_statistics``): the norm is known when backward ends,
+  without reading the gradients back; the step reads each unit's gradient once, with its states
+  (:meth:`GradientFiles.taken`).
 - One I/O thread runs a unit's writes and reads in the order they were asked for, so a read (the
   step, or the step inside backward's worker) always finds the last write. Whether a unit's gradient
   is parked is decided on the thread that asks, when it asks.
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from zeropp.zero.precision import LossScaler
     from zeropp.zero.unit import FlatUnit
 
-Statistics = tuple[torch.Tensor | None, torch.Tensor]  # (finite or None, sum of squares): unit_statistics's
-
 
 class GradientFiles(DiskFiles):
     """The reduced gradient shards of the units handed to :meth:`add`, from their reduction to the
@@ -63,7 +62,6 @@ class GradientFiles(DiskFiles):
         self._index: dict[int, int] = {}  # id(unit) -> its file
         self._gradients: list[torch.Tensor] = []  # each unit's shard (no storage while in its file)
         self.parked: list[bool] = []  # a gradient of this step is (or is queued to be) in the file
-        self.statistics: list[Statistics | None] = []
         self._writes: deque[tuple[Future, Callable[[], None]]] = deque()
         self.counting = True
 
@@ -75,7 +73,6 @@ class GradientFiles(DiskFiles):
         gradient.untyped_storage().resize_(0)
         self._gradients.append(gradient)
         self.parked.append(False)
-        self.statistics.append(None)
         self._files.append(open_direct(self.folder / f"{self.PREFIX}-{len(self._files):04d}.bin"))
 
     def tensors(self, index: int) -> list[torch.Tensor]:
@@ -107,7 +104,8 @@ class GradientFiles(DiskFiles):
         if accumulate:  # the sum so far, read back, plus this micro-batch's
             self._read_in(index)
             shard = self._gradients[index].add_(shard)
-        self.statistics[index] = unit_statistics(self.units[index], shard, scale, self.count_whole)
+        unit = self.units[index]
+        unit.known_statistics = unit_statistics(unit, shard, scale, self.count_whole)
         try:
             write_at(self._files[index], bytes_of(shard), 0)
         except OSError as error:
@@ -124,12 +122,6 @@ class GradientFiles(DiskFiles):
         """Every parked gradient is written (their buffers given back): before the step reads any."""
         while self._writes:
             self._finish_oldest()
-
-    def statistics_of_step(self, unit: FlatUnit) -> Statistics | None:
-        """The statistics of `unit`'s gradient of this step (None: it parked none), after :meth:`settle`
-        (read back by the step or not)."""
-        index = self._index.get(id(unit))
-        return None if index is None else self.statistics[index]
 
     def taken(
         self, batches: Sequence[Sequence[int]], steps: Iterable[Sequence[int]], copies: dict[int, torch.Tensor]
@@ -152,4 +144,4 @@ class GradientFiles(DiskFiles):
         """The step's end: forget `unit`'s gradient (that of a step skipped for overflow was never read)."""
         self.settle()
         index = self._index[id(unit)]
-        self.parked[index], self.statistics[index] = False, None
+        self.parked[index] = False

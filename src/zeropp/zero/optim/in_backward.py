@@ -15,8 +15,10 @@ those of stepping after backward:
   in another order; no unit's step reads another's.
 - The gradient is neither scaled nor clipped in place: fp16 (the overflow check needs every
   gradient) is refused, and with ``max_grad_norm`` the step waits for the global norm, after
-  backward, exactly as without this switch. The gradient norm the engine reports is computed at
-  ``engine.step()`` from the same untouched gradients, in the same order.
+  backward, exactly as without this switch; but each unit's part of it (its sum of squares) is
+  computed on the worker as the unit lands (with the disk tier, as it is parked), so the norm is
+  known as soon as backward ends and the step reads the gradients only to step them. The gradient
+  norm the engine reports sums the same parts of the same untouched gradients, in the same order.
 - The learning rate and the other hyperparameters are the ones set before the boundary micro-batch's
   backward (a scheduler steps after ``engine.step()``, as usual).
 - The compute weights follow the masters at ``engine.step()``, in unit order on the main thread:
@@ -61,7 +63,14 @@ import torch
 
 from zeropp.errors import ConfigError
 from zeropp.zero.optim.segments import SegmentStep
-from zeropp.zero.optim.stepping import ELEMENTWISE_OPTIMIZERS, given_of, gradient_flags, publish_unit, step_masters
+from zeropp.zero.optim.stepping import (
+    ELEMENTWISE_OPTIMIZERS,
+    given_of,
+    gradient_flags,
+    publish_unit,
+    step_masters,
+    unit_statistics,
+)
 
 if TYPE_CHECKING:
     from zeropp.comm.communicator import Communicator, Pending
@@ -86,6 +95,7 @@ class BackwardStep:
         self.segments = isinstance(stepper, SegmentStep)
         self.host_copies = config.offload.optimizer == "cpu"  # the masters live in host memory
         self.waits_for_norm = config.max_grad_norm is not None  # every step after backward, as without it
+        self.count_whole = comm.topology.tensor_parallel.rank == 0  # the norm counts whole parameters here
         self._index = {id(unit): k for k, unit in enumerate(stepper.units)}
         self._thread = ThreadPoolExecutor(1, "zeropp-step-in-backward")
         weakref.finalize(self, self._thread.shutdown, wait=False)
@@ -111,8 +121,11 @@ class BackwardStep:
                 "zeropp: zero.step_in_backward stepped units in the last accumulation boundary's backward, which "
                 "engine.step() did not follow (a failed backward?); expected engine.step() after it, or a checkpoint restored"
             )
-        if not boundary or self.waits_for_norm:
+        if not boundary:
             return None
+        if self.waits_for_norm:  # the norm's statistics as units land (the disk tier computes them as it parks)
+            parked = self.disk is not None and self.disk.gradients is not None
+            return None if parked else self._statistics_as_they_land
         self.timeline, self.waited_s = [], 0.0
         if self.disk is not None:
             self._landed = [None] * len(self.stepper.units)
@@ -145,6 +158,21 @@ class BackwardStep:
             self._landing_order.append(k)
             self._landed[k] = landed
             self._arrivals[k].set()
+
+    def _statistics_as_they_land(self, unit: FlatUnit) -> None:
+        """With clipping: `unit`'s part of the norm computed on the worker as it lands, while backward goes
+        on; the step waits for backward (the norm needs every unit's)."""
+        grad, ready = unit.reduced_gradient(), None
+        if grad.device.type == "cuda":
+            ready = torch.cuda.current_stream(grad.device).record_event()
+        self._running.append(self._thread.submit(self._unit_statistics, unit, grad, ready))
+
+    def _unit_statistics(self, unit: FlatUnit, grad: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        if ready is not None:
+            torch.cuda.current_stream(grad.device).wait_event(ready)
+        unit.known_statistics = unit_statistics(unit, grad, None, self.count_whole)
+        if ready is not None:  # engine.step() reads them on its stream
+            torch.cuda.current_stream(grad.device).synchronize()
 
     def _stream(self, order: list[int]) -> None:
         """The disk tier's boundary: the units' states read ahead through the ring in `order` (the

@@ -80,16 +80,18 @@ def gradient_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether this rank's gradients are all finite (checked under fp16 only), and the sum of their
     squares (parameters whole on every tensor-parallel rank counted where `count_whole`), in one pass
-    over the units' reduced gradients that holds one unit's fp32 gradient at a time (each unit's own
-    from `on_disk`, computed as its gradient was parked: See [Note: gradients on disk]). Device tensors."""
+    over the units' reduced gradients that holds one unit's fp32 gradient at a time, but for the units
+    whose statistics were computed as their gradients landed (``FlatUnit.known_statistics``: parked in
+    `on_disk`, See [Note: gradients on disk], or by the step inside backward with clipping, See [Note:
+    the step inside backward]). Device tensors."""
     if on_disk is not None:
         on_disk.settle()
     finite = torch.ones((), dtype=torch.bool, device=device)
     squares = torch.zeros(1, dtype=torch.float32, device=device)
     scale = scaler.scale if scaler.enabled else None
     for unit in units:
-        parked = on_disk.statistics_of_step(unit) if on_disk is not None else None
-        unit_finite, unit_squares = parked or unit_statistics(unit, unit.reduced_gradient(), scale, count_whole)
+        known = unit.known_statistics
+        unit_finite, unit_squares = known or unit_statistics(unit, unit.reduced_gradient(), scale, count_whole)
         if unit_finite is not None:
             finite &= unit_finite.to(device)
         squares += unit_squares.to(device)
