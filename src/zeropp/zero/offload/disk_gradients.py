@@ -63,7 +63,6 @@ class GradientFiles(DiskFiles):
         self._gradients: list[torch.Tensor] = []  # each unit's shard (no storage while in its file)
         self.parked: list[bool] = []  # a gradient of this step is (or is queued to be) in the file
         self._writes: deque[tuple[Future, Callable[[], None]]] = deque()
-        self.counting = True
 
     def add(self, unit: FlatUnit) -> None:
         """Take a unit whose reduced gradients are sharded (its master is its shard of them)."""
@@ -77,9 +76,6 @@ class GradientFiles(DiskFiles):
 
     def tensors(self, index: int) -> list[torch.Tensor]:
         return [self._gradients[index]]
-
-    def holds(self, unit: FlatUnit) -> bool:
-        return id(unit) in self._index
 
     def park(self, unit: FlatUnit, shard: torch.Tensor, give_back: Callable[[], None]) -> None:
         """`unit`'s reduced `shard` of this micro-batch: added to what earlier micro-batches parked and

@@ -94,7 +94,7 @@ class BackwardStep:
         self.stepper, self.comm, self.group, self.disk = stepper, comm, group, disk
         self.segments = isinstance(stepper, SegmentStep)
         self.host_copies = config.offload.optimizer == "cpu"  # the masters live in host memory
-        self.waits_for_norm = config.max_grad_norm is not None  # every step after backward, as without it
+        self.waits_for_norm = config.max_grad_norm is not None  # steps after backward, as without it
         self.count_whole = comm.topology.tensor_parallel.rank == 0  # the norm counts whole parameters here
         self._index = {id(unit): k for k, unit in enumerate(stepper.units)}
         self._thread = ThreadPoolExecutor(1, "zeropp-step-in-backward")
@@ -111,10 +111,10 @@ class BackwardStep:
         self.waited_s = 0.0
 
     def begin(self, boundary: bool) -> Callable[[FlatUnit], None] | None:
-        """Before a micro-batch's backward: what the runtime calls as each unit's reduction lands (None:
-        not the boundary, or the step waits for the norm). Units stepped in an earlier backward and
-        never published (no engine.step() after it) refuse the run: stepping them again would step
-        them twice."""
+        """Before a micro-batch's backward: what the runtime calls as each unit's reduction lands: its
+        step, or with clipping its part of the norm (None: not the boundary, or the disk tier computes
+        that part as it parks the gradient). Units stepped in an earlier backward and never published
+        (no engine.step() after it) refuse the run: stepping them again would step them twice."""
         self.wait()
         if self._stepped:
             raise RuntimeError(
