@@ -209,30 +209,18 @@ class ZeroEngine:
         for module in [*(m for m in unit_modules if m is not model), model]:
             scope, params = scopes.get(id(module), []), grouped.get(id(module), [])
             trainable = [(n, p) for n, p in params if p.requires_grad]
-            flat, views = materialize.host_flat(trainable, self.groups, self.policy, options) if meta else (None, {})
+            groups = self.expert_groups if module in self.expert_units else self.groups  # the unit's shard groups
+            flat, views = materialize.host_flat(trainable, groups, self.policy, options) if meta else (None, {})
             if meta:  # the unit's fp32 parameters are initialized straight into its flat buffer
                 materialize.initialize_scope(scope, model, seed, init_fn, views)
             materialize.place_fixed(
                 scope, managed, self.topology.device, self.compute_dtype, self.comm, None if meta else world
             )
-            unit = (
-                FlatUnit(
-                    module,
-                    params,
-                    self.comm,
-                    self.expert_groups if module in self.expert_units else self.groups,
-                    self.policy,
-                    options,
-                    broadcast_initial=not meta,
-                    initial_flat=flat,
-                    name=names.get(id(module), ""),
-                )  # fmt: skip
-                if params
-                else None
-            )
+            built_from = dict(broadcast_initial=not meta, initial_flat=flat, name=names.get(id(module), ""))
+            unit = FlatUnit(module, params, self.comm, groups, self.policy, options, **built_from) if params else None
             # Drop the buffer and its views before the next unit allocates its own: either kept
             # alive would hold two whole units at once instead of one.
-            del flat, views
+            del flat, views, built_from
             built.extend([unit] if unit is not None else [])
             if unit is not None and self.disk is not None:  # to its file before the next unit is built
                 self.disk.add(unit.master, unit)

@@ -122,16 +122,16 @@ def test_the_skewed_routing_is_what_it_says():
         assert set(lower.unique().tolist()) == {1, 2} and set(upper.unique().tolist()) == {0, 1}
 
 
-def _summary(tmp_path, ep: int, qgz: str = "--no-quantized-gradients", world: int = 4) -> dict:
+def _summary(tmp_path, ep: int, qgz: str = "--no-quantized-gradients", world: int = 4, nodes: int = 2) -> dict:
     import json
 
     from cli_runner import run_cli
     from launcher import free_port
 
-    out = tmp_path / f"ep{ep}{qgz}{world}.json"
+    out = tmp_path / f"ep{ep}{qgz}{world}-{nodes}.json"
     done = run_cli(
         "train", "--preset", "tiny", "--n-experts", "4", "--top-k", "2", "--expert-parallel", str(ep), "--steps", "2",
-        "--eval-batches", "1", qgz, "--nproc-per-node", str(world), "--master-port", str(free_port()),
+        "--eval-batches", "1", qgz, "--nproc-per-node", str(world), "--nodes", str(nodes), "--master-port", str(free_port()),
         "--summary-json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -154,6 +154,8 @@ def test_zeropp_train_with_expert_parallelism_trains_the_same_losses_in_less_mem
     for summary in (one, two):
         assert summary["model_state_bytes_per_rank"] == [summary["analytic_model_state_bytes_per_rank"]] * 4
     assert two["model_state_bytes_per_rank"][0] < one["model_state_bytes_per_rank"][0]
+    alone = _summary(tmp_path, 4, nodes=1)  # E 4: each rank alone holds its experts (their units as laid out)
+    assert alone["model_state_bytes_per_rank"] == [alone["analytic_model_state_bytes_per_rank"]] * 4
     assert "ep.all_to_all" in two["ledger"] and "ep.all_to_all" not in one["ledger"]
     gathered = [sum(sum(links.values()) for links in s["ledger"]["all_gather"].values()) for s in (one, two)]
     assert gathered[1] < gathered[0]  # each rank gathers its half of the experts, over half the ranks

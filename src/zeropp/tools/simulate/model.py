@@ -4,7 +4,8 @@ What each collective sends and what each GPU holds are the estimator's (:func:`~
 :mod:`zeropp.costs.volume`'s transfers, :mod:`zeropp.costs.memory`'s formulas); this module adds their
 time on a fabric (:mod:`zeropp.costs.collectives`: NCCL's ring and tree on alpha-beta links), the
 compute from the GPU's datasheet peak and one achieved efficiency, the quantization kernels' time
-from its memory bandwidth, and stage 3's overlap (:func:`~zeropp.costs.step_time.pass_seconds`: each
+(:mod:`~zeropp.tools.simulate.kernels`: their bytes at the GPU's measured rate, else a share of its memory
+bandwidth), and stage 3's overlap (:func:`~zeropp.costs.step_time.pass_seconds`: each
 pass a pipeline of per-unit communication and compute over the model's blocks, prefetch on), of the
 share ``Assumptions.overlap`` of the communication (the rest exposed: the paper's runs hid less).
 
@@ -12,9 +13,10 @@ Compute: a step does 6 Ψ T FLOPs per GPU (T tokens), 8 Ψ T with activation che
 forward recomputed in backward): forward 2 Ψ T, backward the rest. Achieved TFLOPs count the same
 FLOPs over the step's time (the papers' TFLOPs, recomputation included), ``peak_fraction`` their
 share of the datasheet peak. The quantization kernels (qwZ's dequantization of every gathered unit,
-qgZ's two quantize / dequantize hops over the gradient) stream about 3 bytes per element through
-memory and run on the GPU beside the matmuls: their time adds to the pass's compute. The optimizer
-step (Adam on the rank's fp32 shard, about 32 bytes moved per element) follows the backward pass; with
+qgZ's two quantize / dequantize hops over the gradient) move each element's value in the compute
+dtype, its int8 / int4 code and its share of an fp32 scale, and run on the GPU beside the matmuls:
+their time adds to the pass's compute. The optimizer step (Adam on the rank's fp32 shard, about 32
+bytes moved per element) follows the backward pass; with
 ZeRO-Offload (``offload_optimizer = "cpu"`` among the ZeRO keys) it is :mod:`~zeropp.tools.simulate.offload`'s
 step on the host instead, the memory per GPU the estimator's device bytes.
 
@@ -53,6 +55,7 @@ from zeropp.costs.volume import STEP_PHASES, Transfer
 from zeropp.errors import ConfigError
 from zeropp.tools.estimate.model import Estimate, estimate
 from zeropp.tools.simulate.gpus import GPUS, Gpu
+from zeropp.tools.simulate.kernels import kernel_seconds
 from zeropp.tools.simulate.offload import OffloadStep, offload_step
 from zeropp.tools.simulate.tensor_parallel import (
     block_activation_bytes,
@@ -71,7 +74,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ddp": {"stage": 0},
     "hsdp": {"stage": 3},  # on one node, plus the all-reduce between nodes (:func:`simulate`)
 }
-KERNEL_BYTES_PER_ELEMENT = 3  # a quantize or dequantize pass: 2 bytes of fp16/bf16 and 1 of int8 (int4: 1/2)
 ADAM_BYTES_PER_ELEMENT = 32  # fp32 master, two moments read and written, the gradient read, the weight written
 ASPECT = 128  # d_model / n_layer where the shape is not given (GPT-3: 12288 / 96)
 # 12 L H^2 over Ψ for a shape given with it: embeddings make it less than 1 (Llama-3-8B: 0.80, Gemma-2B: 0.36), wider
@@ -82,14 +84,15 @@ BLOCK_SHARE = (0.2, 1.5)
 @dataclass(frozen=True)
 class Assumptions:
     """What the simulation does not read from a datasheet. The defaults are calibrated once on the
-    ZeRO++ paper's evaluation (docs/simulate.md); latencies and kernel efficiency are set, not fitted."""
+    ZeRO++ paper's evaluation (docs/simulate.md); latencies and kernel efficiency are set, not fitted (the
+    kernels' efficiency only where the GPU has no measured rate, ``Gpu.kernel_bytes_per_s``)."""
 
     compute_efficiency: float = 0.42  # achieved matmul FLOP/s over the datasheet peak
     nic_efficiency: float = 0.7  # NCCL's bus bandwidth over the NICs' line rate
     nvlink_efficiency: float = 0.8  # the same inside a node
     intra_latency_s: float = 2e-6  # α of one ring step inside a node
     inter_latency_s: float = 8e-6  # α of one ring step between nodes
-    kernel_efficiency: float = 0.5  # quantization kernels: their share of the memory bandwidth
+    kernel_efficiency: float = 0.5  # quantization kernels of a GPU not measured: their share of the memory bandwidth
     overlap: float = 0.5  # share of a pass's communication prefetch can hide (1: the flow shop; 0: none)
     pcie_efficiency: float = 0.8  # ZeRO-Offload: pinned copies' rate over the PCIe link's
     host_memory_efficiency: float = 0.7  # ZeRO-Offload: the host step's bytes/s over the channels' rated rate
@@ -292,22 +295,6 @@ def hsdp_transfers(est: Estimate, nodes: int) -> list[Transfer]:
     return [
         Transfer("all_reduce", "backward", ring_bytes(u.padded // per_node * grad, nodes, 2), 1.0) for u in est.units
     ]
-
-
-def kernel_seconds(est: Estimate, gpu: Gpu, a: Assumptions) -> dict[str, float]:
-    """The quantization kernels per pass: qwZ dequantizes every gathered unit (in backward too unless hpZ
-    gathers there), qgZ quantizes and dequantizes the gradient at its intra-node hop and its 1/G again
-    at the inter-node one."""
-    zero, per_node = est.zero, est.data_parallel.ranks_per_node
-    psi = sum(u.padded for u in est.gathered_per_use)
-    elements = dict.fromkeys(STEP_PHASES, 0.0)
-    if zero.qwz.enabled:
-        elements["forward"] += psi
-        elements["backward"] += psi if est.hpz_group_size == 1 else 0
-    if zero.qgz.enabled:
-        elements["backward"] += 2 * psi * (1 + 1 / per_node)
-    rate = gpu.hbm_bytes_per_s * a.kernel_efficiency / KERNEL_BYTES_PER_ELEMENT
-    return {p: n / rate for p, n in elements.items()}
 
 
 def simulate(
