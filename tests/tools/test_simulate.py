@@ -24,6 +24,7 @@ from zeropp.costs.collectives import (
 from zeropp.costs.memory import analytic_model_state_bytes
 from zeropp.tools.simulate import CELLS, GPUS, Assumptions, calibrate, llama_table, main, paper_table, simulate
 from zeropp.tools.simulate.emulated import calibrate_host, compare, stored_rows, summary
+from zeropp.tools.simulate.papers import worst_log_ratio
 
 pytestmark = pytest.mark.unit
 
@@ -209,18 +210,16 @@ def test_llama_table():
         assert row["zeropp@100 / zero3@400"] > 0
 
 
-def test_the_defaults_are_the_calibrations_optimum_around_them():
-    """The calibration (docs/simulate.md: the whole grid, a minute) chose the defaults; on the grid's
-    neighbours of each it still does."""
+def test_the_defaults_stay_within_a_hundredth_of_the_calibrations_optimum_around_them():
+    """The calibration (docs/simulate.md: the whole grid, a minute) chose the defaults with every kernel pass
+    at 3 bytes an element; with each pass priced by its bytes (qgZ's int4 at 2.52) the grid's neighbours
+    of the defaults do a little better (0.44, 0.7, 0.4: worst |log ratio| 0.253 against 0.261), not refitted."""
     a = Assumptions()
     around = [tuple(round(x + d * step, 2) for d in (-1, 0, 1)) for x, step in
               ((a.compute_efficiency, 0.02), (a.nic_efficiency, 0.1), (a.overlap, 0.1))]  # fmt: skip
     best = calibrate(*around)
-    assert (best.compute_efficiency, best.nic_efficiency, best.overlap) == (
-        a.compute_efficiency,
-        a.nic_efficiency,
-        a.overlap,
-    )
+    assert worst_log_ratio(a) - worst_log_ratio(best) < 0.01
+    assert worst_log_ratio(a) == pytest.approx(0.261, abs=0.001)
 
 
 # -- the emulated cluster: the cpu-gloo profile ------------------------------------------------------
@@ -277,12 +276,12 @@ def test_the_cpu_profile_is_its_calibration():
 
 def test_every_stored_emulated_step_within_the_documented_bound():
     """Every stored shaped step of a configuration the simulator prices (DiLoCo's aside): on the profile's
-    host 65 of 114 within 15%; on each file's own host (its unshaped steps) 92 of 114 (docs/simulate.md)."""
+    host 64 of 114 within 15%; on each file's own host (its unshaped steps) 94 of 114 (docs/simulate.md)."""
     profile, same_day = [], []
     for rows in _stored().values():
         profile += compare(rows)
         same_day += compare(rows, calibrate_host(rows))
     assert summary(profile)["rows"] == summary(same_day)["rows"] == 114
-    assert summary(profile)["within"] == 65 and summary(same_day)["within"] == 92
+    assert summary(profile)["within"] == 64 and summary(same_day)["within"] == 94
     for compared, (low, high) in ((profile, PROFILE_BOUND), (same_day, SAME_DAY_BOUND)):
         assert all(low <= c["ratio"] <= high for c in compared)

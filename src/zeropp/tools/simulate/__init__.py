@@ -5,7 +5,8 @@ links with NCCL's ring and tree algorithms (:mod:`zeropp.costs.collectives`), co
 datasheet peak and one achieved efficiency, stage 3's overlap (:mod:`zeropp.costs.step_time`).
 
 Modules: ``gpus`` (the catalogue), ``model`` (:func:`simulate`, :class:`Simulation`, :class:`Assumptions`),
-``offload`` (ZeRO-Offload's step on the host), ``tensor_parallel`` (Megatron's layout over T GPUs of a
+``kernels`` (the quantization passes' bytes and their rate: measured where a GPU was lent, else assumed),
+``offload`` (ZeRO-Offload's step on the host, inside backward or after it), ``tensor_parallel`` (Megatron's layout over T GPUs of a
 node), ``papers`` (the ZeRO++ paper's evaluation, the calibration, Llama-3 on H100s), ``zero_paper`` (the ZeRO
 paper's throughput and memory figures), ``emulated`` (the
 ``cpu-gloo`` profile against the stored emulated-cluster steps), ``show`` (printing), ``cli``

@@ -31,7 +31,7 @@ class Gpu:
 
 # the emulated cluster's host (2 cores): the step's achieved FLOP/s and the quantization kernels' effective
 # memory rate, both for the whole host, fitted on the unshaped steps stored before the planner's check
-# (emulated.calibrate_host)
+# (emulated.calibrate_host), each pass priced at its bytes in fp32 (kernels.pass_bytes_per_element)
 CPU_FLOPS, CPU_KERNEL_BYTES_PER_S = 40.3e9, 10.0e9
 
 
