@@ -1,6 +1,6 @@
 """zeropp simulate's quantization kernels: the bytes a pass moves per element against the closed form (and
-against what ``zeropp bench kernels`` counts), and their seconds per phase at the H200's measured rate and,
-on a GPU nobody measured, at the assumed share of its memory bandwidth (docs/simulate.md)."""
+against what ``zeropp bench kernels`` counts), and their seconds per phase at the H200's and the H100's measured
+rates and, on a GPU nobody measured, at the assumed share of its memory bandwidth (docs/simulate.md)."""
 
 from __future__ import annotations
 
@@ -56,14 +56,26 @@ def test_the_h200_runs_at_its_measured_rate():
     assert _sim(assumptions=Assumptions(kernel_efficiency=0.25)).kernel_s == sim.kernel_s
 
 
-def test_an_unmeasured_gpu_runs_at_the_assumed_share_of_its_memory_bandwidth():
-    assert GPUS["h100"].kernel_bytes_per_s is None
-    assert kernel_bytes_per_s(GPUS["h100"], A) == 3350e9 * A.kernel_efficiency == 1675e9
+def test_the_h100_runs_at_its_measured_rate():
+    """docs/gpu.md, "Earlier: one H100", stage e: the slowest quantize / dequantize row at 256 MiB (dequantize
+    int4, 2,781 GB/s), above the 1,675 GB/s half of its memory bandwidth that it was priced at before."""
+    assert GPUS["h100"].kernel_bytes_per_s == 2781e9
+    assert kernel_bytes_per_s(GPUS["h100"], A) == 2781e9 > 3350e9 * A.kernel_efficiency
     sim = _sim("h100")
-    psi, rate = _psi(sim), 3350e9 * 0.5
+    psi, rate = _psi(sim), 2781e9
     assert sim.kernel_s["forward"] == pytest.approx(psi * INT8 / rate)
     assert sim.kernel_s["backward"] == pytest.approx(2 * psi * (1 + 1 / 8) * INT4 / rate)
-    half = _sim("h100", assumptions=Assumptions(kernel_efficiency=0.25))
+    assert _sim("h100", assumptions=Assumptions(kernel_efficiency=0.25)).kernel_s == sim.kernel_s
+
+
+def test_an_unmeasured_gpu_runs_at_the_assumed_share_of_its_memory_bandwidth():
+    assert GPUS["a100"].kernel_bytes_per_s is None
+    assert kernel_bytes_per_s(GPUS["a100"], A) == 2039e9 * A.kernel_efficiency == 1019.5e9
+    sim = _sim("a100")
+    psi, rate = _psi(sim), 2039e9 * 0.5
+    assert sim.kernel_s["forward"] == pytest.approx(psi * INT8 / rate)
+    assert sim.kernel_s["backward"] == pytest.approx(2 * psi * (1 + 1 / 8) * INT4 / rate)
+    half = _sim("a100", assumptions=Assumptions(kernel_efficiency=0.25))
     assert half.kernel_s["backward"] == pytest.approx(2 * sim.kernel_s["backward"])
 
 
