@@ -236,6 +236,8 @@ class ZeroEngine:
         phase = "forward" if self.module.training and torch.is_grad_enabled() else "eval"
         if phase == "eval":  # outside training the weights hold every step taken
             self.update.settle()
+        if self.early is not None:
+            self.early.refuse_torn_weights()
         if self.compute_dtype != torch.float32:  # floating inputs meet the parameters in their dtype
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs)
@@ -286,7 +288,11 @@ class ZeroEngine:
             self.optimizer_spec.follow_sources(self.optimizers)
         with self.comm.in_phase("backward"):
             reduce = self.policy.shard_gradients or boundary
-            self.runtime.backward(loss * scale, reduce=reduce, on_reduced=on_reduced)
+            try:
+                self.runtime.backward(loss * scale, reduce=reduce, on_reduced=on_reduced)
+            finally:  # no unit lands after it, even where it failed: the worker stops waiting for one
+                if self.early is not None:
+                    self.early.abandon()
         self.micro_step += 1
         self._at_boundary = boundary
 
@@ -306,8 +312,8 @@ class ZeroEngine:
             self.update.settle()  # the last step's delayed update: See [Note: the delayed parameter update]
             self.measured_model_state_bytes = self.model_state_bytes()
             count_whole = self.topology.tensor_parallel.rank == 0
-            parked = self.disk.gradients if self.disk is not None else None  # See [Note: gradients on disk]
-            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole, parked)
+            on_disk = self.disk.gradients if self.disk is not None else None  # See [Note: gradients on disk]
+            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole, on_disk)
             overflow = self._any_overflow(finite) if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:
@@ -464,6 +470,8 @@ class ZeroEngine:
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Set masters, weights and optimizer state from a :meth:`sharded_state_dict` (collective)."""
         self.states.require_on_device("loading a state")
+        if self.early is not None:  # what a failed boundary backward stepped is overwritten
+            self.early.discard()
         with self.states_resident(changes=True):
             per_parameter.load_sharded_state_dict(self.units, self.stepper, self.module, sharded)
             if self.whole is not None:

@@ -49,10 +49,9 @@ def train(stage: int, in_backward: bool, extra: dict) -> tuple[dict, list[bool]]
             if engine.early is not None:  # engine.step() waits for the worker itself)
                 engine.early.wait()
             moved.append([not torch.equal(b, probed(unit)) for b, unit in zip(before, engine.units, strict=True)])
-            moved.append(
-                [unit.known_statistics is not None for unit in engine.units]
-            )  # the norm's parts, as they landed
+            moved.append([unit.known_statistics is not None for unit in engine.units])  # the norm's parts
         assert engine.step()
+    moved.append([engine.last_grad_norm])  # the last step's norm, before clipping
     return {k: v.clone() for k, v in engine.full_state_dict().items()}, moved
 
 
@@ -103,8 +102,8 @@ def test_the_weights_are_bit_for_bit_those_of_stepping_after_backward(world, sta
         # with it, every unit is stepped during the boundary's backward, unless clipping needs the norm first;
         # then each unit's part of the norm is computed as it lands (the disk tier's, as it is parked)
         assert all(result["moved_inside"][0]) if not clipped else not any(result["moved_inside"][0])
-        if clipped:
-            assert all(result["moved_inside"][1])
+        if clipped:  # (the norms' parts as the units landed; clipping acts: wrong parts would change the weights)
+            assert all(result["moved_inside"][1]) and result["moved_inside"][2][0] > MAX_NORM
         parked = extra.get("offload_optimizer") == "nvme" and stage >= 2
         assert all(result["moved"][1]) if parked else not any(result["moved"][1])  # after backward: at the step
     if extra.get("precision", "fp32") == "fp32":  # and they are one process's weights
@@ -195,11 +194,12 @@ def test_reading_the_states_before_the_step_and_a_second_boundary_backward_are_r
     )
 
 
-def failed_backward_worker(path: str) -> str:
-    """With the disk tier: a step, then a boundary backward that fails half-way (the stream waits for
-    units that never land), then another backward."""
+def failed_backward_worker(path: str) -> dict:
+    """With the disk tier: a step and a checkpoint, then a boundary backward that fails half-way (the
+    stream waits for units that never land), then a forward, then the checkpoint loaded and a step."""
     from zeropp import ZeroEngine
     from zeropp.app.models.gpt import GPT
+    from zeropp.checkpoint import load_checkpoint, save_checkpoint
     from zeropp.topology import init_topology
 
     topology = init_topology()
@@ -209,28 +209,70 @@ def failed_backward_worker(path: str) -> str:
     x, y = rows(global_batch("gpt", 0, 0, topology.world_size), topology.rank)
     engine.backward(loss_of("gpt", engine, x, y))
     assert engine.step()
+    saved = save_checkpoint(engine, Path(path) / "checkpoints", 1)
 
     def fail(*_):
         raise ValueError("a failure in backward")
 
     hook = engine.module.blocks[0].register_full_backward_hook(fail)  # the first block: the last to land
-    try:
+    with pytest.raises(ValueError):
         engine.backward(loss_of("gpt", engine, x, y))
-    except ValueError:
-        pass
-    else:
-        return "backward did not fail"
     hook.remove()
-    if not engine.early._stepped:
-        return "no unit was stepped before the failure"
-    try:
-        engine.backward(loss_of("gpt", engine, x, y))
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    result = {"stepped before the failure": bool(engine.early._stepped)}
+    with pytest.raises(RuntimeError) as refused:
+        engine(x, y)
+    result["forward"] = str(refused.value)
+    load_checkpoint(engine, saved)  # what the failed backward stepped is overwritten
+    engine.backward(loss_of("gpt", engine, x, y))
+    result["trains after the load"] = engine.step()
+    return result
 
 
-def test_a_boundary_backward_that_fails_with_the_disk_tier_stops_its_stream_and_refuses_the_next(tmp_path):
-    messages = run_ranks(failed_backward_worker, 2, path=str(tmp_path))  # returns: nothing hangs
-    for message in messages:
-        assert message.startswith("zeropp: zero.step_in_backward stepped units in the last accumulation boundary's")
+def test_a_boundary_backward_that_fails_with_the_disk_tier_stops_its_stream_and_a_checkpoint_resumes(tmp_path):
+    for result in run_ranks(failed_backward_worker, 2, path=str(tmp_path)):  # returns: nothing hangs
+        assert result["stepped before the failure"] and result["trains after the load"]
+        assert result["forward"] == (
+            "zeropp: a forward between engine.backward() and engine.step() is not allowed with "
+            "zero.step_in_backward and the optimizer's disk tier (the weights are being stepped, or a backward "
+            "failed); expected engine.step() first, or a checkpoint loaded"
+        )
+
+
+UNCAUGHT = """
+import dataclasses, sys, torch
+sys.path.insert(0, sys.argv[2])
+from models import GPT_TEST, global_batch, loss_of, rows
+from zeropp import ZeroEngine
+from zeropp.app.models.gpt import GPT
+from zeropp.config.sections import ZeroConfig
+from zeropp.topology import init_topology
+
+topology = init_topology()
+config = ZeroConfig(stage=3, step_in_backward=True, offload_optimizer="nvme", offload_path=sys.argv[1])
+engine = ZeroEngine(GPT(dataclasses.replace(GPT_TEST, n_layer=6)), torch.optim.AdamW, {}, config, topology)
+x, y = rows(global_batch("gpt", 0, 0, 1), 0)
+engine.backward(loss_of("gpt", engine, x, y))
+engine.step()
+
+def fail(*_):
+    raise ValueError("a failure in backward")
+
+engine.module.blocks[0].register_full_backward_hook(fail)
+engine.backward(loss_of("gpt", engine, x, y))  # uncaught: the process must still exit
+"""
+
+
+def test_an_uncaught_failure_in_a_boundary_backward_with_the_disk_tier_lets_the_process_exit(tmp_path):
+    """The worker's stream waits for units to land; one that never will must not hold up the exit."""
+    import os
+    import subprocess
+    import sys
+
+    from launcher import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    tests = str(Path(__file__).resolve().parents[1])
+    run = subprocess.run(
+        [sys.executable, "-c", UNCAUGHT, str(tmp_path), tests], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "ValueError: a failure in backward" in run.stderr, run.stderr[-2000:]

@@ -164,7 +164,7 @@ class Simulation:
     memory: dict[str, float]  # bytes per GPU
     units: int  # what stage 3's overlap pipelines over
     zero: tuple[tuple[str, Any], ...] = ()  # ZeRO keys over the variant's
-    offload: OffloadStep | None = None  # ZeRO-Offload's step (optimizer_s is its makespan)
+    offload: OffloadStep | None = None  # ZeRO-Offload's step (optimizer_s: what the GPU waits for after backward)
     tensor_parallel: int = 1  # GPUs of a node splitting every layer (each trains its group's micro-batch)
     sequence_parallel: bool = False
     # the tensor-parallel collectives per phase: on the critical path, not overlapped

@@ -166,8 +166,9 @@ class DiskFiles:
 
     def streamed(self, batches: Sequence[Sequence[int]], write_back: bool = True) -> Iterator[Sequence[int]]:
         """Yield each batch of unit indices once its states are in memory; write it back (and free
-        it; only free it where not `write_back`) when the caller asks for the next one. See [Note:
-        the disk tier's ring]."""
+        it; only free it where not `write_back`) when the caller asks for the next one. A caller that
+        stops early (closes the generator) leaves the batch it holds and those read ahead freed, not
+        written back: their files keep the states before it. See [Note: the disk tier's ring]."""
         reads: dict[int, Future] = {}
 
         def read_ahead(position: int) -> None:
@@ -177,14 +178,21 @@ class DiskFiles:
         for position in range(self.depth):
             read_ahead(position)
         writes: list[Future] = []
-        for position, batch in enumerate(batches):
-            reads.pop(position).result()
-            yield batch
-            done = self._write_out if write_back else self._free
-            writes.append(self._io.submit(lambda batch=batch, done=done: [done(i) for i in batch]))
-            read_ahead(position + self.depth)
-        for write in writes:
-            write.result()
+        held: Sequence[int] = ()  # the batch the caller holds
+        try:
+            for position, batch in enumerate(batches):
+                reads.pop(position).result()
+                held = batch
+                yield batch
+                held = ()
+                done = self._write_out if write_back else self._free
+                writes.append(self._io.submit(lambda batch=batch, done=done: [done(i) for i in batch]))
+                read_ahead(position + self.depth)
+        finally:  # the writes waited for (their errors raised), what the caller stopped before freed
+            unused = [*held, *(i for position in reads for i in batches[position])]
+            writes.append(self._io.submit(lambda: [self._free(i) for i in unused]))
+            for write in writes:
+                write.result()
 
     @contextlib.contextmanager
     def resident(self, changes: bool = False) -> Iterator[None]:

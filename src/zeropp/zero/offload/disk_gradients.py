@@ -8,9 +8,11 @@ rings: at world 2 the largest part of what a rank holds. So each unit's reduced 
 file of its own (``grads-NNNN.bin``) as soon as its reduction lands, and travels back with the unit's
 master and optimizer state when the step streams them through the ring:
 
-- :meth:`GradientFiles.park` (the main thread, as a reduction lands) queues the write on the tier's
-  I/O thread and keeps the shard's buffer until it is written (at most ``offload_buffer_count``
-  writes wait; the buffer then goes back to the unit's pool). A later micro-batch of the same step
+- :meth:`GradientFiles.park` (the main thread, as a reduction lands) queues the write on the
+  gradients' own I/O thread (the states' ring has another) and keeps the shard's buffer until it is
+  written (at most ``offload_buffer_count`` writes wait; the buffer then goes back to the unit's
+  pool; on CUDA the device buffer goes back as soon as its copy to pinned host memory is queued:
+  the pool's reuse is stream-ordered). A later micro-batch of the same step
   reads the parked gradient back and adds its own (the same sum, in the same dtype, as adding into
   the shard in memory: IEEE addition is commutative), then writes it again.
 - The gradient statistics the step needs first (every gradient finite under fp16, the sum of
@@ -18,7 +20,9 @@ master and optimizer state when the step streams them through the ring:
   :func:`~zeropp.zero.optim.stepping.gradient_statistics` computes them from the buffer in memory,
   and kept on the unit (``FlatUnit.known_statistics``): the norm is known when backward ends,
   without reading the gradients back; the step reads each unit's gradient once, with its states
-  (:meth:`GradientFiles.taken`).
+  (:meth:`GradientFiles.taken`). Every micro-batch's are computed, the last one's used. On CUDA they
+  are computed on the host copy, whose sums run in another order than the device's: there the norm,
+  hence clipping, equals the run without the disk tier within rounding, not bit for bit.
 - One I/O thread runs a unit's writes and reads in the order they were asked for, so a read (the
   step, or the step inside backward's worker) always finds the last write. Whether a unit's gradient
   is parked is decided on the thread that asks, when it asks.
@@ -86,11 +90,13 @@ class GradientFiles(DiskFiles):
             host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
             shard = host.copy_(shard, non_blocking=True)
             ready = torch.cuda.current_stream(unit.options.device).record_event()
+            give_back()  # later kernels that reuse the device buffer run after the copy
+            give_back = _nothing
+        while len(self._writes) >= self.depth:  # at most depth shards wait, this one included
+            self._finish_oldest()
         accumulate, self.parked[index] = self.parked[index], True
         scale = self.scaler.scale if self.scaler.enabled else None
         self._writes.append((self._io.submit(self._park, index, shard, accumulate, ready, scale), give_back))
-        while len(self._writes) > self.depth:
-            self._finish_oldest()
 
     def _park(
         self, index: int, shard: torch.Tensor, accumulate: bool, ready: torch.cuda.Event | None, scale: float | None
@@ -124,7 +130,7 @@ class GradientFiles(DiskFiles):
     ) -> Iterator[Sequence[int]]:
         """`steps` (the optimizer's batches of unit indices, `batches`, as another ring yields them), each
         yielded once its parked gradients are read back and put in `copies` in their master's dtype (the
-        step's gradients); each batch's are freed, and no longer parked, when the next is asked for.
+        step's gradients), no longer parked; each batch's are freed when the next is asked for.
         The main thread calls :meth:`settle` first; the step inside backward's worker need not (one I/O
         thread: the read comes after the write)."""
         wanted = [[k for k in batch if self.parked[k]] for batch in batches]
@@ -141,3 +147,7 @@ class GradientFiles(DiskFiles):
         self.settle()
         index = self._index[id(unit)]
         self.parked[index] = False
+
+
+def _nothing() -> None:
+    """A buffer already given back."""

@@ -52,6 +52,7 @@ element-wise ones.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -119,19 +120,19 @@ class BackwardStep:
         if self._stepped:
             raise RuntimeError(
                 "zeropp: zero.step_in_backward stepped units in the last accumulation boundary's backward, which "
-                "engine.step() did not follow (a failed backward?); expected engine.step() after it, or a checkpoint restored"
+                "engine.step() did not follow (a failed backward?); expected a checkpoint loaded before training on"
             )
         if not boundary:
             return None
-        if self.waits_for_norm:  # the norm's statistics as units land (the disk tier computes them as it parks)
-            parked = self.disk is not None and self.disk.gradients is not None
-            return None if parked else self._statistics_as_they_land
         self.timeline, self.waited_s = [], 0.0
+        if self.waits_for_norm:  # the norm's statistics as units land (the disk tier computes them as it parks)
+            return None if self._parked else self._statistics_as_they_land
         if self.disk is not None:
             self._landed = [None] * len(self.stepper.units)
             self._arrivals = [threading.Event() for _ in self.stepper.units]
-            landed = self._landing_order  # then the rest, last first (the first boundary: all of them)
-            order = landed + [k for k in reversed(range(len(self.stepper.units))) if k not in landed]
+            # the last boundary's landing order, then the rest: the blocks last first, the root (built last) last
+            n, landed = len(self.stepper.units), self._landing_order
+            order = landed + [k for k in [*reversed(range(n - 1)), n - 1] if k not in landed]
             self._running.append(self._thread.submit(self._stream, order))
             self._landing_order = []
         return self.on_reduced
@@ -139,8 +140,7 @@ class BackwardStep:
     def on_reduced(self, unit: FlatUnit) -> None:
         """`unit`'s reduction landed on the boundary micro-batch: launch its step."""
         k = self._index[id(unit)]
-        parked = self.disk is not None and self.disk.gradients is not None  # the worker reads it back
-        grad, ready = (None if parked else unit.reduced_gradient()), None
+        grad, ready = (None if self._parked else unit.reduced_gradient()), None  # parked: the worker reads it back
         if grad is not None and grad.device.type == "cuda":  # the worker's kernels wait for this stream's work
             stream = torch.cuda.current_stream(grad.device)
             if self.host_copies:  # issued here, in stream order
@@ -179,13 +179,14 @@ class BackwardStep:
         order they landed in at the last boundary), each stepped once it has landed and written back.
         Stops where a unit will not land (:meth:`wait` was called: backward is over) or the process
         is exiting (a worker blocked here would hold up the interpreter's exit)."""
-        for [k] in self.disk.streamed([[k] for k in order]):
-            while not self._arrivals[k].wait(timeout=1.0):
-                if not threading.main_thread().is_alive():
+        with contextlib.closing(self.disk.streamed([[k] for k in order])) as stream:  # stopped: freed, errors raised
+            for [k] in stream:
+                while not self._arrivals[k].wait(timeout=1.0):
+                    if not threading.main_thread().is_alive():
+                        return
+                if self._landed[k] is None:  # woken by abandon(): it never landed
                     return
-            if self._landed[k] is None:  # woken by wait(): it never landed
-                return
-            self._step(*self._landed[k])
+                self._step(*self._landed[k])
 
     def _step(
         self,
@@ -225,11 +226,35 @@ class BackwardStep:
         if unit.options.device.type == "cuda":
             torch.cuda.current_stream(unit.options.device).synchronize()
 
-    def wait(self) -> None:
-        """Wait for the steps launched in backward (their errors raised here). Backward is over: no
-        unit lands after this, so the disk tier's stream stops at one that has not (a failed backward)."""
+    @property
+    def _parked(self) -> bool:
+        """The reduced gradients go to the disk tier's files (See [Note: gradients on disk])."""
+        return self.disk is not None and self.disk.gradients is not None
+
+    def abandon(self) -> None:
+        """Backward is over (or failed): no unit lands after this, so the disk tier's stream stops at
+        one that has not instead of waiting for it (a failed backward must not hold up the process)."""
         for arrival in self._arrivals:
             arrival.set()
+
+    def discard(self) -> None:
+        """A checkpoint is being loaded: what the last boundary's backward stepped is overwritten."""
+        self.wait()
+        self._stepped, self._landing_order = [], []
+
+    def refuse_torn_weights(self) -> None:
+        """With the disk tier the worker publishes each unit's weights as it steps it: a forward between a
+        boundary backward and engine.step() would read some units stepped and others not."""
+        if self.disk is not None and self._stepped:
+            raise RuntimeError(
+                "zeropp: a forward between engine.backward() and engine.step() is not allowed with "
+                "zero.step_in_backward and the optimizer's disk tier (the weights are being stepped, or a backward "
+                "failed); expected engine.step() first, or a checkpoint loaded"
+            )
+
+    def wait(self) -> None:
+        """Wait for the steps launched in backward (their errors raised here); backward is over."""
+        self.abandon()
         running, self._running, tick = self._running, [], time.perf_counter()
         for future in running:
             future.result()
@@ -252,7 +277,8 @@ class BackwardStep:
         stepped, self._stepped = self._stepped, []
         if not stepped:
             return False
-        assert sorted(stepped) == list(range(len(self.stepper.units))), "a unit was not stepped in backward"
+        if sorted(stepped) != list(range(len(self.stepper.units))):
+            raise RuntimeError("zeropp: zero.step_in_backward: a unit was not stepped in backward; expected every unit")
         for unit in self.stepper.units if self.disk is None else ():  # the disk tier's: published when stepped
             publish_unit(unit, None)
         return True

@@ -7,9 +7,11 @@ one stepping after backward, one stepping each unit on the worker thread as its 
 (:mod:`zeropp.zero.optim.in_backward`). Their steps alternate, so load changes reach both alike. The
 host step is what ``engine.step()`` takes after backward in the first; in the second it is only
 waited for where the worker has not finished when backward ends: the share hidden is 1 - that wait /
-the host step, per pair of steps. The worker's busy time (the sum of its units' steps, I/O waits
-aside) is beside it, and the last step's timeline lists each unit's landing, step start and end from
-the start of backward, beside backward's end.
+the host step, per pair of steps. Beside it what the whole step gained over the host step (the
+worker competes with backward for the cores: less than what is hidden), the worker's busy time (the
+sum of its units' steps, their gradients' reads included, the states' read-ahead not), and the last
+step's timeline: each unit's landing, step start and end from the start of backward, beside
+backward's end.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-layer", type=int, default=12)
     group.add_argument("--d-model", type=int, default=512)
     group.add_argument("--block-size", type=int, default=128)
-    group.add_argument("--steps", type=int, default=6, help="timed steps of each engine, after two warm-up steps")
+    group.add_argument("--steps", type=_positive, default=6, help="timed steps of each engine, after two warm-up steps")
     group.add_argument("--offload", choices=["cpu", "nvme"], default="cpu")
     group.add_argument("--offload-path", default=None, help="the disk tier's folder (--offload nvme)")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,6 +96,9 @@ def _measure(args: argparse.Namespace, topology: Any) -> dict[str, Any]:
         "worker_busy_s": statistics.median(busy),
         "step_waited_s": statistics.median(waited),
         "hidden_share": statistics.median(hidden),
+        # what the step itself gained, against the host step: the worker also slows backward down
+        "step_gain_share": (statistics.median(times["after"]) - statistics.median(times["inside"]))
+        / statistics.median(host_step),
         "hidden_share_range": [min(hidden), max(hidden)],
         "last_backward_s": backward_s,
         "last_timeline": timeline,
@@ -119,7 +130,8 @@ def report(result: dict[str, Any]) -> None:
         f"({result['inside_step_s'] / result['after_step_s']:.2f}x); the host step after backward "
         f"{result['host_step_after_s']:.3f} s, inside it engine.step() waited {result['step_waited_s']:.3f} s for the "
         f"worker (busy {result['worker_busy_s']:.3f} s): {100 * result['hidden_share']:.0f}% of the host step hidden "
-        f"({100 * result['hidden_share_range'][0]:.0f}-{100 * result['hidden_share_range'][1]:.0f}% over the steps)"
+        f"({100 * result['hidden_share_range'][0]:.0f}-{100 * result['hidden_share_range'][1]:.0f}% over the steps); "
+        f"the step gained {100 * result['step_gain_share']:.0f}% of the host step"
     )
     print(
         f"the last step's timeline, seconds from the start of backward (backward ended at {result['last_backward_s']:.3f}):"
