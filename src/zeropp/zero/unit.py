@@ -55,7 +55,8 @@ class FlatUnit:
     - ``compute_shard``: compute-dtype S elements, the all-gather source of a sharded unit;
     - ``grad_flat``: P elements in the gradient dtype where parameter gradients land; kept across
       micro-batches when gradients are not sharded (stages 0, 1), transient otherwise;
-    - ``grad_shard``: S elements, the reduced gradient accumulated over micro-batches (stages 2, 3).
+    - ``grad_shard``: S elements, the reduced gradient accumulated over micro-batches (stages 2, 3; in a
+      file instead with the optimizer's disk tier: ``gradient_files``).
 
     Where the compute dtype is fp32 the compute buffer (stage 0) or the compute shard (stage 3) is the
     master's own storage, so nothing is stored twice.
