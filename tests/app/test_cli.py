@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from cli_runner import run_cli
 from launcher import free_port
 
@@ -83,6 +84,25 @@ def test_train_with_error_feedback_two_level_qgz_and_the_schedule_counts_residua
     backward = summary["ledger"]
     assert backward["all_to_all"]["backward"]["inter"] > 0 and backward["reduce_scatter"]["backward"]["inter"] > 0
     assert summary["val_losses"] == [[2, summary["val_losses"][0][1]], [4, summary["final_val_loss"]]]
+
+
+def test_the_disk_tiers_model_states_are_what_stays_in_memory_and_their_bytes_are_reported(tmp_path):
+    """The summary's formula counts what a rank holds in memory, as the measurement does: with the optimizer's
+    disk tier the bf16 compute shard (2Ψ/N) alone at stage 3, with the parameters' too nothing between steps."""
+    for tiers, per_element in ((["--offload-optimizer", "nvme"], 2), (["--offload-params", "nvme"], 0)):
+        out = tmp_path / "summary.json"
+        result = run_cli(
+            "train", "--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--nproc-per-node", "2",
+            "--nodes", "1", "--precision", "bf16", "--offload-optimizer", "nvme", *tiers, "--offload-path",
+            str(tmp_path), "--master-port", str(free_port()), "--summary-json", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads(out.read_text())
+        measured, analytic = summary["model_state_bytes_per_rank"], summary["analytic_model_state_bytes_per_rank"]
+        assert measured == [analytic] * 2  # the shards as laid out: the parameters plus the units' padding
+        assert analytic == pytest.approx(per_element * summary["param_count"] / 2, rel=0.05)
+        assert all(read > 0 and written > 0 for read, written in summary["disk_bytes_per_step_per_rank"])
+        assert "the disk tiers' files aside" in result.stdout and "disk tiers per step" in result.stdout
 
 
 def test_deepspeed_flag_names_and_zeropp_opt_out_parse():

@@ -104,7 +104,12 @@ def print_summary(summary: RunSummary) -> None:
     head.add_row("MFU (6N + 12LdT FLOPs/token)", mfu)
     analytic = summary.analytic_model_state_bytes_per_rank
     measured = ", ".join(si(b) for b in summary.model_state_bytes_per_rank)
-    head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}")
+    on_disk = any(any(io) for io in summary.disk_bytes_per_step_per_rank)
+    aside = " (in memory: the disk tiers' files aside)" if on_disk else ""
+    head.add_row("model states per rank", f"measured {measured}; analytic {si(analytic)}{aside}")
+    if on_disk:
+        read, written = summary.disk_bytes_per_step_per_rank[0]
+        head.add_row("disk tiers per step", f"read {si(read)}, written {si(written)} (rank 0)")
     head.add_row("peak memory per rank", ", ".join(si(b) for b in summary.peak_memory_bytes_per_rank))
     init, step = summary.init_peak_memory_bytes_per_rank, summary.step_peak_memory_bytes_per_rank
     head.add_row(

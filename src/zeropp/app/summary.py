@@ -51,7 +51,7 @@ class RunSummary:
     train_losses: list[float]
     param_count: int
     model_state_bytes_per_rank: list[int]
-    analytic_model_state_bytes_per_rank: float
+    analytic_model_state_bytes_per_rank: float  # the formula's bytes in memory (a disk tier's files aside)
     peak_memory_bytes_per_rank: list[int]
     intra_node_bytes_per_step: float
     inter_node_bytes_per_step: float

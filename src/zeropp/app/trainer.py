@@ -423,6 +423,8 @@ class Trainer:
             analytic_model_state_bytes, stage=zero.stage, precision=zero.precision, grad_dtype=zero.grad_dtype,
             optimizer_bytes=4 if zero.optimizer_state_dtype == "bf16" else 8, master_dtype=zero.master_dtype,
             offload_optimizer=zero.offload.optimizer != "none", offload_params=zero.offload.params != "none",
+            optimizer_on_disk=zero.offload.optimizer == "nvme", params_on_disk=zero.offload.params == "nvme",
+            where="memory",  # what the measurement sees: a disk tier's files are not memory
         )  # fmt: skip
         dp = topo.layout.data_parallel_layout()  # ZeRO-3 shards over the data-parallel ranks
         stored = engine.last_activation_checkpoints

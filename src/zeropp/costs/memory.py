@@ -89,14 +89,15 @@ def analytic_model_state_bytes(
     optimizer_on_disk: bool = False,
     params_on_disk: bool = False,
     master_dtype: str = "fp32",
-    where: Literal["all", "device", "host", "disk"] = "all",
+    where: Literal["all", "memory", "device", "host", "disk"] = "all",
     qgz_residuals: tuple[int, int, bool] | None = None,
     frozen: int = 0,
     frozen_quant: QuantSpec | None = None,
     qwd_reference: bool = False,
     outer: tuple[OuterLoop, int] | tuple[OuterLoop, int, Sequence[int]] | None = None,
 ) -> float:
-    """Model-state bytes per rank (the table above); with ZeRO-Offload the master and optimizer state
+    """Model-state bytes per rank (the table above), `where` they live ("memory": device and host, not
+    disk); with ZeRO-Offload the master and optimizer state
     (and with offload_params the compute-dtype shard) are host bytes, the rest device bytes; with the
     disk tier (`optimizer_on_disk`, offload_optimizer = "nvme") the master and optimizer state are disk
     bytes, and at stages 2-3 the gradient shard gΨ/N (See [Note: gradients on disk]), and the host holds
@@ -139,7 +140,7 @@ def analytic_model_state_bytes(
     disk += grads if optimizer_on_disk and stage >= 2 else 0
     residuals = qgz_residual_bytes(psi, *qgz_residuals) if qgz_residuals else 0
     total = params + grads + states + secondary + residuals
-    return {"all": total, "device": total - host - disk, "host": host, "disk": disk}[where]
+    return {"all": total, "memory": total - disk, "device": total - host - disk, "host": host, "disk": disk}[where]
 
 
 def flat_numels(units: Sequence[FlatUnit], module: nn.Module) -> tuple[int, int]:
