@@ -282,6 +282,8 @@ class ZeroEngine:
         """Backward of one micro-batch; gradients are averaged over ranks and micro-batches."""
         self.states.require_on_device("backward")
         boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        if self.disk is not None and self.disk.gradients is not None:  # its statistics at the boundary only
+            self.disk.gradients.at_boundary = boundary
         scale = self.scaler.scale / self.config.gradient_accumulation_steps
         on_reduced = self.early.begin(boundary) if self.early is not None else None
         if on_reduced is not None:  # the units step as they are reduced: at the rate set now

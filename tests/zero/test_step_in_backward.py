@@ -52,6 +52,8 @@ def train(stage: int, in_backward: bool, extra: dict) -> tuple[dict, list[bool]]
         if step == 0:  # the first step: were the masters stepped before engine.step()? (the later ones:
             if engine.early is not None:  # engine.step() waits for the worker itself)
                 engine.early.wait()
+            if engine.disk is not None and engine.disk.gradients is not None:  # (and for the parked gradients)
+                engine.disk.gradients.settle()
             moved.append([not torch.equal(b, probed(unit)) for b, unit in zip(before, engine.units, strict=True)])
             moved.append([unit.known_statistics is not None for unit in engine.units])  # the norm's parts
         assert engine.step()

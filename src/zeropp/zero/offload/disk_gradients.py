@@ -20,7 +20,7 @@ master and optimizer state when the step streams them through the ring:
   :func:`~zeropp.zero.optim.stepping.gradient_statistics` computes them from the buffer in memory,
   and kept on the unit (``FlatUnit.known_statistics``): the norm is known when backward ends,
   without reading the gradients back; the step reads each unit's gradient once, with its states
-  (:meth:`GradientFiles.taken`). Every micro-batch's are computed, the last one's used. On CUDA they
+  (:meth:`GradientFiles.taken`). Only the boundary micro-batch's sum is measured. On CUDA they
   are computed on the host copy, whose sums run in another order than the device's: there the norm,
   hence clipping, equals the run without the disk tier within rounding, not bit for bit.
 - One I/O thread runs a unit's writes and reads in the order they were asked for, so a read (the
@@ -67,6 +67,7 @@ class GradientFiles(DiskFiles):
         self._gradients: list[torch.Tensor] = []  # each unit's shard (no storage while in its file)
         self.parked: list[bool] = []  # a gradient of this step is (or is queued to be) in the file
         self._writes: deque[tuple[Future, Callable[[], None]]] = deque()
+        self.at_boundary = True  # the micro-batch being reduced is the step's last (the engine sets it)
 
     def add(self, unit: FlatUnit) -> None:
         """Take a unit whose reduced gradients are sharded (its master is its shard of them)."""
@@ -96,18 +97,26 @@ class GradientFiles(DiskFiles):
             self._finish_oldest()
         accumulate, self.parked[index] = self.parked[index], True
         scale = self.scaler.scale if self.scaler.enabled else None
-        self._writes.append((self._io.submit(self._park, index, shard, accumulate, ready, scale), give_back))
+        final = self.at_boundary  # the statistics of the step's sum only
+        self._writes.append((self._io.submit(self._park, index, shard, accumulate, ready, scale, final), give_back))
 
     def _park(
-        self, index: int, shard: torch.Tensor, accumulate: bool, ready: torch.cuda.Event | None, scale: float | None
+        self,
+        index: int,
+        shard: torch.Tensor,
+        accumulate: bool,
+        ready: torch.cuda.Event | None,
+        scale: float | None,
+        final: bool,
     ) -> None:
         if ready is not None:
             ready.synchronize()
         if accumulate:  # the sum so far, read back, plus this micro-batch's
             self._read_in(index)
             shard = self._gradients[index].add_(shard)
-        unit = self.units[index]
-        unit.known_statistics = unit_statistics(unit, shard, scale, self.count_whole)
+        if final:
+            unit = self.units[index]
+            unit.known_statistics = unit_statistics(unit, shard, scale, self.count_whole)
         try:
             write_at(self._files[index], bytes_of(shard), 0)
         except OSError as error:
