@@ -42,7 +42,9 @@ def test_every_measuring_stage_runs_on_the_cpu(tmp_path):
         assert record["status"] == "ok", (stage, record["error"])
         assert numbers(record["results"]) and all(math.isfinite(n) for n in numbers(record["results"])), stage
     assert report["stages"]["b"]["results"]["world2/stage3"]["passed"]
-    assert report["stages"]["f"]["results"]["offload"]["ratio_offload_to_device"] > 0
+    assert report["stages"]["b"]["results"]["world2/stage3-offload-cpu-in-backward"]["passed"]
+    offload = report["stages"]["f"]["results"]["offload"]
+    assert offload["ratio_offload_to_device"] > 0 and offload["ratio_in_backward_to_device"] > 0
     assert "## b: exactness" in (tmp_path / "gpu.md").read_text()
 
 

@@ -30,6 +30,8 @@ EXACT_SCENARIOS = {  # name: ZeroConfig fields
     "stage3": {},
     "stage3-zero++": dict(quantized_weights=True, hpz_partition_size=0, quantized_gradients=True),
     "stage3-offload-cpu": dict(offload_optimizer="cpu"),
+    "stage3-in-backward": dict(step_in_backward=True),  # the worker's kernels after the gradient's event
+    "stage3-offload-cpu-in-backward": dict(offload_optimizer="cpu", step_in_backward=True),
     "stage3-Pa+cpu": dict(activation_checkpointing=True, partition_activations=True, cpu_checkpointing=True),
     "stage3-zero++-qwd": dict(
         quantized_weights=True,
@@ -377,23 +379,27 @@ def stage_d(device_kind: str, sizes: Sizes, budget: Callable[[], float]) -> Resu
 
 
 def offload_rank(topology: Any, config: GPTConfig, batch: int, reps: int, steps: int) -> dict[str, Any]:
-    """Stage 3 bf16 without and with offload_optimizer="cpu", steps alternating; median step times."""
+    """Stage 3 bf16 without and with offload_optimizer="cpu", after backward and inside it
+    (``step_in_backward``), steps alternating; median step times."""
     from zeropp.config.sections import ZeroConfig
     from zeropp.engine import ZeroEngine
     from zeropp.tools.bench.rivals import adamw, engine_step
 
-    device, steps_of, times = topology.device, {}, {"none": [], "cpu": []}
-    for offload in times:
+    variants = {"none": {}, "cpu": dict(offload_optimizer="cpu"),
+                "cpu, step in backward": dict(offload_optimizer="cpu", step_in_backward=True)}  # fmt: skip
+    device, steps_of, times = topology.device, {}, {name: [] for name in variants}
+    for name, fields in variants.items():
         torch.manual_seed(0)
         with device:
             model = GPT(config)
-        zero = ZeroConfig(stage=3, precision="bf16", offload_optimizer=offload)
-        steps_of[offload] = engine_step(ZeroEngine(model, torch.optim.AdamW, adamw(1e-4), zero, topology))
+        zero = ZeroConfig(stage=3, precision="bf16", **fields)
+        steps_of[name] = engine_step(ZeroEngine(model, torch.optim.AdamW, adamw(1e-4), zero, topology))
     for _ in range(reps):
-        for offload, step in steps_of.items():
-            times[offload] += _time_steps(step, config, batch, device, steps)
+        for name, step in steps_of.items():
+            times[name] += _time_steps(step, config, batch, device, steps)
     medians = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_step_s": medians, "ratio_offload_to_device": medians["cpu"] / medians["none"], "steps_s": times}
+    return {"median_step_s": medians, "ratio_offload_to_device": medians["cpu"] / medians["none"],
+            "ratio_in_backward_to_device": medians["cpu, step in backward"] / medians["none"], "steps_s": times}  # fmt: skip
 
 
 def stage_f(device_kind: str, sizes: Sizes, budget: Callable[[], float]) -> Result:

@@ -103,7 +103,9 @@ def _offload(results: dict[str, Any]) -> list[str]:
     rows = [[k, _num(v, 1e3)] for k, v in medians.items()]
     model = results.get("model", {})
     lines = [f"model: {json.dumps(model)}", "", *_table(["offload_optimizer", "median step (ms)"], rows)]
-    lines.append(f"\nratio cpu / none: {_num(r.get('ratio_offload_to_device'))}" if medians else f"\n{_verdict(r)}")
+    ratios = (f"\nratio cpu / none: {_num(r.get('ratio_offload_to_device'))}; with the step in backward: "
+              f"{_num(r.get('ratio_in_backward_to_device'))}")  # fmt: skip
+    lines.append(ratios if medians else f"\n{_verdict(r)}")
     return lines
 
 
