@@ -131,7 +131,7 @@ class ZeroEngine:
         unit_modules = [*(repeated_blocks(model) if unit_modules is None else unit_modules), *self.expert_units]
         shard_ranks = self.groups.shard.size if self.policy.shard_optimizer else 1
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
-        self.disk, self.param_disk = disk_tiers_for(self.config, self.topology, model, shard_ranks, self.scaler)
+        self.disk, self.param_disk = disk_tiers_for(self.config, self.topology.rank, model, shard_ranks, self.scaler)
         for tier in (t for t in (self.disk, self.param_disk) if t is not None):
             weakref.finalize(self, tier.close)
         self.units = self._build_units(model, unit_modules, init_fn, seed)
@@ -313,9 +313,8 @@ class ZeroEngine:
         with self.comm.in_phase("step"):
             self.update.settle()  # the last step's delayed update: See [Note: the delayed parameter update]
             self.measured_model_state_bytes = self.model_state_bytes()
-            count_whole = self.topology.tensor_parallel.rank == 0
             on_disk = self.disk.gradients if self.disk is not None else None  # See [Note: gradients on disk]
-            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, count_whole, on_disk)
+            finite, squares = gradient_statistics(self.units, self.scaler, self.topology.device, on_disk)
             overflow = self._any_overflow(finite) if self.scaler.enabled else False
             self.last_step_skipped = overflow
             if not overflow:

@@ -33,7 +33,7 @@ from zeropp.zero.arena import Arena, Loans
 from zeropp.zero.options import UnitOptions
 from zeropp.zero.stages import StagePolicy
 from zeropp.zero.unit_states import ShardState, TrainingState
-from zeropp.zero.weights.dtensor_params import is_split, local_tensor, point_at
+from zeropp.zero.weights.dtensor_params import local_tensor, point_at
 from zeropp.zero.weights.frozen import FrozenWeights
 from zeropp.zero.weights.gather import start_weight_gather
 from zeropp.zero.weights.reference import WeightReference
@@ -412,22 +412,6 @@ class FlatUnit:
                 self.grad_shard = self._gradients.take(self.master.numel(), self.grad_dtype).zero_()
             return self.grad_shard
         return self.shard_of(self.grad_flat)
-
-    def grad_squares(self, grad: torch.Tensor, count_whole: bool) -> torch.Tensor:
-        """Sum of squares of `grad` (this rank's gradient, aligned with ``master``), the parameters
-        whole on every tensor-parallel rank (not split by a DTensor plan) included only where
-        `count_whole`, so that a sum over the tensor-parallel ranks counts them once."""
-        if count_whole:
-            return torch.linalg.vector_norm(grad).square()
-        offset = 0 if self.shard_world == 1 else self.layout.shard_range(self.groups.shard.rank)[0]
-        total = torch.zeros((), dtype=grad.dtype, device=grad.device)
-        for index, param in enumerate(self.params):
-            if is_split(param):
-                start, stop = self.layout.param_range(index)
-                start, stop = max(start - offset, 0), min(stop - offset, grad.numel())
-                if start < stop:
-                    total += torch.linalg.vector_norm(grad[start:stop]).square()
-        return total
 
     def clear_gradients(self) -> None:
         self.with_grad.clear()

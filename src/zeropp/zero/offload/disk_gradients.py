@@ -57,11 +57,10 @@ class GradientFiles(DiskFiles):
 
     PREFIX = "grads"
 
-    def __init__(self, folder: Path, depth: int, count_whole: bool, scaler: LossScaler) -> None:
-        """`count_whole`: the norm counts the parameters whole on every tensor-parallel rank on this one;
-        `scaler`: fp16's, whose scale each micro-batch's statistics divide out."""
+    def __init__(self, folder: Path, depth: int, scaler: LossScaler) -> None:
+        """`scaler`: fp16's, whose scale the statistics divide out."""
         super().__init__(folder, depth)
-        self.count_whole, self.scaler = count_whole, scaler
+        self.scaler = scaler
         self.units: list[FlatUnit] = []
         self._index: dict[int, int] = {}  # id(unit) -> its file
         self._gradients: list[torch.Tensor] = []  # each unit's shard (no storage while in its file)
@@ -116,7 +115,7 @@ class GradientFiles(DiskFiles):
             shard = self._gradients[index].add_(shard)
         if final:
             unit = self.units[index]
-            unit.known_statistics = unit_statistics(unit, shard, scale, self.count_whole)
+            unit.known_statistics = unit_statistics(unit, shard, scale)
         try:
             write_at(self._files[index], bytes_of(shard), 0)
         except OSError as error:

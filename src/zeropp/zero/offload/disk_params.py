@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from zeropp.config.sections import ZeroConfig
-from zeropp.topology import Topology
 from zeropp.zero.offload.disk import DiskFiles, DiskTier, check_free_space, fix_mmap_threshold, rank_folder
 from zeropp.zero.offload.disk_gradients import GradientFiles
 from zeropp.zero.precision import DTYPES, LossScaler
@@ -112,7 +111,7 @@ class ParamFiles(DiskFiles):
 
 
 def disk_tiers_for(
-    config: ZeroConfig, topology: Topology, model: nn.Module, shard_ranks: int, scaler: LossScaler
+    config: ZeroConfig, rank: int, model: nn.Module, shard_ranks: int, scaler: LossScaler
 ) -> tuple[DiskTier | None, ParamFiles | None]:
     """The optimizer's disk tier where ``zero.offload_optimizer`` is "nvme" (at stages 2-3 with its
     gradients' files), the parameters' where ``zero.offload_params`` is (None otherwise), in one folder
@@ -123,7 +122,7 @@ def disk_tiers_for(
     compute_bytes = DTYPES[config.precision].itemsize
     if not (optimizer or params):
         return None, None
-    folder = rank_folder(offload.path, topology.rank)
+    folder = rank_folder(offload.path, rank)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gradients = optimizer and config.stage >= 2  # sharded: See [Note: gradients on disk]
     grad_bytes = DTYPES[config.grad_dtype or config.precision].itemsize
@@ -138,8 +137,7 @@ def disk_tiers_for(
     depth = offload.buffer_count
     disk = DiskTier(folder, depth) if optimizer else None
     if gradients:
-        count_whole = topology.tensor_parallel.rank == 0  # the norm counts whole parameters on this rank
-        disk.gradients = GradientFiles(folder, depth, count_whole, scaler)
+        disk.gradients = GradientFiles(folder, depth, scaler)
     return disk, (ParamFiles(folder, depth, config.prefetch) if params else None)
 
 

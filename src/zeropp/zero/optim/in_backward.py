@@ -96,7 +96,6 @@ class BackwardStep:
         self.segments = isinstance(stepper, SegmentStep)
         self.host_copies = config.offload.optimizer == "cpu"  # the masters live in host memory
         self.waits_for_norm = config.max_grad_norm is not None  # steps after backward, as without it
-        self.count_whole = comm.topology.tensor_parallel.rank == 0  # the norm counts whole parameters here
         self._index = {id(unit): k for k, unit in enumerate(stepper.units)}
         self._thread = ThreadPoolExecutor(1, "zeropp-step-in-backward")
         weakref.finalize(self, self._thread.shutdown, wait=False)
@@ -170,7 +169,7 @@ class BackwardStep:
     def _unit_statistics(self, unit: FlatUnit, grad: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         if ready is not None:
             torch.cuda.current_stream(grad.device).wait_event(ready)
-        unit.known_statistics = unit_statistics(unit, grad, None, self.count_whole)
+        unit.known_statistics = unit_statistics(unit, grad, None)
         if ready is not None:  # engine.step() reads them on its stream
             torch.cuda.current_stream(grad.device).synchronize()
 

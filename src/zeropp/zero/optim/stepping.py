@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from zeropp.zero.precision import LossScaler
+from zeropp.zero.weights.dtensor_params import is_split
 
 if TYPE_CHECKING:
     from zeropp.comm.communicator import Communicator
@@ -72,14 +73,10 @@ def step_batches(optimizers: Sequence[torch.optim.Optimizer], units: Sequence[Un
 
 
 def gradient_statistics(
-    units: Sequence[FlatUnit],
-    scaler: LossScaler,
-    device: torch.device,
-    count_whole: bool,
-    on_disk: GradientFiles | None = None,
+    units: Sequence[FlatUnit], scaler: LossScaler, device: torch.device, on_disk: GradientFiles | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether this rank's gradients are all finite (checked under fp16 only), and the sum of their
-    squares (parameters whole on every tensor-parallel rank counted where `count_whole`), in one pass
+    squares (parameters whole on every tensor-parallel rank counted on one: :func:`grad_squares`), in one pass
     over the units' reduced gradients that holds one unit's fp32 gradient at a time, but for the units
     whose statistics were computed as their gradients landed (``FlatUnit.known_statistics``: parked in
     `on_disk`, See [Note: gradients on disk], or by the step inside backward with clipping, See [Note:
@@ -91,7 +88,7 @@ def gradient_statistics(
     scale = scaler.scale if scaler.enabled else None
     for unit in units:
         known = unit.known_statistics
-        unit_finite, unit_squares = known or unit_statistics(unit, unit.reduced_gradient(), scale, count_whole)
+        unit_finite, unit_squares = known or unit_statistics(unit, unit.reduced_gradient(), scale)
         if unit_finite is not None:
             finite &= unit_finite.to(device)
         squares += unit_squares.to(device)
@@ -99,15 +96,32 @@ def gradient_statistics(
 
 
 def unit_statistics(
-    unit: FlatUnit, gradient: torch.Tensor, scale: float | None, count_whole: bool
+    unit: FlatUnit, gradient: torch.Tensor, scale: float | None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One unit's part of :func:`gradient_statistics` from its reduced `gradient`: whether it is finite
     once the loss `scale` is divided out (None without one) and its sum of squares."""
     grad = gradient.to(torch.float32)  # the buffer itself where it is fp32: not written
     if scale is None:
-        return None, unit.grad_squares(grad, count_whole)
+        return None, grad_squares(unit, grad)
     grad = grad / scale
-    return torch.isfinite(grad).all(), unit.grad_squares(grad, count_whole)
+    return torch.isfinite(grad).all(), grad_squares(unit, grad)
+
+
+def grad_squares(unit: FlatUnit, grad: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of `grad` (this rank's gradient of `unit`, aligned with its master), the parameters
+    whole on every tensor-parallel rank (not split by a DTensor plan) included on the first of them
+    only, so that a sum over the tensor-parallel ranks counts them once."""
+    if unit.comm.topology.tensor_parallel.rank == 0:
+        return torch.linalg.vector_norm(grad).square()
+    offset = 0 if unit.shard_world == 1 else unit.layout.shard_range(unit.groups.shard.rank)[0]
+    total = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    for index, param in enumerate(unit.params):
+        if is_split(param):
+            start, stop = unit.layout.param_range(index)
+            start, stop = max(start - offset, 0), min(stop - offset, grad.numel())
+            if start < stop:
+                total += torch.linalg.vector_norm(grad[start:stop]).square()
+    return total
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:

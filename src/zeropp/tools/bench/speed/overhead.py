@@ -39,7 +39,7 @@ import torch
 from zeropp.app.launch import usable_cpus
 from zeropp.tools.bench.runs import output_file
 
-# (row, owner module path, owner attribute, function name): what the breakdown wraps
+# (row, owner module path, owner attribute (None: the module's own function), function name): what the breakdown wraps
 TIMED = (
     ("hooks: pre-forward", "zeropp.runtime.hooks", "Runtime", "_pre_forward"),
     ("hooks: post-forward", "zeropp.runtime.hooks", "Runtime", "_post_forward"),
@@ -67,7 +67,7 @@ TIMED = (
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "reduced_gradient"),
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "publish_master"),
     ("step: unit bookkeeping (grads to masters, publish, clear)", "zeropp.zero.unit", "FlatUnit", "clear_gradients"),
-    ("step: gradient norm", "zeropp.zero.unit", "FlatUnit", "grad_squares"),
+    ("step: gradient norm", "zeropp.zero.optim.stepping", None, "unit_statistics"),
     ("step: model-state bytes (measurement)", "zeropp.engine", "ZeroEngine", "model_state_bytes"),
 )
 COUNTED_OPS = ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::resize_", "aten::copy_", "aten::add_")
@@ -105,7 +105,8 @@ class OwnTimer:
 
         originals = []
         for row, module, owner, name in TIMED:
-            cls = getattr(importlib.import_module(module), owner)
+            cls = importlib.import_module(module)
+            cls = cls if owner is None else getattr(cls, owner)
             original = cls.__dict__[name]
             originals.append((cls, name, original))
             setattr(cls, name, self.wrap(row, original))
